@@ -1,0 +1,27 @@
+"""Kiln: import ONNX models, optimize them, run them fast on CPU and GPU, fine-tune them
+and save them back.
+
+    import kiln
+    sess = kiln.InferenceSession("model.onnx")          # numpy backend by default
+    (y,) = sess.run(None, {"x": x})
+"""
+
+from kiln.errors import (
+    ExternalDataError,
+    InputError,
+    KernelError,
+    KilnError,
+    ModelLoadError,
+    ShapeError,
+    UnsupportedOpError,
+)
+from kiln.ir import DType, Model
+from kiln.onnxio import load, save
+from kiln.ops import register_op
+from kiln.runtime import InferenceSession, NodeArg
+
+__version__ = "0.1.0"
+
+__all__ = ["DType", "ExternalDataError", "InferenceSession", "InputError", "KernelError",
+           "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
+           "UnsupportedOpError", "load", "register_op", "save"]

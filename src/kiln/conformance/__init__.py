@@ -1,0 +1,1 @@
+"""Conformance against the ONNX backend test suite."""

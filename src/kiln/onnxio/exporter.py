@@ -1,0 +1,201 @@
+"""Kiln IR -> ONNX ModelProto, and ``save`` with large weights as external data."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import onnx
+from onnx import helper
+
+from kiln.ir import (
+    AttrRef,
+    Function,
+    Graph,
+    MapType,
+    Model,
+    Node,
+    OptionalType,
+    SequenceType,
+    TensorType,
+    Value,
+    ValueType,
+)
+from kiln.onnxio.tensors import from_array
+
+A = onnx.AttributeProto
+
+
+def type_proto(t: ValueType | None) -> onnx.TypeProto:
+    """ONNX TypeProto for an IR type (an empty proto when the type is unknown)."""
+    tp = onnx.TypeProto()
+    if isinstance(t, TensorType):
+        tp.tensor_type.elem_type = int(t.dtype)
+        if t.shape is not None:
+            shape = tp.tensor_type.shape
+            shape.SetInParent()
+            for d in t.shape:
+                dim = shape.dim.add()
+                if isinstance(d, int):
+                    dim.dim_value = d
+                elif isinstance(d, str):
+                    dim.dim_param = d
+    elif isinstance(t, SequenceType):
+        tp.sequence_type.elem_type.CopyFrom(type_proto(t.elem))
+    elif isinstance(t, OptionalType):
+        tp.optional_type.elem_type.CopyFrom(type_proto(t.elem))
+    elif isinstance(t, MapType):
+        tp.map_type.key_type = int(t.key)
+        tp.map_type.value_type.CopyFrom(type_proto(t.value))
+    return tp
+
+
+class _Names:
+    """Gives every Value one unique name across the whole model (passes may create clashes)."""
+
+    def __init__(self):
+        self.by_value: dict[Value, str] = {}
+        self.taken: set[str] = set()
+
+    def __call__(self, v: Value | None) -> str:
+        if v is None:
+            return ""
+        name = self.by_value.get(v)
+        if name is None:
+            base = name = v.name or "v"
+            k = 1
+            while name in self.taken:
+                name, k = f"{base}__{k}", k + 1
+            self.taken.add(name)
+            self.by_value[v] = name
+        return name
+
+
+def to_proto(model: Model) -> onnx.ModelProto:
+    """The ModelProto for ``model`` (all tensors inline)."""
+    names = _Names()
+    graph = _graph(model.graph, names, top=True)
+    opsets = [helper.make_opsetid(d, v) for d, v in sorted(model.opset_imports.items())]
+    proto = helper.make_model(graph, opset_imports=opsets, producer_name=model.producer_name
+                              or "kiln", producer_version=model.producer_version)
+    proto.ir_version = max(model.ir_version, 3)
+    proto.domain, proto.model_version, proto.doc_string = (model.domain, model.model_version,
+                                                           model.doc)
+    for k, v in model.metadata.items():
+        proto.metadata_props.add(key=k, value=v)
+    for f in model.functions.values():
+        proto.functions.append(_function(f))
+    return proto
+
+
+def _graph(g: Graph, names: _Names, top: bool = False) -> onnx.GraphProto:
+    gp = onnx.GraphProto(name=g.name or "graph", doc_string=g.doc)
+    for v in g.initializers.values():
+        gp.initializer.append(from_array(v.const, names(v)))
+    for v in g.inputs:
+        gp.input.append(helper.make_value_info(names(v), type_proto(v.type)))
+    for v in g.initializers.values():
+        if v.meta.get("overridable"):
+            gp.input.append(helper.make_value_info(names(v), type_proto(v.type)))
+    for n in g.nodes:
+        gp.node.append(_node(n, names))
+    for v in g.outputs:
+        gp.output.append(helper.make_value_info(names(v), type_proto(v.type)))
+    io = {id(v) for v in g.inputs} | {id(v) for v in g.outputs}
+    for n in g.nodes:
+        for v in n.outputs:
+            if v is not None and id(v) not in io and v.type is not None:
+                gp.value_info.append(helper.make_value_info(names(v), type_proto(v.type)))
+    return gp
+
+
+def _node(n: Node, names: _Names) -> onnx.NodeProto:
+    np_ = onnx.NodeProto(op_type=n.op_type, domain=n.domain, name=n.name, doc_string=n.doc)
+    np_.input.extend(names(v) for v in n.inputs)
+    np_.output.extend(names(v) for v in n.outputs)
+    for key, val in n.attrs.items():
+        np_.attribute.append(_attr(key, val, names, n))
+    return np_
+
+
+def _attr(key: str, val: Any, names: _Names, node: Node | None = None) -> onnx.AttributeProto:
+    if isinstance(val, AttrRef):
+        a = onnx.AttributeProto(name=key, ref_attr_name=val.name)
+        a.type = _schema_attr_type(node, key) or A.INT
+        return a
+    if isinstance(val, Graph):
+        return helper.make_attribute(key, _graph(val, names))
+    if isinstance(val, np.ndarray):
+        if key == "sparse_value":
+            return helper.make_attribute(key, _sparse(val))
+        return helper.make_attribute(key, from_array(val, ""))
+    if isinstance(val, (TensorType, SequenceType, OptionalType, MapType)):
+        return helper.make_attribute(key, type_proto(val))
+    if isinstance(val, (list, tuple)):
+        val = list(val)
+        if not val:
+            a = onnx.AttributeProto(name=key)
+            a.type = _schema_attr_type(node, key) or A.INTS
+            return a
+        if isinstance(val[0], Graph):
+            return helper.make_attribute(key, [_graph(g, names) for g in val])
+        if isinstance(val[0], np.ndarray):
+            return helper.make_attribute(key, [from_array(x, "") for x in val])
+        if any(isinstance(x, float) for x in val):
+            return helper.make_attribute(key, [float(x) for x in val], attr_type=A.FLOATS)
+    if isinstance(val, bool):
+        val = int(val)
+    return helper.make_attribute(key, val)
+
+
+def _schema_attr_type(node: Node | None, key: str) -> int | None:
+    if node is None:
+        return None
+    try:
+        schema = onnx.defs.get_schema(node.op_type, domain=node.domain)
+        return int(schema.attributes[key].type)
+    except Exception:  # noqa: BLE001 - custom ops and missing schemas have no answer
+        return None
+
+
+def _sparse(dense: np.ndarray) -> onnx.SparseTensorProto:
+    flat = dense.ravel()
+    idx = np.flatnonzero(flat).astype(np.int64)
+    return helper.make_sparse_tensor(from_array(flat[idx], ""), from_array(idx, ""),
+                                     list(dense.shape))
+
+
+def _function(f: Function) -> onnx.FunctionProto:
+    names = _Names()
+    for v in f.graph.inputs:
+        names(v)
+    nodes = [_node(n, names) for n in f.graph.nodes]
+    fp = helper.make_function(
+        f.domain, f.name, [names(v) for v in f.graph.inputs], [names(v) for v in f.graph.outputs],
+        nodes, [helper.make_opsetid(d, v) for d, v in sorted(f.opset_imports.items())],
+        attributes=[a for a in f.attr_names if a not in f.attr_defaults],
+        doc_string=f.doc)
+    for k, v in f.attr_defaults.items():
+        fp.attribute_proto.append(_attr(k, v, names))
+    return fp
+
+
+def save(model: Model, path: str | os.PathLike, external_data: bool | None = None,
+         size_threshold: int = 1024) -> Path:
+    """Write ``model`` as an ONNX file. Weights go to ``<file>.data`` beside it when
+    ``external_data`` is True, or (by default) when the model would not fit in one protobuf."""
+    path = Path(path)
+    proto = to_proto(model)
+    if external_data is None:
+        external_data = proto.ByteSize() > 1_800_000_000
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if external_data:
+        location = path.name + ".data"
+        (path.parent / location).unlink(missing_ok=True)
+        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=location, size_threshold=size_threshold)
+    else:
+        onnx.save_model(proto, str(path))
+    return path

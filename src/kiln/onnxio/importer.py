@@ -1,0 +1,276 @@
+"""ONNX ModelProto -> Kiln IR. Protobuf objects stop here; nothing after sees them."""
+
+from __future__ import annotations
+
+import os
+from collections import ChainMap
+from pathlib import Path
+from typing import Any
+
+import onnx
+from google.protobuf.message import DecodeError
+
+from kiln.errors import ModelLoadError
+from kiln.ir import (
+    AttrRef,
+    DType,
+    Function,
+    Graph,
+    MapType,
+    Model,
+    Node,
+    OptionalType,
+    SequenceType,
+    TensorType,
+    Value,
+    ValueType,
+)
+from kiln.onnxio.tensors import sparse_to_array, to_array
+
+A = onnx.AttributeProto
+
+
+def load(source: str | os.PathLike | bytes | onnx.ModelProto, base_dir=None) -> Model:
+    """Import an ONNX model from a file path, serialized bytes or a ModelProto.
+
+    External data is read only from ``base_dir`` (the model file's folder when loading a
+    path); locations outside it are refused.
+    """
+    if isinstance(source, onnx.ModelProto):
+        proto = source
+    else:
+        if isinstance(source, (bytes, bytearray, memoryview)):
+            data = bytes(source)
+        else:
+            path = Path(source)
+            if not path.is_file():
+                raise ModelLoadError(f"no model file at {path}")
+            data = path.read_bytes()
+            base_dir = path.parent if base_dir is None else base_dir
+        proto = _parse(data, str(source)[:80] if not isinstance(source, bytes) else "<bytes>")
+    return ModelImporter(proto, base_dir).model()
+
+
+def _parse(data: bytes, what: str) -> onnx.ModelProto:
+    proto = onnx.ModelProto()
+    try:
+        proto.ParseFromString(data)
+    except (DecodeError, RuntimeError, ValueError) as e:
+        raise ModelLoadError(
+            f"{what} is not a valid ONNX model (protobuf decode failed: {e}); the file may be "
+            "truncated or not an .onnx file") from None
+    if not proto.HasField("graph") or proto.ir_version <= 0:
+        raise ModelLoadError(
+            f"{what} is not a valid ONNX model (no graph or no ir_version); the file may be "
+            "truncated or not an .onnx file")
+    return proto
+
+
+def value_type(tp: onnx.TypeProto) -> ValueType | None:
+    """IR type of an ONNX TypeProto (None when the proto declares nothing)."""
+    kind = tp.WhichOneof("value")
+    if kind in ("tensor_type", "sparse_tensor_type"):
+        t = getattr(tp, kind)
+        shape = None
+        if t.HasField("shape"):
+            shape = tuple(
+                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                for d in t.shape.dim)
+        try:
+            dtype = DType(t.elem_type)
+        except ValueError:
+            raise ModelLoadError(f"unknown tensor element type {t.elem_type}") from None
+        return TensorType(dtype, shape)
+    if kind == "sequence_type":
+        return SequenceType(value_type(tp.sequence_type.elem_type))
+    if kind == "optional_type":
+        return OptionalType(value_type(tp.optional_type.elem_type))
+    if kind == "map_type":
+        return MapType(DType(tp.map_type.key_type), value_type(tp.map_type.value_type))
+    return None
+
+
+class ModelImporter:
+    """Builds the IR for one ModelProto; holds the scope chain while walking graphs."""
+
+    def __init__(self, proto: onnx.ModelProto, base_dir=None):
+        self.proto = proto
+        self.base_dir = base_dir
+
+    def model(self) -> Model:
+        p = self.proto
+        opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version for o in p.opset_import}
+        if not opsets:
+            opsets = {"": 1}  # IR v1/v2 models predate opset_import
+        functions = {(f.domain, f.name): self.function(f) for f in p.functions}
+        graph = self.graph(p.graph, ChainMap(), top=True)
+        return Model(
+            graph=graph, opset_imports=opsets, functions=functions, ir_version=p.ir_version,
+            producer_name=p.producer_name, producer_version=p.producer_version,
+            domain=p.domain, model_version=p.model_version, doc=p.doc_string,
+            metadata={e.key: e.value for e in p.metadata_props})
+
+    def function(self, f: onnx.FunctionProto) -> Function:
+        scope: ChainMap = ChainMap()
+        inputs = [Value(n) for n in f.input]
+        for v in inputs:
+            scope[v.name] = v
+        body = Graph(inputs=inputs, name=f.name)
+        for np_ in _toposort(list(f.node), set(f.input), f.name):
+            body.nodes.append(self.node(np_, scope))
+        body.outputs = [self._lookup(scope, n, f"function {f.name} output") for n in f.output]
+        defaults = {a.name: self.attr_value(a) for a in f.attribute_proto}
+        return Function(
+            domain=f.domain, name=f.name, graph=body,
+            attr_names=list(f.attribute) + [a.name for a in f.attribute_proto],
+            attr_defaults=defaults, doc=f.doc_string, overload=getattr(f, "overload", ""),
+            opset_imports={(o.domain if o.domain != "ai.onnx" else ""): o.version
+                           for o in f.opset_import})
+
+    def graph(self, gp: onnx.GraphProto, outer: ChainMap, top: bool = False) -> Graph:
+        scope = outer.new_child()
+        g = Graph(name=gp.name, doc=gp.doc_string)
+        init_names = set()
+        for t in gp.initializer:
+            v = Value(t.name, TensorType(DType(t.data_type), tuple(t.dims)),
+                      const=to_array(t, self.base_dir))
+            g.initializers[t.name] = scope[t.name] = v
+            init_names.add(t.name)
+        for s in gp.sparse_initializer:
+            arr = sparse_to_array(s, self.base_dir)
+            v = Value(s.values.name, TensorType(DType.from_numpy(arr.dtype), arr.shape), const=arr)
+            g.initializers[v.name] = scope[v.name] = v
+            init_names.add(v.name)
+        for vi in gp.input:
+            if vi.name in init_names:
+                # An input with a default (older IR): a feed may override the initializer.
+                scope[vi.name].meta["overridable"] = True
+                continue
+            v = Value(vi.name, value_type(vi.type))
+            g.inputs.append(v)
+            scope[vi.name] = v
+        known = set(scope.keys())
+        for np_ in _toposort(list(gp.node), known, gp.name or "main graph"):
+            g.nodes.append(self.node(np_, scope))
+        for vi in gp.value_info:
+            if vi.name in scope.maps[0] and scope[vi.name].type is None:
+                scope[vi.name].type = value_type(vi.type)
+        for vo in gp.output:
+            v = self._lookup(scope, vo.name, f"graph {gp.name!r} output")
+            declared = value_type(vo.type)
+            if declared is not None and (v.type is None or not top or v.producer is not None):
+                v.type = declared
+            g.outputs.append(v)
+        return g
+
+    def node(self, np_: onnx.NodeProto, scope: ChainMap) -> Node:
+        where = f"node {np_.name or np_.op_type!r} ({np_.op_type})"
+        inputs = [self._lookup(scope, n, where) if n else None for n in np_.input]
+        attrs = {}
+        for a in np_.attribute:
+            attrs[a.name] = AttrRef(a.ref_attr_name) if a.ref_attr_name else \
+                self.attr_value(a, scope)
+        outputs = []
+        for n in np_.output:
+            if not n:
+                outputs.append(None)
+                continue
+            if n in scope.maps[0]:
+                raise ModelLoadError(f"{where}: value {n!r} is defined twice; ONNX graphs are "
+                                     "single-assignment, so the model is malformed")
+            v = Value(n)
+            scope[n] = v
+            outputs.append(v)
+        domain = "" if np_.domain == "ai.onnx" else np_.domain
+        node = Node(np_.op_type, inputs, outputs, attrs, domain=domain, name=np_.name)
+        node.doc = np_.doc_string
+        return node
+
+    def attr_value(self, a: onnx.AttributeProto, scope: ChainMap | None = None) -> Any:
+        t = a.type
+        if t == A.FLOAT:
+            return float(a.f)
+        if t == A.INT:
+            return int(a.i)
+        if t == A.STRING:
+            return a.s.decode("utf-8", "surrogateescape")
+        if t == A.TENSOR:
+            return to_array(a.t, self.base_dir)
+        if t == A.SPARSE_TENSOR:
+            return sparse_to_array(a.sparse_tensor, self.base_dir)
+        if t == A.GRAPH:
+            return self.graph(a.g, scope if scope is not None else ChainMap())
+        if t == A.TYPE_PROTO:
+            return value_type(a.tp)
+        if t == A.FLOATS:
+            return [float(x) for x in a.floats]
+        if t == A.INTS:
+            return [int(x) for x in a.ints]
+        if t == A.STRINGS:
+            return [s.decode("utf-8", "surrogateescape") for s in a.strings]
+        if t == A.TENSORS:
+            return [to_array(x, self.base_dir) for x in a.tensors]
+        if t == A.GRAPHS:
+            return [self.graph(g, scope if scope is not None else ChainMap()) for g in a.graphs]
+        if t == A.TYPE_PROTOS:
+            return [value_type(x) for x in a.type_protos]
+        if t == A.SPARSE_TENSORS:
+            return [sparse_to_array(x, self.base_dir) for x in a.sparse_tensors]
+        raise ModelLoadError(f"attribute {a.name!r} has no value or an unknown type ({t})")
+
+    @staticmethod
+    def _lookup(scope: ChainMap, name: str, where: str) -> Value:
+        try:
+            return scope[name]
+        except KeyError:
+            raise ModelLoadError(
+                f"{where} reads value {name!r}, which no input, initializer or node defines; "
+                "the model is malformed") from None
+
+
+def _toposort(nodes: list[onnx.NodeProto], known: set[str], where: str) -> list[onnx.NodeProto]:
+    """Nodes in an order where producers precede consumers (many files are already sorted;
+    some exporters are not careful). Outer-scope names count as known."""
+    produced = {o: i for i, n in enumerate(nodes) for o in n.output if o}
+    order, state = [], [0] * len(nodes)
+
+    def deps(n: onnx.NodeProto):
+        names = list(n.input)
+        for a in n.attribute:
+            for g in ([a.g] if a.type == A.GRAPH else list(a.graphs)):
+                names.extend(_graph_free_names(g))
+        return [produced[x] for x in names if x in produced and x not in known]
+
+    for start in range(len(nodes)):
+        if state[start]:
+            continue
+        stack = [(start, iter(deps(nodes[start])))]
+        state[start] = 1
+        while stack:
+            i, it = stack[-1]
+            for j in it:
+                if state[j] == 1:
+                    raise ModelLoadError(f"{where}: the graph has a cycle through node "
+                                         f"{nodes[j].name or nodes[j].op_type!r}")
+                if state[j] == 0:
+                    state[j] = 1
+                    stack.append((j, iter(deps(nodes[j]))))
+                    break
+            else:
+                stack.pop()
+                state[i] = 2
+                order.append(nodes[i])
+    return order
+
+
+def _graph_free_names(g: onnx.GraphProto) -> set[str]:
+    defined = {i.name for i in g.input} | {t.name for t in g.initializer}
+    used: set[str] = set()
+    for n in g.node:
+        used.update(x for x in n.input if x)
+        for a in n.attribute:
+            for sg in ([a.g] if a.type == A.GRAPH else list(a.graphs)):
+                used |= _graph_free_names(sg)
+        defined.update(n.output)
+    used.update(o.name for o in g.output)
+    return used - defined

@@ -1,0 +1,129 @@
+"""TensorProto <-> NumPy, with external data read only from inside the model's folder."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+from kiln.errors import ExternalDataError, ModelLoadError
+from kiln.ir import DType
+
+_MEMMAPPABLE = {DType.FLOAT, DType.DOUBLE, DType.FLOAT16, DType.INT8, DType.UINT8, DType.INT16,
+                DType.UINT16, DType.INT32, DType.UINT32, DType.INT64, DType.UINT64, DType.BOOL,
+                DType.BFLOAT16, DType.COMPLEX64, DType.COMPLEX128}
+
+
+def safe_external_path(location: str, base_dir: str | os.PathLike | None) -> Path:
+    """Resolve an external-data ``location`` against ``base_dir``, refusing anything that
+    could reach outside it (absolute paths, ``..``, symlinks pointing elsewhere)."""
+    if base_dir is None:
+        raise ExternalDataError(
+            f"tensor data lives in external file {location!r}, but the model was not loaded "
+            "from a path; pass the file path to kiln.load, or base_dir= for bytes/protos")
+    if os.path.isabs(location) or location.startswith(("/", "\\")) or ":" in location[:3]:
+        raise ExternalDataError(
+            f"external data location {location!r} is an absolute path; Kiln reads external "
+            "data only from files inside the model's folder (re-save the model with relative "
+            "locations)")
+    parts = Path(location.replace("\\", "/")).parts
+    if ".." in parts:
+        raise ExternalDataError(
+            f"external data location {location!r} climbs out of the model's folder with '..'; "
+            "refused (move the data file beside the model)")
+    base = Path(base_dir).resolve()
+    path = (base / Path(*parts)).resolve()
+    if base != path and base not in path.parents:
+        raise ExternalDataError(
+            f"external data location {location!r} resolves to {path}, outside the model's "
+            f"folder {base}; refused")
+    if not path.is_file():
+        raise ExternalDataError(f"external data file {path} (named by the model) does not exist")
+    return path
+
+
+def _external_fields(t: onnx.TensorProto) -> dict[str, str]:
+    return {e.key: e.value for e in t.external_data}
+
+
+def _external_array(t: onnx.TensorProto, base_dir) -> np.ndarray:
+    info = _external_fields(t)
+    path = safe_external_path(info.get("location", ""), base_dir)
+    offset = int(info.get("offset", 0) or 0)
+    size = path.stat().st_size
+    length = int(info["length"]) if "length" in info else size - offset
+    if offset < 0 or length < 0 or offset + length > size:
+        raise ExternalDataError(
+            f"tensor {t.name!r}: external data range [{offset}, {offset + length}) lies beyond "
+            f"the end of {path.name} ({size} bytes); the file is truncated or mismatched")
+    dtype = DType(t.data_type)
+    shape = tuple(t.dims)
+    count = int(np.prod(shape, dtype=np.int64))
+    if dtype in _MEMMAPPABLE:
+        need = count * dtype.numpy.itemsize
+        if need != length:
+            raise ExternalDataError(
+                f"tensor {t.name!r}: {length} bytes of external data for shape {shape} of "
+                f"{dtype.name} (which needs {need})")
+        if count == 0:
+            return np.zeros(shape, dtype.numpy)
+        return np.memmap(path, dtype=dtype.numpy, mode="r", offset=offset, shape=shape)
+    # Packed or unusual layouts: read the bytes and let onnx unpack them.
+    with open(path, "rb") as f:
+        f.seek(offset)
+        raw = f.read(length)
+    copy = onnx.TensorProto()
+    copy.CopyFrom(t)
+    del copy.external_data[:]
+    copy.data_location = onnx.TensorProto.DEFAULT
+    copy.raw_data = raw
+    return _embedded_array(copy)
+
+
+def _embedded_array(t: onnx.TensorProto) -> np.ndarray:
+    if t.data_type == onnx.TensorProto.STRING:
+        return np.array([s.decode("utf-8", "surrogateescape") for s in t.string_data],
+                        dtype=object).reshape(tuple(t.dims))
+    try:
+        return numpy_helper.to_array(t)
+    except (ValueError, TypeError) as e:
+        raise ModelLoadError(f"tensor {t.name!r} is malformed: {e}") from e
+
+
+def to_array(t: onnx.TensorProto, base_dir=None) -> np.ndarray:
+    """The tensor's value as a NumPy array (memory-mapped when stored externally)."""
+    try:
+        dtype = DType(t.data_type)
+    except ValueError:
+        raise ModelLoadError(f"tensor {t.name!r} has unknown element type {t.data_type}") from None
+    if dtype == DType.UNDEFINED:
+        raise ModelLoadError(f"tensor {t.name!r} has no element type")
+    if t.data_location == onnx.TensorProto.EXTERNAL:
+        return _external_array(t, base_dir)
+    return _embedded_array(t)
+
+
+def sparse_to_array(s: onnx.SparseTensorProto, base_dir=None) -> np.ndarray:
+    """A SparseTensorProto densified (sparse values are rare and small)."""
+    values = to_array(s.values, base_dir)
+    indices = to_array(s.indices, base_dir).astype(np.int64)
+    shape = tuple(s.dims)
+    dense = np.zeros(int(np.prod(shape)), dtype=values.dtype)
+    flat = indices if indices.ndim == 1 else np.ravel_multi_index(indices.T, shape)
+    dense[flat] = values
+    return dense.reshape(shape)
+
+
+def from_array(a: np.ndarray, name: str) -> onnx.TensorProto:
+    """A TensorProto holding ``a`` (data inline; the exporter moves big ones out)."""
+    a = np.asarray(a)
+    if a.dtype.kind in "OUS":
+        t = onnx.TensorProto(name=name, data_type=onnx.TensorProto.STRING, dims=a.shape)
+        t.string_data.extend(
+            (s if isinstance(s, bytes) else str(s).encode("utf-8", "surrogateescape"))
+            for s in a.ravel())
+        return t
+    return numpy_helper.from_array(np.ascontiguousarray(a), name)

@@ -1,0 +1,131 @@
+"""``InferenceSession``: the onnxruntime-compatible way to run a model."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import onnx
+
+from kiln.errors import InputError
+from kiln.ir import DType, Model, TensorType, Value
+from kiln.onnxio import load
+from kiln.runtime.backend import Backend
+from kiln.runtime.plan import Plan, compile_model
+
+
+@dataclass(frozen=True)
+class NodeArg:
+    """An input or output as onnxruntime describes it: name, shape (ints for fixed dims,
+    strings for symbolic ones, None for unknown) and type string such as ``tensor(float)``."""
+
+    name: str
+    shape: list[int | str | None] | None
+    type: str
+
+
+def _node_arg(v: Value) -> NodeArg:
+    shape = list(v.type.shape) if isinstance(v.type, TensorType) and v.type.shape is not None \
+        else None
+    return NodeArg(v.name, shape, str(v.type) if v.type is not None else "unknown")
+
+
+def make_backend(name: str, **options: Any) -> Backend:
+    """The backend object for ``name`` ("numpy", or "torch" when installed)."""
+    if name == "numpy":
+        if options:
+            raise TypeError(f"the numpy backend takes no options (got {sorted(options)})")
+        return Backend()
+    if name == "torch":
+        from kiln.runtime.torch_backend import TorchBackend
+        return TorchBackend(**options)
+    raise ValueError(f"unknown backend {name!r}; choose 'numpy' or 'torch'")
+
+
+class InferenceSession:
+    """Runs one model. Build once (the plan is computed here), call ``run`` many times,
+    from several threads at once if you like."""
+
+    def __init__(self, model: Model | str | os.PathLike | bytes | onnx.ModelProto,
+                 backend: str = "numpy", **backend_options: Any):
+        self.model = model if isinstance(model, Model) else load(model)
+        self.backend = make_backend(backend, **backend_options)
+        g = self.model.graph
+        self.plan: Plan = compile_model(g, self.model.opset_imports, self.model.functions,
+                                        self.backend)
+        self._inputs = list(g.inputs)
+        self._overridable = {v.name: v for v in g.initializers.values()
+                             if v.meta.get("overridable")}
+        self._by_name = {v.name: v for v in self._inputs}
+        self._outputs = {v.name: i for i, v in enumerate(g.outputs)}
+
+    def get_inputs(self) -> list[NodeArg]:
+        """The inputs a caller feeds (initializers are not listed)."""
+        return [_node_arg(v) for v in self._inputs]
+
+    def get_outputs(self) -> list[NodeArg]:
+        """The model's outputs, in order."""
+        return [_node_arg(v) for v in self.model.graph.outputs]
+
+    def get_overridable_initializers(self) -> list[NodeArg]:
+        """Initializers also declared as inputs: a feed may replace their value."""
+        return [_node_arg(v) for v in self._overridable.values()]
+
+    def run(self, output_names: list[str] | None, input_feed: dict[str, Any],
+            run_options: Any = None) -> list:
+        """Compute ``output_names`` (all outputs when None) from ``input_feed``
+        (name -> array); returns the outputs in the order asked for."""
+        inputs = self._check_feed(input_feed)
+        overrides = {v: self.backend.from_numpy(np.asarray(input_feed[n], v.const.dtype))
+                     for n, v in self._overridable.items() if n in input_feed}
+        values = self.plan.run(inputs, None, overrides)
+        to_np = self.backend.to_numpy
+        if output_names is None:
+            return [to_np(x) for x in values]
+        try:
+            return [to_np(values[self._outputs[n]]) for n in output_names]
+        except KeyError as e:
+            raise InputError(f"unknown output name {e.args[0]!r}; the model's outputs are "
+                             f"{list(self._outputs)}") from None
+
+    def _check_feed(self, feed: dict[str, Any]) -> list:
+        if not isinstance(feed, dict):
+            raise InputError("input_feed must be a dict mapping input names to arrays")
+        unknown = [n for n in feed if n not in self._by_name and n not in self._overridable]
+        if unknown:
+            raise InputError(f"unknown input name(s) {unknown}; the model's inputs are "
+                             f"{[v.name for v in self._inputs]}")
+        missing = [v.name for v in self._inputs if v.name not in feed]
+        if missing:
+            raise InputError(f"missing input(s) {missing}: feed a value for each of "
+                             f"{[v.name for v in self._inputs]}")
+        return [self._check_one(v, feed[v.name]) for v in self._inputs]
+
+    def _check_one(self, v: Value, x: Any):
+        t = v.type
+        if not isinstance(t, TensorType):
+            return x  # sequences, optionals: passed through as given
+        x = self.backend.accept_feed(x, t.dtype)
+        dtype = self.backend.dtype_of(x)
+        if t.dtype != DType.UNDEFINED and dtype != t.dtype:
+            raise InputError(
+                f"input {v.name!r} expects {t} but got an array of {dtype.onnx_name}; convert "
+                f"it with .astype({t.dtype.numpy.name!r})")
+        if t.shape is not None:
+            shape = tuple(x.shape)
+            if len(shape) != len(t.shape):
+                raise InputError(
+                    f"input {v.name!r} expects rank {len(t.shape)} {_fmt(t.shape)} but got "
+                    f"shape {shape}")
+            for i, (want, got) in enumerate(zip(t.shape, shape)):
+                if isinstance(want, int) and want != got:
+                    raise InputError(
+                        f"input {v.name!r} dim {i} is fixed to {want} {_fmt(t.shape)} but got "
+                        f"shape {shape}")
+        return x
+
+
+def _fmt(shape) -> str:
+    return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"

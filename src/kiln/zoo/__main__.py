@@ -1,0 +1,58 @@
+"""Command line: ``python -m kiln.zoo list`` / ``python -m kiln.zoo build [NAMES...]``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from kiln import zoo
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the zoo CLI; returns a process exit code (0 ok, 1 build failure, 2 usage error)."""
+    ap = argparse.ArgumentParser(prog="kiln zoo", description="Build the offline ONNX model zoo.")
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    ls = sub.add_parser("list", help="list zoo models and whether they are built")
+    ls.add_argument("--json", action="store_true", help="machine-readable output")
+    b = sub.add_parser("build", help="build models (all by default) into the cache")
+    b.add_argument("names", nargs="*", help="models to build (default: all)")
+    b.add_argument("--force", action="store_true", help="rebuild even if cached")
+    b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    sub.add_parser("dir", help="print the cache folder")
+    args = ap.parse_args(argv)
+
+    if args.cmd == "dir":
+        print(zoo.cache_dir())
+        return 0
+    if args.cmd == "list":
+        rows = [
+            {"name": e.name, "family": e.family, "task": e.task, "exporter": e.exporter,
+             "built": zoo.is_built(e.name), "description": e.description}
+            for e in zoo.list_models()
+        ]
+        if args.json:
+            print(json.dumps(rows, indent=2))
+        else:
+            for r in rows:
+                mark = "*" if r["built"] else " "
+                print(f"{mark} {r['name']:<20} {r['family']:<11} {r['exporter']:<12} "
+                      f"{r['task']:<21} {r['description']}")
+            print(f"(* = built in {zoo.cache_dir()})")
+        return 0
+    unknown = [n for n in args.names if n not in {e.name for e in zoo.list_models()}]
+    if unknown:
+        print(f"unknown model(s): {', '.join(unknown)}; see `kiln zoo list`", file=sys.stderr)
+        return 2
+    try:
+        paths = zoo.build(args.names or None, force=args.force, progress=not args.quiet)
+    except RuntimeError as exc:
+        print(exc, file=sys.stderr)
+        return 1
+    for p in paths:
+        print(p)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

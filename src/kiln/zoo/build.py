@@ -1,0 +1,180 @@
+"""Export a zoo entry to ONNX, verify it with onnx.checker + onnxruntime, and cache the result."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import logging
+import os
+import platform
+import shutil
+import time
+import warnings
+from collections import Counter
+from datetime import datetime, timezone
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kiln.zoo.registry import ZooEntry, make_inputs
+
+__all__ = ["MODEL_FILE", "build_entry", "cache_dir", "entry_dir", "is_built"]
+
+MODEL_FILE = "model.onnx"
+_FILES = (MODEL_FILE, "inputs.npz", "outputs.npz", "meta.json")
+
+
+def cache_dir() -> Path:
+    """The zoo cache: ``$KILN_ZOO_DIR`` if set, else ``~/.cache/kiln/zoo``."""
+    env = os.environ.get("KILN_ZOO_DIR")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "kiln" / "zoo"
+
+
+def entry_dir(name: str) -> Path:
+    """Folder holding ``model.onnx``, ``inputs.npz``, ``outputs.npz`` and ``meta.json``."""
+    return cache_dir() / name
+
+
+def is_built(name: str) -> bool:
+    """True when every artefact of ``name`` is present in the cache."""
+    return all((entry_dir(name) / f).is_file() for f in _FILES)
+
+
+def _version(pkg: str) -> str:
+    try:
+        return metadata.version(pkg)
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+@contextlib.contextmanager
+def _quiet():
+    """Silence exporter warnings, logging and the dynamo exporter's stdout chatter."""
+    loggers = [logging.getLogger(n) for n in ("torch.onnx", "torch.export", "torch._dynamo")]
+    levels = [lg.level for lg in loggers]
+    for lg in loggers:
+        lg.setLevel(logging.ERROR)
+    try:
+        with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
+            warnings.simplefilter("ignore")
+            yield
+    finally:
+        for lg, lvl in zip(loggers, levels):
+            lg.setLevel(lvl)
+
+
+def _export(entry: ZooEntry, model: Any, args: tuple, path: Path) -> None:
+    import torch
+
+    in_names = [t.name for t in entry.inputs]
+    out_names = [t.name for t in entry.outputs]
+    common = dict(input_names=in_names, output_names=out_names, opset_version=entry.opset)
+    with _quiet(), torch.no_grad():
+        if entry.exporter == "torchscript":
+            axes = {t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)}
+                    for t in (*entry.inputs, *entry.outputs)}
+            torch.onnx.export(model, args, str(path), dynamo=False, dynamic_axes=axes, **common)
+        elif entry.exporter == "dynamo":
+            dims = {"batch": torch.export.Dim("batch", max=4096),
+                    "seq": torch.export.Dim("seq", max=512)}
+            shapes = tuple({i: dims[d] for i, d in enumerate(t.shape) if isinstance(d, str)}
+                           for t in entry.inputs)
+            torch.onnx.export(model, args, str(path), dynamo=True, dynamic_shapes=shapes,
+                              external_data=False, verbose=False, **common)
+        else:
+            raise ValueError(f"unknown exporter {entry.exporter!r}")
+
+
+def _io_meta(values: Any) -> list[dict[str, Any]]:
+    from onnx import helper
+
+    out = []
+    for v in values:
+        tt = v.type.tensor_type
+        shape = [d.dim_param or d.dim_value for d in tt.shape.dim]
+        dtype = helper.tensor_dtype_to_np_dtype(tt.elem_type).name
+        out.append({"name": v.name, "dtype": dtype, "shape": shape})
+    return out
+
+
+def _compare(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
+    diff = np.abs(ref.astype(np.float64) - got.astype(np.float64))
+    scale = np.maximum(np.abs(ref.astype(np.float64)), 1e-12)
+    return {"max_abs": float(diff.max()), "max_rel": float((diff / scale).max()),
+            "ref_max_abs": float(np.abs(ref).max())}
+
+
+def build_entry(entry: ZooEntry, force: bool = False) -> Path:
+    """Build ``entry`` into the cache (unless already built) and return its ``model.onnx`` path.
+
+    Steps: seeded torch model -> ONNX export -> ``onnx.checker.check_model`` -> symbolic-dim check
+    -> onnxruntime (CPU) run on seeded inputs, compared to torch within the entry tolerance ->
+    write ``inputs.npz``, ``outputs.npz`` (the ORT outputs) and ``meta.json``. The folder is
+    written under a temporary name and renamed, so a crash never leaves a half-built entry.
+    """
+    import onnx
+    import onnxruntime as ort
+    import torch
+
+    final = entry_dir(entry.name)
+    if not force and is_built(entry.name):
+        return final / MODEL_FILE
+    t0 = time.perf_counter()
+    tmp = final.with_name(f".{entry.name}.tmp-{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        model = entry.make_model()
+        inputs = make_inputs(entry, batch=2, seq=16, seed=entry.seed)
+        args = tuple(torch.from_numpy(v) for v in inputs.values())
+        with torch.no_grad():
+            expected = model(*args)
+        expected = [t.numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
+        path = tmp / MODEL_FILE
+        _export(entry, model, args, path)
+        export_s = time.perf_counter() - t0
+        onnx.checker.check_model(str(path), full_check=True)
+        proto = onnx.load(str(path), load_external_data=False)
+        ins, outs = _io_meta(proto.graph.input), _io_meta(proto.graph.output)
+        for spec, got in zip((*entry.inputs, *entry.outputs), (*ins, *outs)):
+            if spec.name != got["name"] or got["shape"][0] != "batch":
+                raise RuntimeError(f"{entry.name}: bad graph io {got} (expected {spec})")
+        sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+        outputs = dict(zip([o["name"] for o in outs], sess.run(None, inputs)))
+        diffs = {}
+        for (k, got), ref in zip(outputs.items(), expected):
+            if not np.allclose(got, ref, atol=entry.atol, rtol=entry.rtol):
+                raise RuntimeError(f"{entry.name}: ORT vs torch mismatch on {k}: "
+                                   f"{_compare(ref, got)} (atol={entry.atol}, rtol={entry.rtol})")
+            diffs[k] = _compare(ref, got)
+        np.savez(tmp / "inputs.npz", **inputs)
+        np.savez(tmp / "outputs.npz", **outputs)
+        hist = Counter(n.op_type for n in proto.graph.node)
+        meta = {
+            "name": entry.name, "family": entry.family, "task": entry.task,
+            "description": entry.description, "exporter": entry.exporter,
+            "opset": next(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")),
+            "ir_version": proto.ir_version, "inputs": ins, "outputs": outs,
+            "reference": {"batch": 2, "seq": 16 if entry.is_text else None, "seed": entry.seed,
+                          "provider": "CPUExecutionProvider"},
+            "tolerance": {"atol": entry.atol, "rtol": entry.rtol},
+            "torch_vs_ort": diffs,
+            "params": sum(p.numel() for p in model.parameters()),
+            "file_size_bytes": path.stat().st_size, "node_count": len(proto.graph.node),
+            "op_histogram": dict(hist.most_common()),
+            "versions": {p: _version(p) for p in ("kiln", "torch", "transformers", "onnx",
+                                                  "onnxruntime", "onnxscript", "numpy")},
+            "python": platform.python_version(),
+            "export_time_s": round(export_s, 2),
+            "build_time_s": round(time.perf_counter() - t0, 2),
+            "built_at": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        }
+        (tmp / "meta.json").write_text(json.dumps(meta, indent=2) + "\n")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final / MODEL_FILE
