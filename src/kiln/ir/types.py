@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Union
 
 import ml_dtypes
 import numpy as np
@@ -91,7 +90,7 @@ _FROM_NUMPY = {v: k for k, v in _TO_NUMPY.items() if k != DType.STRING}
 _ONNX_NAMES = {DType.FLOAT: "float", DType.DOUBLE: "double", DType.FLOAT16: "float16",
                DType.BOOL: "bool", DType.STRING: "string"}
 
-Dim = Union[int, str, None]
+Dim = int | str | None
 """One dimension: a fixed size, a named symbol such as ``"batch"``, or unknown (None)."""
 
 Shape = tuple[Dim, ...]
@@ -143,4 +142,4 @@ class MapType:
         return f"map({self.key.onnx_name},{self.value})"
 
 
-ValueType = Union[TensorType, SequenceType, OptionalType, MapType]
+ValueType = TensorType | SequenceType | OptionalType | MapType

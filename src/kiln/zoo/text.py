@@ -10,8 +10,6 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from kiln.zoo.vision import randomize_norms
-
 __all__ = ["VOCAB", "bert", "gpt2", "roberta"]
 
 VOCAB = 8192  # vocabulary size shared by the three text models
@@ -23,7 +21,8 @@ def _randomize_ln(model: nn.Module) -> None:
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, nn.LayerNorm):
-                randomize_norms(m)
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0.0, 0.1)
 
 
 class _BertQA(nn.Module):
@@ -83,6 +82,7 @@ def gpt2() -> nn.Module:
 
     cfg = GPT2Config(
         vocab_size=VOCAB, n_positions=512, n_embd=256, n_layer=4, n_head=4, use_cache=False,
+        bos_token_id=VOCAB - 1, eos_token_id=VOCAB - 1,
         **_COMMON,
     )
     model = GPT2LMHeadModel(cfg)

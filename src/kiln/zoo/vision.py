@@ -25,31 +25,49 @@ __all__ = [
 
 
 @torch.no_grad()
-def randomize_norms(model: nn.Module) -> nn.Module:
-    """Give conv/linear weights a variance-preserving init and norm layers random statistics.
+def randomize_norms(model: nn.Module, calib_shape: tuple[int, ...] | None = None) -> nn.Module:
+    """Randomise weights and norm layers so the model computes something non-trivial.
 
-    Conv and Linear weights are drawn Kaiming-normal (fan-in, ReLU gain) so activations neither
-    vanish nor explode through deep plain stacks. BatchNorm gets ``running_mean ~ N(0, 0.1)``,
-    ``running_var ~ U(0.5, 1.5)``, ``weight ~ U(0.5, 1.5)``, ``bias ~ N(0, 0.1)``; LayerNorm
-    gets the same affine distribution; PReLU slopes ``~ U(0.05, 0.4)``.
-    Returns ``model`` in eval mode.
+    Conv and Linear weights are drawn Kaiming-normal (fan-in, ReLU gain), biases ``N(0, 0.05)``,
+    BatchNorm/LayerNorm ``weight ~ U(0.5, 1.5)``, ``bias ~ N(0, 0.1)``, PReLU slopes
+    ``~ U(0.05, 0.4)``. BatchNorm running statistics: with ``calib_shape`` they are first
+    calibrated on one seeded ``N(0, 1)`` batch of that shape (like a trained network, so
+    activations stay O(1) through deep residual stacks) and then perturbed per channel
+    (``mean += N(0, 0.1) * std``, ``var *= U(0.5, 1.5)``); without it they are drawn directly,
+    ``mean ~ N(0, 0.1)``, ``var ~ U(0.5, 1.5)``. Returns ``model`` in eval mode.
     """
+    bns = []
     for m in model.modules():
         if isinstance(m, nn.Conv2d | nn.Linear):
             nn.init.kaiming_normal_(m.weight, mode="fan_in", nonlinearity="relu")
             if m.bias is not None:
                 m.bias.normal_(0.0, 0.05)
-        elif isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d):
-            m.running_mean.normal_(0.0, 0.1)
-            m.running_var.uniform_(0.5, 1.5)
-            m.weight.uniform_(0.5, 1.5)
-            m.bias.normal_(0.0, 0.1)
-        elif isinstance(m, nn.LayerNorm) and m.elementwise_affine:
-            m.weight.uniform_(0.5, 1.5)
-            m.bias.normal_(0.0, 0.1)
+        elif isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d | nn.LayerNorm):
+            if m.weight is not None:
+                m.weight.uniform_(0.5, 1.5)
+                m.bias.normal_(0.0, 0.1)
+            if isinstance(m, nn.BatchNorm1d | nn.BatchNorm2d):
+                m.running_mean.normal_(0.0, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+                bns.append(m)
         elif isinstance(m, nn.PReLU):
             m.weight.uniform_(0.05, 0.4)
-    return model.eval()
+    model.eval()
+    if calib_shape is not None and bns:
+        for m in bns:  # only the BN layers in train mode: dropout stays off
+            m.reset_running_stats()
+            m.momentum = None  # cumulative average = exact batch statistics
+            m.train()
+        model(torch.randn(calib_shape))
+        for m in bns:
+            m.eval()
+            m.momentum = 0.1
+            m.running_mean.add_(torch.randn_like(m.running_mean) * 0.1 * m.running_var.sqrt())
+            m.running_var.mul_(torch.empty_like(m.running_var).uniform_(0.5, 1.5))
+    return model
+
+
+_IMAGENET = (4, 3, 224, 224)  # calibration batch shape
 
 
 def _cbr(cin: int, cout: int, k: int, s: int = 1, groups: int = 1, act: nn.Module | None = None):
@@ -122,12 +140,12 @@ class ResNet(nn.Module):
 
 def resnet18() -> nn.Module:
     """ResNet-18 (11.7M params)."""
-    return randomize_norms(ResNet(_Basic, [2, 2, 2, 2]))
+    return randomize_norms(ResNet(_Basic, [2, 2, 2, 2]), _IMAGENET)
 
 
 def resnet50() -> nn.Module:
     """ResNet-50 v1.5 (25.6M params)."""
-    return randomize_norms(ResNet(_Bottleneck, [3, 4, 6, 3]))
+    return randomize_norms(ResNet(_Bottleneck, [3, 4, 6, 3]), _IMAGENET)
 
 
 # ----------------------------------------------------------------------------- MobileNetV2
@@ -161,7 +179,7 @@ def mobilenetv2() -> nn.Module:
             cin = c
     layers += [_cbr(cin, 1280, 1, act=nn.ReLU6(inplace=True)), nn.AdaptiveAvgPool2d((1, 1))]
     layers += [nn.Flatten(1), nn.Dropout(0.2), nn.Linear(1280, 1000)]
-    return randomize_norms(nn.Sequential(*layers))
+    return randomize_norms(nn.Sequential(*layers), _IMAGENET)
 
 
 # ----------------------------------------------------------------------------- ShuffleNetV2
@@ -217,7 +235,7 @@ class ShuffleNetV2(nn.Module):
 
 def shufflenetv2() -> nn.Module:
     """ShuffleNetV2 x1.0 (2.3M params)."""
-    return randomize_norms(ShuffleNetV2((4, 8, 4), (24, 116, 232, 464, 1024)))
+    return randomize_norms(ShuffleNetV2((4, 8, 4), (24, 116, 232, 464, 1024)), _IMAGENET)
 
 
 # ----------------------------------------------------------------------------- VGG16
@@ -264,7 +282,7 @@ def tinyyolov2() -> nn.Module:
         cin = c
     layers += [_cbr(512, 512, 3, act=leaky()), _cbr(512, 512, 3, act=leaky())]
     layers.append(nn.Conv2d(512, 125, 1))
-    return randomize_norms(nn.Sequential(*layers))
+    return randomize_norms(nn.Sequential(*layers), (4, 3, 416, 416))
 
 
 # ----------------------------------------------------------------------------- ArcFace
@@ -314,7 +332,7 @@ class IResNet(nn.Module):
 
 def arcface() -> nn.Module:
     """IR-ResNet-18 at half width (32-256 channels), 512-d embedding, ~9.5M params."""
-    return randomize_norms(IResNet([2, 2, 2, 2], [32, 64, 128, 256]))
+    return randomize_norms(IResNet([2, 2, 2, 2], [32, 64, 128, 256]), (8, 3, 112, 112))
 
 
 # ----------------------------------------------------------------------------- FER+
