@@ -3,7 +3,9 @@ intermediate can be freed); ``run`` then only calls kernels and moves references
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 from kiln.errors import KernelError, KilnError, UnsupportedOpError
@@ -105,10 +107,12 @@ class Plan:
         for i, s in enumerate(self.steps):
             s.frees = tuple(frees.get(i, ()))
 
-    def run(self, inputs: list, outer: dict | None = None, overrides: dict | None = None
-            ) -> list:
+    def run(self, inputs: list, outer: dict | None = None, overrides: dict | None = None,
+            observer: Callable[[Step, float, float, Any], None] | None = None) -> list:
         """Evaluate the graph on positional ``inputs`` (in ``graph.inputs`` order);
-        ``overrides`` replaces constants (initializers a caller may feed)."""
+        ``overrides`` replaces constants (initializers a caller may feed); ``observer`` is
+        called after each step with (step, start, end, result) times from perf_counter,
+        for profiling."""
         env: dict[Value, Any] = dict(self.consts)
         if overrides:
             env.update(overrides)
@@ -121,6 +125,8 @@ class Plan:
         normalize = self.backend.normalize
         for s in self.steps:
             args = [None if v is None else env[v] for v in s.inputs]
+            if observer is not None:
+                t0 = perf_counter()
             try:
                 if s.wants_ctx:
                     ctx = KernelContext(len(s.outputs), s.opset, env, self, s.node, self.backend)
@@ -132,6 +138,8 @@ class Plan:
             except Exception as e:
                 raise KernelError(f"layer {s.node.name or '(unnamed)'!r} ({s.node.op_type}) "
                                   f"failed: {type(e).__name__}: {e}") from e
+            if observer is not None:
+                observer(s, t0, perf_counter(), result)
             if len(s.outputs) == 1 and not isinstance(result, tuple):
                 env[s.outputs[0]] = normalize(result)
             else:
