@@ -9,6 +9,25 @@ import sys
 from kiln import zoo
 
 
+def markdown_table(top: int = 5) -> str:
+    """Markdown table (one row per built model) of the facts recorded in each meta.json."""
+    head = ("| name | family | exporter | opset | params | file MB | nodes | top ops | atol / rtol "
+            "| build s |\n|---|---|---|---|---|---|---|---|---|---|")
+    rows = [head]
+    for e in zoo.list_models():
+        if not zoo.is_built(e.name):
+            continue
+        m = json.loads((zoo.path(e.name).parent / "meta.json").read_text())
+        ops = ", ".join(f"{k} {v}" for k, v in list(m["op_histogram"].items())[:top])
+        tol = m["tolerance"]
+        rows.append(
+            f"| {e.name} | {e.family} | {m['exporter']} | {m['opset']} | {m['params'] / 1e6:.2f}M "
+            f"| {m['file_size_bytes'] / 1e6:.1f} | {m['node_count']} | {ops} "
+            f"| {tol['atol']:g} / {tol['rtol']:g} | {m['build_time_s']:.1f} |"
+        )
+    return "\n".join(rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the zoo CLI; returns a process exit code (0 ok, 1 build failure, 2 usage error)."""
     ap = argparse.ArgumentParser(prog="kiln zoo", description="Build the offline ONNX model zoo.")
@@ -20,10 +39,14 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
     b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
     sub.add_parser("dir", help="print the cache folder")
+    sub.add_parser("table", help="markdown summary of the built models (from meta.json)")
     args = ap.parse_args(argv)
 
     if args.cmd == "dir":
         print(zoo.cache_dir())
+        return 0
+    if args.cmd == "table":
+        print(markdown_table())
         return 0
     if args.cmd == "list":
         rows = [

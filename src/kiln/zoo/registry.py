@@ -38,7 +38,9 @@ class ZooEntry:
 
     ``factory`` is ``"module:function"`` returning a torch ``nn.Module`` in eval mode whose
     positional ``forward`` arguments are ``inputs``. ``atol``/``rtol`` are the tolerances for
-    comparing a float32 engine against the onnxruntime reference outputs.
+    comparing a float32 engine against the onnxruntime reference outputs
+    (``np.allclose(got, ref, atol, rtol)``): about 10x the measured torch-vs-ORT disagreement,
+    so they scale with each model's output magnitude (resnet50 logits reach ~300).
     """
 
     name: str
@@ -90,22 +92,22 @@ _BASE: list[ZooEntry] = [
              "torchscript", _img(3, 224, 224), (_out("logits", 1000),), f"{_V}:resnet18"),
     ZooEntry("resnet50", "resnet", "image-classification", "ResNet-50 v1.5, 224x224, 1000 classes",
              "torchscript", _img(3, 224, 224), (_out("logits", 1000),), f"{_V}:resnet50",
-             atol=1e-3, rtol=1e-3),
+             atol=5e-3, rtol=1e-3),
     ZooEntry("mobilenetv2", "mobilenet", "image-classification",
              "MobileNetV2 1.0 (depthwise conv, ReLU6/Clip), 224x224", "torchscript",
-             _img(3, 224, 224), (_out("logits", 1000),), f"{_V}:mobilenetv2"),
+             _img(3, 224, 224), (_out("logits", 1000),), f"{_V}:mobilenetv2", atol=3e-4),
     ZooEntry("shufflenetv2", "shufflenet", "image-classification",
              "ShuffleNetV2 x1.0 (Split/Concat/Reshape/Transpose shuffle), 224x224", "torchscript",
-             _img(3, 224, 224), (_out("logits", 1000),), f"{_V}:shufflenetv2"),
+             _img(3, 224, 224), (_out("logits", 1000),), f"{_V}:shufflenetv2", atol=1e-3),
     ZooEntry("vgg16", "vgg", "image-classification", "VGG-16 (no BN), 224x224, 138M params",
              "torchscript", _img(3, 224, 224), (_out("logits", 1000),), f"{_V}:vgg16",
-             atol=1e-3, rtol=1e-3),
+             atol=5e-4, rtol=1e-3),
     ZooEntry("tinyyolov2", "yolo", "object-detection",
              "Tiny-YOLOv2-style VOC detector, 416x416 -> 125x13x13 grid", "torchscript",
-             _img(3, 416, 416), (_out("grid", 125, 13, 13),), f"{_V}:tinyyolov2"),
+             _img(3, 416, 416), (_out("grid", 125, 13, 13),), f"{_V}:tinyyolov2", atol=3e-4),
     ZooEntry("arcface", "arcface", "face-embedding",
              "ArcFace-style IR-ResNet (PReLU, BN1d), 112x112 -> 512-d", "torchscript",
-             _img(3, 112, 112), (_out("embedding", 512),), f"{_V}:arcface"),
+             _img(3, 112, 112), (_out("embedding", 512),), f"{_V}:arcface", atol=3e-4),
     ZooEntry("emotion_ferplus", "ferplus", "image-classification",
              "Emotion-FER+-style VGG13-like CNN, 1x64x64 grayscale, 8 emotions", "torchscript",
              _img(1, 64, 64), (_out("logits", 8),), f"{_V}:emotion_ferplus"),
@@ -127,8 +129,10 @@ _BASE: list[ZooEntry] = [
              (_out("logits", "seq", 8192),), f"{_T}:gpt2", atol=1e-4, rtol=1e-3),
 ]
 
-# Dynamo-exporter (torch.export + onnxscript) variants of a subset, at its native opset 18.
-DYNAMO_VARIANTS = ("resnet18", "mobilenetv2", "shufflenetv2", "bert", "roberta", "gpt2")
+# Dynamo-exporter (torch.export + onnxscript) variants, at its native opset 18. resnet50 and
+# vgg16 export fine too but are left out: same op set as resnet18 / emotion_ferplus, big files.
+DYNAMO_VARIANTS = ("resnet18", "mobilenetv2", "shufflenetv2", "tinyyolov2", "arcface",
+                   "emotion_ferplus", "bert", "roberta", "gpt2")
 
 REGISTRY: dict[str, ZooEntry] = {e.name: e for e in _BASE}
 for _name in DYNAMO_VARIANTS:
