@@ -86,12 +86,12 @@ def build(
         except Exception as exc:  # noqa: BLE001 - report and keep going
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
             if progress:
-                _say(bar, f"{name:<20} FAILED  {type(exc).__name__}: {exc}")
+                _say(bar, f"{name:<22} FAILED  {type(exc).__name__}: {exc}")
             continue
         paths.append(p)
         if progress:
             how = "cached" if cached else f"built in {time.perf_counter() - t0:.1f}s"
-            _say(bar, f"{name:<20} {how:<16} {p.stat().st_size / 1e6:8.1f} MB  {p}")
+            _say(bar, f"{name:<22} {how:<16} {p.stat().st_size / 1e6:8.1f} MB  {p}")
     if failures:
         raise RuntimeError("zoo build failed for:\n  " + "\n  ".join(failures))
     return paths

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> int:
         else:
             for r in rows:
                 mark = "*" if r["built"] else " "
-                print(f"{mark} {r['name']:<20} {r['family']:<11} {r['exporter']:<12} "
+                print(f"{mark} {r['name']:<22} {r['family']:<11} {r['exporter']:<12} "
                       f"{r['task']:<21} {r['description']}")
             print(f"(* = built in {zoo.cache_dir()})")
         return 0
