@@ -5,10 +5,10 @@ import os
 import numpy as np
 import onnx
 import pytest
-from conftest import make_model
 from onnx import TensorProto, helper
 
 import kiln
+from conftest import make_model
 
 
 def test_malformed_bytes():

@@ -7,9 +7,9 @@ import os
 import numpy as np
 import onnx
 import pytest
-from conftest import LIGHT_DIR, ONNX_DATA, ort_run
 
 import kiln
+from conftest import LIGHT_DIR, ONNX_DATA, ort_run
 from kiln.onnxio import to_proto
 
 

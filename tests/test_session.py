@@ -4,10 +4,10 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 import pytest
-from conftest import make_model, ort_run
 from onnx import TensorProto, helper
 
 import kiln
+from conftest import make_model, ort_run
 from kiln.ir import Value
 
 
