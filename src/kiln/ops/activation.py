@@ -1,0 +1,189 @@
+"""Activation functions and Softmax/LogSoftmax/Hardmax (array-API kernels, except the
+erf-based Gelu)."""
+
+from __future__ import annotations
+
+import math
+
+from kiln.ops._array import namespace
+from kiln.ops._numeric import erf, keep_dtype
+from kiln.ops.registry import op
+
+
+def _sigmoid(xp, x):
+    # One exp of -|x|: never overflows, keeps relative precision for very negative x.
+    e = xp.exp(-xp.abs(x))
+    return xp.where(x >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
+
+
+def _softplus(xp, x):
+    return xp.logaddexp(x, xp.zeros_like(x))
+
+
+@op("Relu", 1, generic=True)
+def relu(x):
+    xp = namespace(x)
+    return xp.where(x > 0, x, xp.zeros_like(x))
+
+
+@op("LeakyRelu", 1, generic=True)
+@keep_dtype
+def leaky_relu(x, *, alpha=0.01):
+    return namespace(x).where(x >= 0, x, x * alpha)
+
+
+@op("PRelu", 1, generic=True)
+@keep_dtype
+def prelu(x, slope):
+    xp = namespace(x, slope)
+    return xp.where(x >= 0, x, x * slope)
+
+
+@op("ThresholdedRelu", 10, generic=True)
+def thresholded_relu(x, *, alpha=1.0):
+    xp = namespace(x)
+    return xp.where(x > alpha, x, xp.zeros_like(x))
+
+
+@op("Elu", 1, generic=True)
+@keep_dtype
+def elu(x, *, alpha=1.0):
+    xp = namespace(x)
+    return xp.where(x >= 0, x, (xp.exp(xp.minimum(x, xp.zeros_like(x))) - 1.0) * alpha)
+
+
+@op("Celu", 12, generic=True)
+@keep_dtype
+def celu(x, *, alpha=1.0):
+    xp = namespace(x)
+    neg = xp.minimum(x, xp.zeros_like(x))
+    return xp.where(x > 0, x, (xp.exp(neg / alpha) - 1.0) * alpha)
+
+
+@op("Selu", 1, generic=True)
+@keep_dtype
+def selu(x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
+    xp = namespace(x)
+    neg = xp.minimum(x, xp.zeros_like(x))
+    return xp.where(x > 0, x * gamma, (xp.exp(neg) - 1.0) * (alpha * gamma))
+
+
+@op("Sigmoid", 1, generic=True)
+@keep_dtype
+def sigmoid(x):
+    return _sigmoid(namespace(x), x)
+
+
+@op("HardSigmoid", 1, generic=True)
+@keep_dtype
+def hard_sigmoid(x, *, alpha=0.2, beta=0.5):
+    return namespace(x).clip(x * alpha + beta, 0.0, 1.0)
+
+
+@op("HardSwish", 14, generic=True)
+@keep_dtype
+def hard_swish(x):
+    return x * namespace(x).clip(x * (1.0 / 6.0) + 0.5, 0.0, 1.0)
+
+
+@op("Softplus", 1, generic=True)
+@keep_dtype
+def softplus(x):
+    return _softplus(namespace(x), x)
+
+
+@op("Softsign", 1, generic=True)
+@keep_dtype
+def softsign(x):
+    return x / (namespace(x).abs(x) + 1.0)
+
+
+@op("Mish", 18, generic=True)
+@keep_dtype
+def mish(x):
+    xp = namespace(x)
+    return x * xp.tanh(_softplus(xp, x))
+
+
+@op("Swish", 24, generic=True)
+@keep_dtype
+def swish(x, *, alpha=1.0):
+    return x * _sigmoid(namespace(x), x * alpha)
+
+
+@op("SwiGLU", 28, generic=True)
+@keep_dtype
+def swiglu(a, b, *, alpha=1.0):
+    return a * _sigmoid(namespace(a), a * alpha) * b
+
+
+@op("Shrink", 9, generic=True)
+@keep_dtype
+def shrink(x, *, bias=0.0, lambd=0.5):
+    xp = namespace(x)
+    return xp.where(x < -lambd, x + bias, xp.where(x > lambd, x - bias, x * 0))
+
+
+@op("Gelu", 20)
+@keep_dtype
+def gelu(x, *, approximate="none"):
+    xp = namespace(x)
+    if approximate == "tanh":
+        inner = (x + x * x * x * 0.044715) * math.sqrt(2.0 / math.pi)
+        return x * 0.5 * (xp.tanh(inner) + 1.0)
+    return x * 0.5 * (erf(x * (1.0 / math.sqrt(2.0))) + 1.0)
+
+
+# -- softmax family ---------------------------------------------------------------------
+
+
+def _softmax(xp, x, axis):
+    e = xp.exp(x - xp.max(x, axis=axis, keepdims=True))
+    return e / xp.sum(e, axis=axis, keepdims=True)
+
+
+def _log_softmax(xp, x, axis):
+    shifted = x - xp.max(x, axis=axis, keepdims=True)
+    return shifted - xp.log(xp.sum(xp.exp(shifted), axis=axis, keepdims=True))
+
+
+def _hardmax(xp, x, axis):
+    idx = xp.argmax(x, axis=axis, keepdims=True)
+    shape = [1] * x.ndim
+    shape[axis] = x.shape[axis]
+    pos = xp.reshape(xp.arange(x.shape[axis], dtype=idx.dtype, device=x.device), tuple(shape))
+    return xp.astype(pos == idx, x.dtype)
+
+
+def _coerced_2d(fn):
+    """Opsets < 13: flatten to 2-D at ``axis`` and normalize each row."""
+
+    def kernel(x, *, axis=1):
+        xp = namespace(x)
+        if x.ndim == 0:
+            return fn(xp, xp.reshape(x, (1, 1)), 1)[0, 0]
+        ax = axis + x.ndim if axis < 0 else axis
+        rows = math.prod(x.shape[:ax])
+        flat = xp.reshape(x, (rows, math.prod(x.shape[ax:])))
+        return xp.reshape(fn(xp, flat, 1), x.shape)
+
+    kernel.__name__ = kernel.__qualname__ = fn.__name__.lstrip("_") + "_2d"
+    return kernel
+
+
+def _per_axis(fn):
+    """Opset 13+: normalize along ``axis`` only."""
+
+    def kernel(x, *, axis=-1):
+        xp = namespace(x)
+        if x.ndim == 0:
+            return fn(xp, xp.reshape(x, (1,)), 0)[0]
+        return fn(xp, x, axis + x.ndim if axis < 0 else axis)
+
+    kernel.__name__ = kernel.__qualname__ = fn.__name__.lstrip("_")
+    return kernel
+
+
+for _name, _fn in [("Softmax", _softmax), ("LogSoftmax", _log_softmax), ("Hardmax", _hardmax)]:
+    op(_name, 1, generic=True)(keep_dtype(_coerced_2d(_fn)))
+    op(_name, 13, generic=True)(keep_dtype(_per_axis(_fn)))

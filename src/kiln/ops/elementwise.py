@@ -1,0 +1,195 @@
+"""Elementwise arithmetic and math: + - * / Mod Pow, unary functions, Clip, the variadic
+Max/Min/Sum/Mean, IsInf/IsNaN and Erf. Written against the array API (``generic=True``)
+except Erf, which the standard lacks."""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+from kiln.ops._array import namespace
+from kiln.ops._numeric import erf, is_float, is_int, keep_dtype, legacy_broadcast
+from kiln.ops.registry import op
+
+# -- binary arithmetic ------------------------------------------------------------------
+
+
+def _int_div(xp, a, b):
+    """Integer division truncating toward zero (C semantics), not NumPy's floor."""
+    q = a // b
+    r = a - q * b
+    fix = (r != 0) & ((a < 0) != (b < 0))
+    return xp.where(fix, q + xp.ones_like(q), q)
+
+
+def _div(a, b):
+    if is_int(a.dtype):
+        return _int_div(namespace(a, b), a, b)
+    return a / b
+
+
+@op("Add", 1, generic=True)
+@op("Add", 6, generic=True)
+def add_legacy(a, b, *, broadcast=0, axis=None):
+    return a + legacy_broadcast(b, a.ndim, broadcast, axis)
+
+
+@op("Sub", 1, generic=True)
+@op("Sub", 6, generic=True)
+def sub_legacy(a, b, *, broadcast=0, axis=None):
+    return a - legacy_broadcast(b, a.ndim, broadcast, axis)
+
+
+@op("Mul", 1, generic=True)
+@op("Mul", 6, generic=True)
+def mul_legacy(a, b, *, broadcast=0, axis=None):
+    return a * legacy_broadcast(b, a.ndim, broadcast, axis)
+
+
+@op("Div", 1, generic=True)
+@op("Div", 6, generic=True)
+def div_legacy(a, b, *, broadcast=0, axis=None):
+    return _div(a, legacy_broadcast(b, a.ndim, broadcast, axis))
+
+
+@op("Add", 7, generic=True)
+def add(a, b):
+    return a + b
+
+
+@op("Sub", 7, generic=True)
+def sub(a, b):
+    return a - b
+
+
+@op("Mul", 7, generic=True)
+def mul(a, b):
+    return a * b
+
+
+@op("Div", 7, generic=True)
+def div(a, b):
+    return _div(a, b)
+
+
+@op("Mod", 10, generic=True)
+def mod(a, b, *, fmod=0):
+    """fmod=0: result takes the divisor's sign (Python %); fmod=1: the dividend's (C fmod)."""
+    xp = namespace(a, b)
+    if not fmod:
+        return xp.remainder(a, b)
+    r = xp.remainder(xp.abs(a), xp.abs(b))
+    return xp.where(a < 0, -r, r)
+
+
+@op("Pow", 1, generic=True)
+def pow_(x, y, *, broadcast=0, axis=None):
+    """The result has the base's type; an integer base with a float exponent is computed
+    in float64 and truncated back."""
+    xp = namespace(x, y)
+    y = legacy_broadcast(y, x.ndim, broadcast, axis)
+    if x.dtype == y.dtype:
+        return xp.pow(x, y)
+    if is_float(x.dtype):
+        return xp.pow(x, xp.astype(y, x.dtype))
+    if is_float(y.dtype):
+        return xp.astype(xp.pow(xp.astype(x, xp.float64), xp.astype(y, xp.float64)), x.dtype)
+    return xp.pow(x, xp.astype(y, x.dtype))
+
+
+# -- unary math -------------------------------------------------------------------------
+
+
+def _unary(op_type: str, since: int, name: str) -> None:
+    def kernel(x):
+        return getattr(namespace(x), name)(x)
+
+    kernel.__name__ = kernel.__qualname__ = op_type.lower()
+    op(op_type, since, generic=True)(kernel)
+
+
+for _op_type, _since, _name in [
+    ("Abs", 1, "abs"), ("Neg", 1, "negative"), ("Ceil", 1, "ceil"), ("Floor", 1, "floor"),
+    ("Round", 11, "round"), ("Sign", 9, "sign"), ("Sqrt", 1, "sqrt"), ("Exp", 1, "exp"),
+    ("Log", 1, "log"), ("Sin", 7, "sin"), ("Cos", 7, "cos"), ("Tan", 7, "tan"),
+    ("Asin", 7, "asin"), ("Acos", 7, "acos"), ("Atan", 7, "atan"), ("Sinh", 9, "sinh"),
+    ("Cosh", 9, "cosh"), ("Tanh", 1, "tanh"), ("Asinh", 9, "asinh"), ("Acosh", 9, "acosh"),
+    ("Atanh", 9, "atanh"), ("IsNaN", 9, "isnan"),
+]:
+    _unary(_op_type, _since, _name)
+
+
+@op("Reciprocal", 1, generic=True)
+@keep_dtype
+def reciprocal(x):
+    return 1.0 / x
+
+
+@op("IsInf", 10, generic=True)
+def isinf(x, *, detect_negative=1, detect_positive=1):
+    xp = namespace(x)
+    inf = xp.isinf(x)
+    if detect_negative and detect_positive:
+        return inf
+    if detect_positive:
+        return inf & (x > 0)
+    if detect_negative:
+        return inf & (x < 0)
+    return xp.zeros_like(inf)
+
+
+@op("Erf", 9)
+def erf_(x):
+    return erf(x)
+
+
+# -- clip and the variadic ops ----------------------------------------------------------
+
+
+@op("Clip", 1, generic=True)
+@op("Clip", 6, generic=True)
+def clip_attrs(x, *, min=None, max=None):
+    # Bounds at or beyond float32's range are "no bound" (opset 6's defaults are +-FLT_MAX).
+    xp = namespace(x)
+    lo = None if min is None or abs(min) >= 3.4e38 else min
+    hi = None if max is None or abs(max) >= 3.4e38 else max
+    if lo is not None:
+        x = xp.where(x < lo, xp.full_like(x, lo), x)
+    if hi is not None:
+        x = xp.where(x > hi, xp.full_like(x, hi), x)
+    return x
+
+
+@op("Clip", 11, generic=True)
+def clip(x, min=None, max=None):
+    """min > max clips everything to max, as the spec asks (max applied last)."""
+    xp = namespace(x)
+    if min is not None:
+        x = xp.maximum(x, xp.astype(min, x.dtype))
+    if max is not None:
+        x = xp.minimum(x, xp.astype(max, x.dtype))
+    return x
+
+
+@op("Max", 1, generic=True)
+def max_(*xs):
+    xp = namespace(*xs)
+    return functools.reduce(xp.maximum, xs)
+
+
+@op("Min", 1, generic=True)
+def min_(*xs):
+    xp = namespace(*xs)
+    return functools.reduce(xp.minimum, xs)
+
+
+@op("Sum", 1, generic=True)
+def sum_(*xs):
+    return functools.reduce(operator.add, xs)
+
+
+@op("Mean", 1, generic=True)
+@keep_dtype
+def mean(*xs):
+    return functools.reduce(operator.add, xs) / len(xs)
+
