@@ -1,16 +1,136 @@
-"""Control flow: If (Loop and Scan live beside it). Subgraph attributes arrive compiled;
-``ctx.run`` evaluates them with this node's enclosing values in scope."""
+"""Control flow: If, Loop and Scan. Subgraph attributes arrive compiled; ``ctx.run``
+evaluates them with this node's enclosing values in scope. Sequences are Python lists and
+an empty optional is None, so loop-carried values of any kind pass through unchanged."""
 
 from __future__ import annotations
 
 import numpy as np
 
+from kiln.ir import TensorType
+from kiln.ops._array import axis as norm_axis
 from kiln.ops.registry import op
+
+
+def _scalar(ctx, x):
+    """A control value (condition, trip count) as a NumPy scalar, read on the host."""
+    return np.asarray(ctx.backend.to_numpy(x)).reshape(-1)[0]
+
+
+def _outputs(out: list, ctx):
+    return tuple(out) if ctx.num_outputs != 1 else out[0]
 
 
 @op("If", 1)
 def if_(ctx, cond, *, then_branch, else_branch):
-    branch = then_branch if bool(np.asarray(ctx.backend.to_numpy(cond)).reshape(-1)[0]) \
-        else else_branch
-    out = ctx.run(branch, [])
-    return tuple(out) if len(out) != 1 else out[0]
+    branch = then_branch if bool(_scalar(ctx, cond)) else else_branch
+    return _outputs(ctx.run(branch, []), ctx)
+
+
+def _empty_stack(body, index: int, leading: tuple[int, ...]):
+    """The stacked result of zero iterations of body output ``index``: shape
+    ``leading + element shape`` where the body declares a static element shape."""
+    t = body.graph.outputs[index].type
+    dtype, shape = np.float32, ()
+    if isinstance(t, TensorType):
+        if t.dtype:
+            dtype = t.dtype.numpy
+        if t.shape is not None and all(isinstance(d, int) for d in t.shape):
+            shape = tuple(t.shape)
+    return np.zeros(leading + shape, dtype=dtype)
+
+
+def _stack(items: list):
+    return np.stack([np.asarray(x) for x in items])
+
+
+@op("Loop", 1)
+def loop(ctx, max_trip_count, cond, *v_initial, body):
+    trip = None if max_trip_count is None else int(_scalar(ctx, max_trip_count))
+    keep_going = True if cond is None else bool(_scalar(ctx, cond))
+    carried = list(v_initial)
+    n = len(carried)
+    num_scan = len(body.graph.outputs) - 1 - n
+    scans: list[list] = [[] for _ in range(num_scan)]
+    i = 0
+    while keep_going and (trip is None or i < trip):
+        out = ctx.run(body, [np.array(i, np.int64), np.array(keep_going), *carried])
+        keep_going = bool(_scalar(ctx, out[0]))
+        carried = out[1:1 + n]
+        for acc, x in zip(scans, out[1 + n:]):
+            acc.append(ctx.backend.to_numpy(x))
+        i += 1
+    stacked = [_stack(acc) if acc else _empty_stack(body, 1 + n + k, (0,))
+               for k, acc in enumerate(scans)]
+    return _outputs(carried + stacked, ctx)
+
+
+def _scan_body(ctx, body, states: list, slices: list, num_outputs: int):
+    """Run ``body`` over the leading axis of ``slices``; returns the final states and, per
+    scan output, the list of per-iteration values."""
+    n = len(states)
+    acc: list[list] = [[] for _ in range(num_outputs)]
+    steps = slices[0].shape[0] if slices else 0
+    for t in range(steps):
+        out = ctx.run(body, states + [s[t] for s in slices])
+        states = out[:n]
+        for a, x in zip(acc, out[n:]):
+            a.append(ctx.backend.to_numpy(x))
+    return states, acc
+
+
+@op("Scan", 9)
+def scan(ctx, *args, body, num_scan_inputs, scan_input_axes=None,
+         scan_input_directions=None, scan_output_axes=None, scan_output_directions=None):
+    m = num_scan_inputs
+    n = len(args) - m
+    xs = [np.asarray(ctx.backend.to_numpy(x)) for x in args[n:]]
+    in_axes = scan_input_axes or [0] * m
+    in_dirs = scan_input_directions or [0] * m
+    slices = []
+    for x, ax, d in zip(xs, in_axes, in_dirs):
+        s = np.moveaxis(x, norm_axis(ax, x.ndim), 0)
+        slices.append(s[::-1] if d else s)
+    k = len(body.graph.outputs) - n
+    states, acc = _scan_body(ctx, body, list(args[:n]), slices, k)
+    out_axes = scan_output_axes or [0] * k
+    out_dirs = scan_output_directions or [0] * k
+    results = []
+    for j, a in enumerate(acc):
+        if a:
+            y = _stack(a[::-1] if out_dirs[j] else a)
+        else:
+            y = _empty_stack(body, n + j, (0,))
+        results.append(np.moveaxis(y, 0, norm_axis(out_axes[j], y.ndim)))
+    return _outputs(list(states) + results, ctx)
+
+
+@op("Scan", 8)
+def scan_v8(ctx, sequence_lens, *args, body, num_scan_inputs, directions=None):
+    """Opset-8 Scan: axis 0 is the batch, axis 1 the sequence; each batch entry runs on its
+    own, for its own length, and scan outputs are zero-padded to the longest."""
+    m = num_scan_inputs
+    n = len(args) - m
+    to_np = ctx.backend.to_numpy
+    inits = [np.asarray(to_np(x)) for x in args[:n]]
+    xs = [np.asarray(to_np(x)) for x in args[n:]]
+    batch, max_len = xs[0].shape[:2]
+    lens = ([max_len] * batch if sequence_lens is None
+            else [int(v) for v in np.asarray(to_np(sequence_lens)).reshape(-1)])
+    dirs = directions or [0] * m
+    k = len(body.graph.outputs) - n
+    final_states: list[list] = [[] for _ in range(n)]
+    outs: list[list] = [[] for _ in range(k)]
+    for b in range(batch):
+        length = lens[b]
+        slices = [x[b, :length][::-1] if d else x[b, :length] for x, d in zip(xs, dirs)]
+        states, acc = _scan_body(ctx, body, [s[b] for s in inits], slices, k)
+        for f, s in zip(final_states, states):
+            f.append(np.asarray(to_np(s)))
+        for j, a in enumerate(acc):
+            y = _stack(a) if a else _empty_stack(body, n + j, (0,))
+            if length < max_len:
+                pad = [(0, max_len - length)] + [(0, 0)] * (y.ndim - 1)
+                y = np.pad(y, pad)
+            outs[j].append(y)
+    results = [_stack(f) for f in final_states] + [_stack(o) for o in outs]
+    return _outputs(results, ctx)
