@@ -18,10 +18,11 @@ from kiln.errors import (
 from kiln.ir import DType, Model
 from kiln.onnxio import load, save
 from kiln.ops import register_op
+from kiln.optimize import optimize
 from kiln.runtime import InferenceSession, NodeArg
 
 __version__ = "0.1.0"
 
 __all__ = ["DType", "ExternalDataError", "InferenceSession", "InputError", "KernelError",
            "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
-           "UnsupportedOpError", "load", "register_op", "save"]
+           "UnsupportedOpError", "load", "optimize", "register_op", "save"]

@@ -126,4 +126,4 @@ def from_array(a: np.ndarray, name: str) -> onnx.TensorProto:
             (s if isinstance(s, bytes) else str(s).encode("utf-8", "surrogateescape"))
             for s in a.ravel())
         return t
-    return numpy_helper.from_array(np.ascontiguousarray(a), name)
+    return numpy_helper.from_array(np.asarray(a, order="C"), name)  # keeps 0-d as 0-d

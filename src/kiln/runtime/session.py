@@ -49,9 +49,17 @@ class InferenceSession:
     from several threads at once if you like."""
 
     def __init__(self, model: Model | str | os.PathLike | bytes | onnx.ModelProto,
-                 backend: str = "numpy", **backend_options: Any):
+                 backend: str = "numpy", optimize: bool = True,
+                 input_shapes: dict[str, list[int | str | None]] | None = None,
+                 **backend_options: Any):
         self.model = model if isinstance(model, Model) else load(model)
         self.backend = make_backend(backend, **backend_options)
+        if optimize or input_shapes:
+            # Kiln's optimizer (kiln.optimize); it works on a copy, so the caller's Model
+            # is untouched. optimize=False with input_shapes only fixes the shapes.
+            from kiln.optimize import optimize_for_session
+            self.model = optimize_for_session(self.model, optimize, input_shapes,
+                                              self.backend.name)
         g = self.model.graph
         self.plan: Plan = compile_model(g, self.model.opset_imports, self.model.functions,
                                         self.backend)

@@ -1,0 +1,278 @@
+"""Kiln's fused operators (domain ``ai.kiln``), created by the optimizer's fusion passes.
+
+Each replaces a chain of standard ops by one kernel that does the same arithmetic with
+fewer passes over memory and fewer temporaries: the activation and residual add run in
+place on the fresh output of the convolution or matrix product, attention keeps one score
+buffer, LayerNorm/GELU compute in one place what ten small ops did. Each op's shape/type
+inference sits next to its kernel.
+
+Activations accepted by the ``activation`` attribute (``activation_params`` in brackets):
+Relu, LeakyRelu [alpha], Clip [min, max], Sigmoid, HardSigmoid [alpha, beta], HardSwish,
+Silu, Gelu, GeluTanh, Tanh. An empty string means none.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.ir import TensorType
+from kiln.ops.registry import KILN_DOMAIN, lookup, op
+
+ACTIVATIONS = ("Relu", "LeakyRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Silu",
+               "Gelu", "GeluTanh", "Tanh")
+
+_SQRT1_2 = 1 / math.sqrt(2)
+_SQRT_2_PI = math.sqrt(2 / math.pi)
+
+
+# ---------------------------------------------------------------- in-place helpers
+
+def owned(y: np.ndarray, *inputs) -> np.ndarray:
+    """``y`` if it is safe to overwrite (a fresh result sharing no memory with an input),
+    else a copy of it."""
+    if not isinstance(y, np.ndarray) or not y.flags.writeable or y.ndim == 0 or any(
+            isinstance(a, np.ndarray) and np.may_share_memory(y, a) for a in inputs):
+        return np.array(y, copy=True)
+    return y
+
+
+def erf(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """The error function, elementwise. Float32 and narrower use Abramowitz & Stegun
+    7.1.26 (absolute error <= 1.5e-7, below float32 resolution of erf's range); float64
+    uses math.erf."""
+    if x.dtype == np.float64:
+        r = np.frompyfunc(math.erf, 1, 1)(x).astype(np.float64)
+        if out is None:
+            return r
+        out[...] = r
+        return out
+    a = np.abs(x)
+    t = a * 0.3275911
+    t += 1
+    np.reciprocal(t, out=t)
+    poly = t * 1.061405429
+    poly += -1.453152027
+    poly *= t
+    poly += 1.421413741
+    poly *= t
+    poly += -0.284496736
+    poly *= t
+    poly += 0.254829592
+    poly *= t
+    np.square(a, out=a)
+    np.negative(a, out=a)
+    np.exp(a, out=a)
+    poly *= a
+    np.subtract(1, poly, out=poly)
+    np.copysign(poly, x, out=poly)
+    if out is None:
+        return poly.astype(x.dtype, copy=False)
+    out[...] = poly
+    return out
+
+
+def _sigmoid_into(y: np.ndarray) -> np.ndarray:
+    with np.errstate(over="ignore"):
+        np.negative(y, out=y)
+        np.exp(y, out=y)
+        y += 1
+        np.reciprocal(y, out=y)
+    return y
+
+
+def apply_activation(y: np.ndarray, activation: str, params=None) -> np.ndarray:
+    """Apply ``activation`` to ``y`` in place (``y`` must be owned) and return it."""
+    if not activation:
+        return y
+    p = list(params or [])
+    if activation == "Relu":
+        np.maximum(y, 0, out=y)
+    elif activation == "LeakyRelu":
+        alpha = p[0] if p else 0.01
+        t = y * y.dtype.type(alpha)
+        (np.maximum if alpha <= 1 else np.minimum)(y, t, out=y)
+    elif activation == "Clip":
+        lo = p[0] if len(p) > 0 and p[0] is not None else -np.inf
+        hi = p[1] if len(p) > 1 and p[1] is not None else np.inf
+        np.clip(y, lo, hi, out=y)
+    elif activation == "Sigmoid":
+        _sigmoid_into(y)
+    elif activation == "HardSigmoid":
+        alpha, beta = (p + [0.2, 0.5][len(p):])[:2]
+        y *= y.dtype.type(alpha)
+        y += y.dtype.type(beta)
+        np.clip(y, 0, 1, out=y)
+    elif activation == "HardSwish":
+        t = y * y.dtype.type(1 / 6)
+        t += y.dtype.type(0.5)
+        np.clip(t, 0, 1, out=t)
+        y *= t
+    elif activation == "Silu":
+        y *= _sigmoid_into(y.copy())
+    elif activation == "Gelu":
+        t = y * y.dtype.type(_SQRT1_2)
+        erf(t, out=t)
+        t += 1
+        t *= y.dtype.type(0.5)
+        y *= t
+    elif activation == "GeluTanh":
+        t = np.square(y)
+        t *= y.dtype.type(0.044715 * _SQRT_2_PI)
+        t += y.dtype.type(_SQRT_2_PI)
+        t *= y
+        np.tanh(t, out=t)
+        t += 1
+        t *= y.dtype.type(0.5)
+        y *= t
+    elif activation == "Tanh":
+        np.tanh(y, out=y)
+    else:
+        raise ValueError(f"unknown fused activation {activation!r}")
+    return y
+
+
+def _add_into(y: np.ndarray, z) -> np.ndarray:
+    """``y + z`` reusing ``y`` when the sum has ``y``'s shape."""
+    if z is None:
+        return y
+    if np.broadcast_shapes(y.shape, np.shape(z)) == y.shape:
+        y += z
+        return y
+    return np.add(y, z)
+
+
+def _standard_kernel(op_type: str):
+    d = lookup("", op_type, 10**6)
+    if d is None:
+        raise NotImplementedError(f"the fused op needs a kernel for {op_type}, which Kiln "
+                                  "does not have; optimize with that fusion disabled")
+    return d.kernel
+
+
+def _infer_as(ctx, op_type: str, n_inputs: int, drop: tuple[str, ...]):
+    """Output type of the standard op the fused one starts with (Conv, Gemm, MatMul)."""
+    from kiln.ir import Node
+    from kiln.passes.infer_shapes import onnx_infer
+
+    node = ctx.node
+    attrs = {k: v for k, v in node.attrs.items() if k not in drop}
+    probe = Node(op_type, node.inputs[:n_inputs], [None], attrs)
+    probe.outputs = node.outputs[:1]
+    return onnx_infer(probe, 21, {"": 21})[0]
+
+
+_ACT_ATTRS = ("activation", "activation_params")
+
+
+# ---------------------------------------------------------------- FusedConv
+
+def _infer_conv(ctx):
+    return _infer_as(ctx, "Conv", 3, _ACT_ATTRS)
+
+
+@op("FusedConv", 1, domain=KILN_DOMAIN, infer=_infer_conv)
+def fused_conv(x, w, b=None, z=None, *, auto_pad="NOTSET", dilations=None, group=1,
+               kernel_shape=None, pads=None, strides=None, activation="",
+               activation_params=None):
+    """activation(Conv(x, w, b) + z): the bias, residual add and activation are applied
+    in place on the convolution's output."""
+    conv = _standard_kernel("Conv")
+    y = conv(x, w, b, auto_pad=auto_pad, dilations=dilations, group=group,
+             kernel_shape=kernel_shape, pads=pads, strides=strides)
+    y = owned(y, x, w, b, z)
+    y = _add_into(y, z)
+    return apply_activation(y, activation, activation_params)
+
+
+# ---------------------------------------------------------------- FusedGemm / FusedMatMul
+
+def _infer_gemm(ctx):
+    return _infer_as(ctx, "Gemm", 3, _ACT_ATTRS)
+
+
+@op("FusedGemm", 1, domain=KILN_DOMAIN, infer=_infer_gemm)
+def fused_gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, activation="",
+               activation_params=None):
+    """activation(alpha * A' @ B' + beta * C) with one output buffer."""
+    if transA:
+        a = a.T
+    if transB:
+        b = b.T
+    y = owned(np.matmul(a, b), a, b, c)
+    if alpha != 1:
+        y *= y.dtype.type(alpha)
+    if c is not None:
+        y = _add_into(y, c if beta == 1 else c * c.dtype.type(beta))
+    return apply_activation(y, activation, activation_params)
+
+
+def _infer_matmul(ctx):
+    return _infer_as(ctx, "MatMul", 2, _ACT_ATTRS)
+
+
+@op("FusedMatMul", 1, domain=KILN_DOMAIN, infer=_infer_matmul)
+def fused_matmul(a, b, bias=None, *, activation="", activation_params=None):
+    """activation(A @ B + bias), bias and activation in place on the product."""
+    y = owned(np.matmul(a, b), a, b, bias)
+    y = _add_into(y, bias)
+    return apply_activation(y, activation, activation_params)
+
+
+# ---------------------------------------------------------------- LayerNorm / Gelu
+
+def _same_as_first(x, *rest, **attrs):
+    return x if isinstance(x, TensorType) else None
+
+
+@op("LayerNorm", 1, domain=KILN_DOMAIN, infer=_same_as_first)
+def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
+    """LayerNormalization (ONNX opset 17's op) for models of older opsets."""
+    axis = axis + x.ndim if axis < 0 else axis
+    axes = tuple(range(axis, x.ndim))
+    d = x - x.mean(axis=axes, keepdims=True)
+    var = np.square(d).mean(axis=axes, keepdims=True)
+    var += x.dtype.type(epsilon)
+    np.sqrt(var, out=var)
+    d /= var
+    if scale is not None:
+        d *= scale
+    if bias is not None:
+        d += bias
+    return d
+
+
+@op("Gelu", 1, domain=KILN_DOMAIN, infer=_same_as_first)
+def gelu(x, *, approximate="none"):
+    """GELU (ONNX opset 20's op) for models of older opsets."""
+    y = np.array(x, copy=True)
+    return apply_activation(y, "GeluTanh" if approximate == "tanh" else "Gelu")
+
+
+# ---------------------------------------------------------------- Attention
+
+def _infer_attention(q, k, v, mask=None, **attrs):
+    if not all(isinstance(t, TensorType) for t in (q, v)):
+        return None
+    if q.shape is None or v.shape is None:
+        return TensorType(q.dtype)
+    from kiln.passes.symdim import broadcast
+
+    batch = broadcast(q.shape[:-2], v.shape[:-2])
+    return TensorType(q.dtype, tuple(batch) + (q.shape[-2], v.shape[-1]))
+
+
+@op("Attention", 1, domain=KILN_DOMAIN, infer=_infer_attention)
+def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0):
+    """softmax(scale * Q @ K^T + mask) @ V over the last axis, in one score buffer.
+    ``k_transposed=1``: K is given as [..., d, s_k] (already transposed)."""
+    kt = k if k_transposed else np.swapaxes(k, -1, -2)
+    s = owned(np.matmul(q, kt), q, k, mask)
+    if scale != 1:
+        s *= s.dtype.type(scale)
+    s = _add_into(s, mask)
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s /= s.sum(axis=-1, keepdims=True)
+    return np.matmul(s, v)

@@ -1,0 +1,26 @@
+"""Kiln's model optimizer: small passes over the IR, run by a pass manager.
+
+Each pass is one module (its docstring says what it does and why), a :class:`Pass`
+subclass with a ``name`` that ``kiln.optimize(..., disable=[name])`` switches off.
+``kiln.optimize`` (src/kiln/optimize.py) assembles them into the default pipeline.
+"""
+
+from kiln.passes.base import OptimizeReport, Pass, PassManager, PassRecord, clone_model
+from kiln.passes.cse import CommonSubexpressionElimination
+from kiln.passes.dce import DeadCodeElimination
+from kiln.passes.fix_shapes import FixInputShapes
+from kiln.passes.fold_constants import FoldConstants
+from kiln.passes.freeze import Freeze
+from kiln.passes.fuse_activation import FuseActivation
+from kiln.passes.fuse_attention import FuseAttention
+from kiln.passes.fuse_batchnorm import FuseBatchNorm
+from kiln.passes.fuse_gelu import FuseGelu
+from kiln.passes.fuse_layernorm import FuseLayerNorm
+from kiln.passes.infer_shapes import InferShapes
+from kiln.passes.pin_host import PinHost
+from kiln.passes.simplify import Simplify
+
+__all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputShapes",
+           "FoldConstants", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
+           "FuseGelu", "FuseLayerNorm", "InferShapes", "OptimizeReport", "Pass",
+           "PassManager", "PassRecord", "PinHost", "Simplify", "clone_model"]

@@ -1,0 +1,156 @@
+"""Freezing for inference: remove what only training needs or what does nothing.
+
+- ``Dropout`` (not in training mode) and ``Identity`` pass their input through;
+- no-ops: ``Cast``/``CastLike`` to the dtype the input already has, ``Reshape``/``Expand``/
+  ``Slice`` whose output has the input's shape (steps of 1), ``Transpose`` by the identity
+  permutation, ``Pad`` by zeros, ``Tile`` by ones, one-input ``Concat``/``Sum``/``Max``...,
+  one-way ``Split``;
+- training-only outputs: optional outputs nothing reads (BatchNormalization's running
+  statistics, Dropout's mask, LayerNormalization's mean...) are dropped from their node, so
+  its kernel may skip computing them.
+
+A removed node's readers read its input instead. When its output is a graph output (whose
+name is the model's interface), the input's producer is made to compute that output
+instead; when that is impossible too (the input is a graph input), the node stays.
+"""
+
+from __future__ import annotations
+
+import onnx
+
+from kiln.ir import Graph, Model, Node
+from kiln.passes import symdim
+from kiln.passes.base import (
+    Pass,
+    PassRecord,
+    Uses,
+    bypass,
+    const_value,
+    dtype_of,
+    graphs,
+    rebuild,
+    shape_of,
+)
+from kiln.passes.infer_shapes import _schema
+
+_VARIADIC_SAME = {"Concat", "Sum", "Max", "Min", "Mean"}
+
+
+class Freeze(Pass):
+    """Drop inference no-ops and training-only outputs."""
+
+    name = "freeze"
+    level = 1
+
+    def run(self, model: Model, record: PassRecord) -> None:
+        for g in list(graphs(model.graph)):
+            freeze_graph(g, model, record)
+
+
+def freeze_graph(g: Graph, model: Model, record: PassRecord) -> None:
+    uses = Uses(g)
+    for n in g.nodes:
+        record.add(f"unused {n.op_type} outputs dropped", drop_unused_outputs(n, uses, model))
+    remove: set[Node] = set()
+    for n in g.nodes:
+        if n.domain != "":
+            continue
+        src = passthrough(n, model.opset)
+        if src is not None and n.outputs and n.outputs[0] is not None and \
+                all(v is None for v in n.outputs[1:]):
+            if bypass(g, src, n.outputs[0]):
+                remove.add(n)
+                record.add(f"{n.op_type} removed")
+    if remove:
+        rebuild(g, remove)
+
+
+def passthrough(n: Node, opset: int):
+    """The input ``n`` returns unchanged (None when ``n`` does real work)."""
+    op = n.op_type
+    x = n.inputs[0] if n.inputs else None
+    if x is None:
+        return None
+    if op == "Identity":
+        return x
+    if op == "Dropout":
+        training = n.inputs[2] if len(n.inputs) > 2 else None
+        if training is not None:
+            c = const_value(training)
+            if c is None or bool(c.reshape(-1)[0]):
+                return None
+        if opset < 7 and not n.attrs.get("is_test", 0):
+            return None  # old Dropout is in training mode unless told otherwise
+        mask = n.outputs[1] if len(n.outputs) > 1 else None
+        if mask is not None:
+            return None  # drop_unused_outputs removes the mask first when unread
+        return x
+    out = n.outputs[0] if n.outputs else None
+    if out is None:
+        return None
+    if op in ("Cast", "CastLike"):
+        a, b = dtype_of(x), dtype_of(out)
+        return x if a is not None and a == b else None
+    if op in ("Reshape", "Expand", "Slice", "Tile"):
+        if op == "Slice" and not _unit_steps(n, opset):
+            return None
+        if op == "Tile":
+            reps = symdim.known_ints(symdim.sym_of(n.inputs[1]) if len(n.inputs) > 1 else None)
+            return x if reps is not None and all(r == 1 for r in reps) else None
+        return x if _same_shape(shape_of(x), shape_of(out)) else None
+    if op == "Transpose":
+        perm = n.attrs.get("perm")
+        rank = len(shape_of(x)) if shape_of(x) is not None else None
+        if perm is None:
+            return x if rank is not None and rank <= 1 else None
+        return x if list(perm) == list(range(len(perm))) else None
+    if op == "Pad":
+        pads = n.attrs.get("pads") if opset < 11 else \
+            symdim.known_ints(symdim.sym_of(n.inputs[1]) if len(n.inputs) > 1 else None)
+        return x if pads is not None and all(p == 0 for p in pads) else None
+    if op in _VARIADIC_SAME and len(n.inputs) == 1:
+        return x
+    if op == "Split" and len(n.outputs) == 1:
+        return x
+    return None
+
+
+def _unit_steps(n: Node, opset: int) -> bool:
+    if opset < 10 or len(n.inputs) < 5 or n.inputs[4] is None:
+        return True
+    steps = symdim.known_ints(symdim.sym_of(n.inputs[4]))
+    return steps is not None and all(s == 1 for s in steps)
+
+
+def _same_shape(a, b) -> bool:
+    """Both shapes fully known and equal dim by dim."""
+    if a is None or b is None or len(a) != len(b):
+        return False
+    return all(symdim.same(x, y) for x, y in zip(a, b))
+
+
+def drop_unused_outputs(n: Node, uses: Uses, model: Model) -> int:
+    """Set unread optional outputs of ``n`` to None (trailing ones are removed)."""
+    if n.domain != "" or len(n.outputs) < 2:
+        return 0
+    schema = _schema(n.op_type, model.opset_imports.get("", model.opset), "")
+    if schema is None:
+        return 0
+    formal = list(schema.outputs)
+    if not formal or formal[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
+        return 0
+    dropped = 0
+    outs = list(n.outputs)
+    for i in range(1, len(outs)):
+        v = outs[i]
+        if v is None or i >= len(formal) or uses.used(v):
+            continue
+        if formal[i].option != onnx.defs.OpSchema.FormalParameterOption.Optional:
+            continue
+        outs[i] = None
+        dropped += 1
+    while len(outs) > 1 and outs[-1] is None:
+        outs.pop()
+    if dropped:
+        n.outputs = outs
+    return dropped

@@ -1,0 +1,315 @@
+"""Fuse Conv / Gemm / MatMul with what follows them into one Kiln op:
+
+    Conv   [+ Add(bias)] [+ Add(residual)] [+ activation]  -> ai.kiln.FusedConv
+    Gemm   [+ Add(bias)] [+ activation]                    -> ai.kiln.FusedGemm
+    MatMul [+ Add(bias)] [+ activation]                    -> ai.kiln.FusedMatMul
+
+Activations: Relu, LeakyRelu, Clip (Relu6), Sigmoid, HardSigmoid, HardSwish (the op, or
+``x * HardSigmoid(x)``), SiLU (``x * Sigmoid(x)``), GELU (ONNX's ``Gelu`` or Kiln's, which
+the GELU pass makes from the decomposed forms), Tanh.
+
+The fused kernel applies the bias, residual and activation in place on the fresh output of
+the convolution or product: one buffer instead of one per op. A Conv followed only by a
+constant bias Add just gets that bias folded into its own ``B`` (no Kiln op needed).
+Every intermediate must be read by the next op of the chain alone.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from kiln.ir import Graph, Model, Node, Value
+from kiln.ops.registry import KILN_DOMAIN, lookup
+from kiln.passes import symdim
+from kiln.passes.base import (
+    Pass,
+    PassRecord,
+    Uses,
+    add_const,
+    const_value,
+    dtype_of,
+    graphs,
+    rebuild,
+    scalar_value,
+    shape_of,
+)
+
+_FUSED = {"Conv": "FusedConv", "Gemm": "FusedGemm", "MatMul": "FusedMatMul"}
+_CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+_GEMM_ATTRS = ("alpha", "beta", "transA", "transB")
+_SIMPLE = {"Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "HardSwish": "HardSwish"}
+
+
+class FuseActivation(Pass):
+    """Conv/Gemm/MatMul + bias + residual + activation -> one fused Kiln op."""
+
+    name = "fuse_activation"
+    level = 2
+    creates = ("FusedConv", "FusedGemm", "FusedMatMul")
+
+    def run(self, model: Model, record: PassRecord) -> None:
+        for g in list(graphs(model.graph)):
+            _Fuser(g, model, record).run()
+        if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
+            model.opset_imports.setdefault(KILN_DOMAIN, 1)
+
+
+class _Chain:
+    """What has been gathered for one anchor node."""
+
+    def __init__(self, anchor: Node):
+        self.anchor = anchor
+        self.kind = anchor.op_type.removeprefix("Fused")
+        self.inputs = list(anchor.inputs)
+        self.attrs = dict(anchor.attrs)
+        self.absorbed: list[Node] = []
+        self.out: Value = anchor.outputs[0]
+        self.activation = self.attrs.get("activation", "")
+        self.params = list(self.attrs.get("activation_params", []))
+
+    def slot(self, i: int) -> Value | None:
+        return self.inputs[i] if i < len(self.inputs) else None
+
+    def set_slot(self, i: int, v: Value | None) -> None:
+        while len(self.inputs) <= i:
+            self.inputs.append(None)
+        self.inputs[i] = v
+
+
+class _Fuser:
+    def __init__(self, g: Graph, model: Model, record: PassRecord):
+        self.g, self.model, self.record = g, model, record
+        self.uses = Uses(g)
+        self.own = set(g.nodes)
+        self.remove: set[Node] = set()
+        self.insert: dict[Node, list[Node]] = {}
+        self.have_conv = lookup("", "Conv", 10**6) is not None
+
+    def run(self) -> None:
+        for n in self.g.nodes:
+            if n in self.remove:
+                continue
+            if (n.domain == "" and n.op_type in _FUSED) or (
+                    n.domain == KILN_DOMAIN and n.op_type in _FUSED.values()
+                    and not n.attrs.get("activation")):
+                self._fuse(n)
+        if self.remove:
+            rebuild(self.g, self.remove, self.insert)
+
+    def _next(self, v: Value) -> Node | None:
+        """The one node of this graph reading ``v``, if exactly one does."""
+        readers = self.uses.consumers(v)
+        if len(readers) != 1 or self.uses.outputs[v] or readers[0] not in self.own or \
+                readers[0] in self.remove:
+            return None
+        return readers[0]
+
+    def _fuse(self, n: Node) -> None:
+        if dtype_of(n.outputs[0]) is None or not dtype_of(n.outputs[0]).is_float or \
+                len(n.outputs) != 1:
+            return
+        ch = _Chain(n)
+        if ch.kind == "Conv" and not self.have_conv:
+            return
+        m = self._next(ch.out)
+        if m is not None and m.domain == "" and m.op_type == "Add" and self._bias(ch, m):
+            m = self._next(ch.out)
+        if ch.kind == "Conv" and m is not None and m.domain == "" and m.op_type == "Add":
+            self._residual(ch, m)
+        self._activation(ch)
+        if not ch.absorbed:
+            return
+        fused = self._build(ch)
+        fused.outputs = [ch.out]
+        ch.out.producer = fused
+        self.insert[ch.absorbed[-1]] = [fused]
+        self.remove.update(ch.absorbed + [n])
+        self.record.add(f"{n.op_type} + " + " + ".join(x.op_type for x in ch.absorbed)
+                        + f" -> {fused.op_type}")
+
+    # -- pieces of the chain
+    def _other(self, ch: _Chain, m: Node) -> Value | None:
+        a, b = m.inputs[0], m.inputs[1] if len(m.inputs) > 1 else None
+        if a is ch.out and b is not ch.out:
+            return b
+        if b is ch.out and a is not ch.out:
+            return a
+        return None
+
+    def _bias(self, ch: _Chain, m: Node) -> bool:
+        other = self._other(ch, m)
+        c = const_value(other)
+        out_shape = shape_of(ch.out)
+        if c is None or out_shape is None or c.dtype != dtype_of(ch.out).numpy:
+            return False
+        if ch.kind == "Conv":
+            vec = _channel_vector(c, len(out_shape))
+            if vec is None or len(out_shape) < 2 or not isinstance(out_shape[1], int):
+                return False
+            vec = np.broadcast_to(vec, (out_shape[1],))
+            slot = 2
+        elif ch.kind == "MatMul":
+            vec = _last_axis_vector(c, len(out_shape))
+            if vec is None:
+                return False
+            slot = 2
+        else:
+            return self._gemm_bias(ch, m, c)
+        old = ch.slot(slot)
+        if old is not None:
+            oc = const_value(old)
+            if oc is None:
+                return False
+            vec = oc + vec
+        ch.set_slot(slot, add_const(self.g, f"{ch.out.name}_bias", np.asarray(vec, c.dtype)))
+        return self._take(ch, m)
+
+    def _gemm_bias(self, ch: _Chain, m: Node, c: np.ndarray) -> bool:
+        out_shape = shape_of(ch.out)
+        if len(out_shape) != 2 or c.ndim > 2:
+            return False
+        pad = (1,) * (2 - c.ndim) + c.shape
+        if not all(p == 1 or symdim.same(p, o) for p, o in zip(pad, out_shape)):
+            return False
+        old = ch.slot(2)
+        beta = ch.attrs.get("beta", 1.0)
+        if old is not None:
+            oc = const_value(old)
+            if oc is None:
+                return False
+            c = (oc * beta + c).astype(c.dtype)
+        ch.set_slot(2, add_const(self.g, f"{ch.out.name}_bias", c))
+        ch.attrs["beta"] = 1.0
+        return self._take(ch, m)
+
+    def _residual(self, ch: _Chain, m: Node) -> bool:
+        if ch.slot(3) is not None:
+            return False
+        z = self._other(ch, m)
+        a, b, o = shape_of(z), shape_of(ch.out), shape_of(m.outputs[0])
+        if z is None or not _same(a, b) or not _same(b, o) or dtype_of(z) != dtype_of(ch.out):
+            return False
+        ch.set_slot(3, z)
+        return self._take(ch, m)
+
+    def _take(self, ch: _Chain, m: Node) -> bool:
+        ch.absorbed.append(m)
+        ch.out = m.outputs[0]
+        return True
+
+    def _activation(self, ch: _Chain) -> None:
+        if ch.activation:
+            return
+        readers = self.uses.consumers(ch.out)
+        if self.uses.outputs[ch.out] or any(r not in self.own or r in self.remove
+                                           for r in readers):
+            return
+        if len(readers) == 1:
+            m = readers[0]
+            act = _single_activation(m, self.model.opset)
+            if act is not None:
+                ch.activation, ch.params = act
+                self._take(ch, m)
+            return
+        if len(readers) == 2:
+            self._gated(ch, readers)
+
+    def _gated(self, ch: _Chain, readers: list[Node]) -> None:
+        """``y * Sigmoid(y)`` (SiLU) and ``y * HardSigmoid(y)`` (HardSwish)."""
+        gate = next((r for r in readers if r.domain == "" and
+                     r.op_type in ("Sigmoid", "HardSigmoid")), None)
+        mul = next((r for r in readers if r.domain == "" and r.op_type == "Mul"), None)
+        if gate is None or mul is None or gate.inputs[0] is not ch.out:
+            return
+        if set(mul.inputs) != {ch.out, gate.outputs[0]} or self._next(gate.outputs[0]) is not mul:
+            return
+        if gate.op_type == "Sigmoid":
+            ch.activation = "Silu"
+        elif math.isclose(gate.attrs.get("alpha", 0.2), 1 / 6, rel_tol=1e-5) and \
+                math.isclose(gate.attrs.get("beta", 0.5), 0.5, rel_tol=1e-6):
+            ch.activation = "HardSwish"
+        else:
+            return
+        ch.params = []
+        ch.absorbed.append(gate)
+        self._take(ch, mul)
+
+    # -- the fused node
+    def _build(self, ch: _Chain) -> Node:
+        n = ch.anchor
+        act_attrs = {}
+        if ch.activation:
+            act_attrs["activation"] = ch.activation
+            if ch.params:
+                act_attrs["activation_params"] = [float(p) for p in ch.params]
+        name = n.name or ch.absorbed[-1].name
+        if ch.kind == "Conv":
+            attrs = {k: v for k, v in ch.attrs.items() if k in _CONV_ATTRS}
+            if not ch.activation and ch.slot(3) is None:
+                return Node("Conv", ch.inputs[:3], [None], attrs, name=name)
+            return Node("FusedConv", ch.inputs[:4], [None], {**attrs, **act_attrs},
+                        domain=KILN_DOMAIN, name=name)
+        if ch.kind == "Gemm":
+            attrs = {k: v for k, v in ch.attrs.items() if k in _GEMM_ATTRS}
+            if not ch.activation:
+                return Node("Gemm", ch.inputs[:3], [None], attrs, name=name)
+            return Node("FusedGemm", ch.inputs[:3], [None], {**attrs, **act_attrs},
+                        domain=KILN_DOMAIN, name=name)
+        return Node("FusedMatMul", ch.inputs[:3], [None], act_attrs, domain=KILN_DOMAIN,
+                    name=name)
+
+
+def _single_activation(m: Node, opset: int) -> tuple[str, list[float]] | None:
+    """The fused-activation name and parameters ``m`` computes, if it is one."""
+    op = m.op_type
+    if m.domain == KILN_DOMAIN and op == "Gelu":
+        return ("GeluTanh" if m.attrs.get("approximate") == "tanh" else "Gelu"), []
+    if m.domain != "":
+        return None
+    if op in _SIMPLE:
+        return _SIMPLE[op], []
+    if op == "Gelu":
+        return ("GeluTanh" if m.attrs.get("approximate") == "tanh" else "Gelu"), []
+    if op == "LeakyRelu":
+        return "LeakyRelu", [m.attrs.get("alpha", 0.01)]
+    if op == "HardSigmoid":
+        return "HardSigmoid", [m.attrs.get("alpha", 0.2), m.attrs.get("beta", 0.5)]
+    if op == "Clip":
+        if opset < 11:
+            return "Clip", [m.attrs.get("min", -math.inf), m.attrs.get("max", math.inf)]
+        bounds = []
+        for i, default in ((1, -math.inf), (2, math.inf)):
+            v = m.inputs[i] if len(m.inputs) > i else None
+            if v is None:
+                bounds.append(default)
+                continue
+            s = scalar_value(v)
+            if s is None:
+                return None
+            bounds.append(s)
+        return "Clip", bounds
+    return None
+
+
+def _channel_vector(c: np.ndarray, rank: int) -> np.ndarray | None:
+    """A Conv-output bias broadcast only along the channel axis, as a vector."""
+    if c.ndim > rank:
+        return None
+    pad = c.reshape((1,) * (rank - c.ndim) + c.shape)
+    if pad.shape[0] != 1 or any(d != 1 for d in pad.shape[2:]):
+        return None
+    return pad.reshape(-1)
+
+
+def _last_axis_vector(c: np.ndarray, rank: int) -> np.ndarray | None:
+    """A bias broadcast only along the last axis, as a vector."""
+    if c.ndim > rank or any(d != 1 for d in c.shape[:-1]):
+        return None
+    return c.reshape(-1)
+
+
+def _same(a, b) -> bool:
+    return a is not None and b is not None and len(a) == len(b) and \
+        all(symdim.same(x, y) for x, y in zip(a, b))

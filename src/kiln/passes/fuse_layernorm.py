@@ -1,0 +1,186 @@
+"""Fuse the decomposed layer normalization into one op:
+
+    mean = ReduceMean(x, axes)          d = x - mean
+    var  = ReduceMean(d ^ 2, axes)      (Pow(d, 2) or d * d)
+    y    = d / Sqrt(var + eps)          (or d * Reciprocal(Sqrt(...)))
+    [y * gamma] [+ beta]
+
+where ``axes`` are the last k axes. The result is ONNX's ``LayerNormalization`` (opset 17+,
+when Kiln has its kernel) or Kiln's ``LayerNorm`` (same semantics) for older models.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.ir import Graph, Model, Node, Value
+from kiln.ops.registry import KILN_DOMAIN, lookup
+from kiln.passes import symdim
+from kiln.passes.base import (
+    Pass,
+    PassRecord,
+    Uses,
+    add_const,
+    const_value,
+    dtype_of,
+    graphs,
+    producers,
+    rank_of,
+    rebuild,
+    scalar_value,
+    shape_of,
+)
+
+
+class FuseLayerNorm(Pass):
+    """Decomposed LayerNorm -> LayerNormalization (or Kiln's LayerNorm)."""
+
+    name = "fuse_layernorm"
+    level = 2
+    creates = ("LayerNorm",)
+
+    def run(self, model: Model, record: PassRecord) -> None:
+        for g in list(graphs(model.graph)):
+            _LayerNormFuser(g, model, record).run()
+        if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
+            model.opset_imports.setdefault(KILN_DOMAIN, 1)
+
+
+class _LayerNormFuser:
+    def __init__(self, g: Graph, model: Model, record: PassRecord):
+        self.g, self.model, self.record = g, model, record
+        self.uses, self.prod = Uses(g), producers(g)
+        self.remove: set[Node] = set()
+        self.insert: dict[Node, list[Node]] = {}
+        self.onnx_ln = model.opset >= 17 and \
+            lookup("", "LayerNormalization", model.opset) is not None
+
+    def run(self) -> None:
+        for n in self.g.nodes:
+            if n.domain == "" and n.op_type == "ReduceMean" and n not in self.remove:
+                self._match(n)
+        if self.remove:
+            rebuild(self.g, self.remove, self.insert)
+
+    def _readers(self, v: Value) -> list[Node]:
+        if self.uses.outputs[v]:
+            return []
+        return [r for r in self.uses.consumers(v) if r not in self.remove]
+
+    def _one(self, v: Value, *ops: str) -> Node | None:
+        r = self._readers(v)
+        if len(r) != 1 or len(self.uses.consumers(v)) != 1:
+            return None
+        return r[0] if r[0].domain == "" and r[0].op_type in ops else None
+
+    def _axes(self, n: Node) -> list[int] | None:
+        if not n.attrs.get("keepdims", 1):
+            return None
+        if self.model.opset >= 18:
+            if len(n.inputs) < 2 or n.inputs[1] is None:
+                return None
+            return symdim.known_ints(symdim.sym_of(n.inputs[1]))
+        return n.attrs.get("axes")
+
+    def _match(self, mean_node: Node) -> None:
+        x = mean_node.inputs[0]
+        axes = self._axes(mean_node)
+        rank = rank_of(x)
+        if axes is None or not axes or x is None or not dtype_of(x) or \
+                not dtype_of(x).is_float:
+            return
+        k = len(axes)
+        if rank is not None:
+            if sorted(a % rank for a in axes) != list(range(rank - k, rank)):
+                return
+        elif sorted(axes) != list(range(-k, 0)):
+            return
+        mean = mean_node.outputs[0]
+        sub = self._one(mean, "Sub")
+        if sub is None or sub.inputs[0] is not x or sub.inputs[1] is not mean:
+            return
+        d = sub.outputs[0]
+        readers = list(dict.fromkeys(self._readers(d)))  # Mul(d, d) reads d twice
+        if len(readers) != 2 or set(self.uses.consumers(d)) != set(readers):
+            return
+        sq = next((r for r in readers if r.op_type in ("Pow", "Mul") and r.domain == ""
+                   and r.inputs[0] is d), None)
+        div = next((r for r in readers if r is not sq), None)
+        if sq is None or div is None or div.domain != "":
+            return
+        if sq.op_type == "Pow" and scalar_value(sq.inputs[1]) != 2.0:
+            return
+        if sq.op_type == "Mul" and sq.inputs[1] is not d:
+            return
+        var_node = self._one(sq.outputs[0], "ReduceMean")
+        if var_node is None or sorted(self._axes(var_node) or []) != sorted(axes):
+            return
+        add = self._one(var_node.outputs[0], "Add")
+        if add is None:
+            return
+        eps_v = add.inputs[1] if add.inputs[0] is var_node.outputs[0] else add.inputs[0]
+        eps = scalar_value(eps_v)
+        if eps is None:
+            return
+        sqrt = self._one(add.outputs[0], "Sqrt")
+        if sqrt is None:
+            return
+        nodes = [mean_node, sub, sq, var_node, add, sqrt]
+        if div.op_type == "Div" and div.inputs[0] is d and div.inputs[1] is sqrt.outputs[0]:
+            if self._one(sqrt.outputs[0], "Div") is not div:
+                return
+            nodes.append(div)
+        elif div.op_type == "Mul":
+            rec = self._one(sqrt.outputs[0], "Reciprocal")
+            if rec is None or set(div.inputs) != {d, rec.outputs[0]} or \
+                    self._one(rec.outputs[0], "Mul") is not div:
+                return
+            nodes += [rec, div]
+        else:
+            return
+        y = div.outputs[0]
+        gamma = beta = None
+        mul = self._one(y, "Mul")
+        if mul is not None:
+            other = mul.inputs[1] if mul.inputs[0] is y else mul.inputs[0]
+            if self._param(other, k):
+                gamma, y = other, mul.outputs[0]
+                nodes.append(mul)
+        addb = self._one(y, "Add")
+        if addb is not None:
+            other = addb.inputs[1] if addb.inputs[0] is y else addb.inputs[0]
+            if self._param(other, k):
+                beta, y = other, addb.outputs[0]
+                nodes.append(addb)
+        self._emit(x, gamma, beta, y, nodes, -k, eps)
+
+    def _param(self, v: Value | None, k: int) -> bool:
+        """A constant scale/shift that broadcasts over the normalized axes only."""
+        c = const_value(v)
+        return c is not None and c.ndim <= k and c.dtype.kind == "f"
+
+    def _emit(self, x, gamma, beta, y, nodes, axis, eps) -> None:
+        dtype = dtype_of(x).numpy
+        norm_shape = shape_of(x)[axis:] if shape_of(x) is not None else None
+        static = symdim.static_shape(norm_shape)
+        use_onnx = self.onnx_ln and static is not None
+        if use_onnx:
+            gamma = self._full(gamma, static, 1.0, dtype, y)
+            beta = self._full(beta, static, 0.0, dtype, y) if beta is not None else None
+            node = Node("LayerNormalization", [x, gamma, beta] if beta is not None else
+                        [x, gamma], [y], {"axis": axis, "epsilon": eps}, name=nodes[0].name)
+        else:
+            node = Node("LayerNorm", [x, gamma, beta], [y], {"axis": axis, "epsilon": eps},
+                        domain=KILN_DOMAIN, name=nodes[0].name)
+        self.insert[nodes[-1]] = [node]
+        self.remove.update(nodes)
+        self.record.add("LayerNorm pattern fused")
+
+    def _full(self, v, shape, fill, dtype, y) -> Value:
+        """``v`` broadcast to the normalized shape (LayerNormalization wants it so)."""
+        c = const_value(v) if v is not None else None
+        arr = np.full(shape, fill, dtype) if c is None else \
+            np.broadcast_to(c.astype(dtype), shape).copy()
+        if c is not None and c.shape == tuple(shape) and c.dtype == dtype:
+            return v
+        return add_const(self.g, f"{y.name}_{'scale' if fill == 1.0 else 'bias'}", arr)

@@ -1,0 +1,86 @@
+"""CPU pinning: mark the values that are shapes, axes, sizes or indices computed at run
+time (``Value.meta["host"] = True``), so a GPU backend keeps them on the host and never
+round-trips a tiny tensor to the device and back to read it.
+
+Seeds are the inputs that ops read as shape-like data (Reshape's shape, Slice's starts,
+ConstantOfShape's shape, Range's bounds, Tile's repeats, TopK's k...). From there the
+mark spreads backwards through the small integer arithmetic that computed them (Shape,
+Gather, Concat, Unsqueeze, Add, Mul...); it stops at Shape/Size, which need only the
+*shape* of their input, not its data.
+"""
+
+from __future__ import annotations
+
+from kiln.ir import Model, TensorType, Value
+from kiln.passes import symdim
+from kiln.passes.base import Pass, PassRecord, graphs, producers
+
+SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "Tile": (1,),
+    "ConstantOfShape": (0,), "Range": (0, 1, 2), "Unsqueeze": (1,), "Squeeze": (1,),
+    "Resize": (1, 2, 3), "Upsample": (1,), "Pad": (1, 3), "TopK": (1,), "OneHot": (1,),
+    "Split": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,),
+    "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL1": (1,), "ReduceL2": (1,),
+    "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
+    "NonMaxSuppression": (2, 3, 4), "CumSum": (1,), "Trilu": (1,), "CenterCropPad": (1,),
+    "Col2Im": (1, 2), "DFT": (1, 2), "STFT": (1, 3), "RandomNormalLike": (),
+    "EyeLike": (), "MaxUnpool": (2,), "RoiAlign": (2,),
+}
+SHAPE_ARITHMETIC = frozenset({
+    "Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Cast", "Add", "Sub", "Mul", "Div",
+    "Neg", "Abs", "Equal", "Where", "Range", "Reshape", "ConstantOfShape", "ReduceProd",
+    "ReduceSum", "ReduceMax", "ReduceMin", "Max", "Min", "Floor", "Ceil", "Identity", "Not",
+    "And", "Or", "Less", "LessOrEqual", "Greater", "GreaterOrEqual", "Mod", "Sign",
+    "Expand", "Tile", "Flatten", "Constant",
+})
+STOP = frozenset({"Shape", "Size"})
+
+
+class PinHost(Pass):
+    """Mark shape/index values as host-resident (``meta["host"]``)."""
+
+    name = "pin_host"
+    level = 1
+    analysis = True
+
+    def run(self, model: Model, record: PassRecord) -> None:
+        prod = {}
+        for g in graphs(model.graph):
+            prod.update(producers(g))
+            for v in list(g.initializers.values()) + list(g.inputs):
+                v.meta.pop("host", None)
+            for n in g.nodes:
+                for v in n.outputs:
+                    if v is not None:
+                        v.meta.pop("host", None)
+        stack: list[Value] = []
+        for g in graphs(model.graph):
+            for n in g.nodes:
+                if n.domain == "":
+                    stack += [n.inputs[i] for i in SHAPE_INPUTS.get(n.op_type, ())
+                              if i < len(n.inputs) and n.inputs[i] is not None]
+        marked = 0
+        while stack:
+            v = stack.pop()
+            if v.meta.get("host") or not _small(v):
+                continue
+            v.meta["host"] = True
+            marked += 1
+            p = prod.get(v)
+            if p is None or p.domain != "" or p.op_type in STOP or \
+                    p.op_type not in SHAPE_ARITHMETIC:
+                continue
+            stack += [x for x in p.inputs if x is not None]
+        record.add("host values", marked)
+
+
+def _small(v: Value) -> bool:
+    """Integer (or bool) tensors of rank <= 1, or constants of that kind: shape-like data."""
+    t = v.type
+    if v.const is not None:
+        return v.const.ndim <= 1 and v.const.dtype.kind in "iub" and \
+            v.const.size <= symdim.MAX_SYM_LEN * 4
+    if not isinstance(t, TensorType):
+        return False
+    return (t.dtype in symdim._INT_TYPES or t.dtype.name == "BOOL") and \
+        (t.shape is None or len(t.shape) <= 1)

@@ -1,0 +1,181 @@
+"""Differential test of the optimizer: every model available to the test suite runs
+optimized and unoptimized on Kiln's NumPy backend, and the outputs must agree within
+float tolerance. Models: ONNX's light models (random float32 inputs of the declared
+shape), ONNX's ``simple`` and ``pytorch-converted`` model tests (their stored inputs), and
+the Kiln zoo models when they are in the cache (their reference inputs).
+
+A model Kiln cannot run unoptimized (an op still missing) is skipped with the reason. Each
+case prints the optimizer's report (node counts before/after, what each pass did); run
+with ``-s`` to see them, or ``python tests/test_optimizer_differential.py [names]``.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import kiln
+from kiln.optimize import optimize_with_report
+
+ONNX_DATA = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
+_ZOO_SLOW = {"vgg16", "resnet50", "arcface", "arcface_dynamo", "emotion_ferplus",
+             "emotion_ferplus_dynamo", "roberta", "roberta_dynamo", "tinyyolov2",
+             "tinyyolov2_dynamo"}
+
+
+def _light_cases():
+    for path in sorted(glob.glob(os.path.join(ONNX_DATA, "light", "*.onnx"))):
+        name = os.path.basename(path)[:-5]
+        yield pytest.param(("light", name, path), id=f"light:{name}", marks=pytest.mark.slow)
+
+
+def _dir_cases(kind: str):
+    for d in sorted(glob.glob(os.path.join(ONNX_DATA, kind, "*"))):
+        if os.path.exists(os.path.join(d, "model.onnx")):
+            name = os.path.basename(d)
+            yield pytest.param((kind, name, d), id=f"{kind}:{name}")
+
+
+def _zoo_cases():
+    try:
+        from kiln import zoo
+    except ImportError:
+        return
+    for e in zoo.list_models():
+        marks = [pytest.mark.slow] if e.name in _ZOO_SLOW else []
+        yield pytest.param(("zoo", e.name, None), id=f"zoo:{e.name}", marks=marks)
+
+
+CASES = [*_light_cases(), *_dir_cases("simple"), *_dir_cases("pytorch-converted"),
+         *_zoo_cases()]
+
+
+def _random_feed(vi: onnx.ValueInfoProto, rng) -> np.ndarray:
+    t = vi.type.tensor_type
+    shape = [d.dim_value if d.HasField("dim_value") else 1 for d in t.shape.dim]
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(t.elem_type)
+    if dtype.kind == "f":
+        return rng.standard_normal(shape).astype(dtype)
+    if dtype.kind == "b":
+        return rng.random(shape) > 0.5
+    return rng.integers(0, 3, shape).astype(dtype)
+
+
+def _read(path: str, tp: onnx.TypeProto):
+    data = open(path, "rb").read()
+    if tp.HasField("sequence_type"):
+        p = onnx.SequenceProto()
+        p.ParseFromString(data)
+        return numpy_helper.to_list(p)
+    if tp.HasField("optional_type"):
+        p = onnx.OptionalProto()
+        p.ParseFromString(data)
+        return numpy_helper.to_optional(p)
+    p = onnx.TensorProto()
+    p.ParseFromString(data)
+    return numpy_helper.to_array(p)
+
+
+def load_case(kind: str, name: str, where: str | None):
+    """(model path or proto, feeds dict, rtol, atol) for one case; skips when unavailable."""
+    if kind == "zoo":
+        from kiln import zoo
+        from kiln.zoo.build import is_built
+
+        if not is_built(name):
+            pytest.skip(f"zoo model {name} is not in the cache (python -m kiln.zoo build)")
+        inputs, _, meta = zoo.load_reference(name)
+        tol = meta.get("tolerance", {})
+        return str(zoo.path(name)), dict(inputs), tol.get("rtol", 1e-3), tol.get("atol", 1e-4)
+    if kind == "light":
+        model = onnx.load(where)
+        inits = {i.name for i in model.graph.initializer}
+        rng = np.random.default_rng(0)
+        feeds = {vi.name: _random_feed(vi, rng) for vi in model.graph.input
+                 if vi.name not in inits}
+        return where, feeds, 1e-3, 1e-4
+    path = os.path.join(where, "model.onnx")
+    model = onnx.load(path)
+    inits = {i.name for i in model.graph.initializer}
+    inputs = [vi for vi in model.graph.input if vi.name not in inits]
+    ds = os.path.join(where, "test_data_set_0")
+    feeds = {}
+    for i, vi in enumerate(inputs):
+        f = os.path.join(ds, f"input_{i}.pb")
+        if os.path.exists(f):
+            feeds[vi.name] = _read(f, vi.type)
+    return path, feeds, 1e-4, 1e-5
+
+
+def _compare(a, b, rtol, atol, what):
+    if isinstance(a, list):
+        assert isinstance(b, list) and len(a) == len(b), what
+        for x, y in zip(a, b):
+            _compare(x, y, rtol, atol, what)
+        return
+    if a is None:
+        assert b is None, what
+        return
+    a, b = np.asarray(a), np.asarray(b)
+    assert a.shape == b.shape and a.dtype == b.dtype, f"{what}: {a.shape}/{a.dtype} vs " \
+                                                      f"{b.shape}/{b.dtype}"
+    if a.dtype.kind in "fc":
+        np.testing.assert_allclose(b, a, rtol=rtol, atol=atol, err_msg=what)
+    else:
+        np.testing.assert_array_equal(b, a, err_msg=what)
+
+
+def run_case(kind: str, name: str, where: str | None, verbose: bool = True):
+    """Run one model both ways and compare; returns the optimizer's report."""
+    source, feeds, rtol, atol = load_case(kind, name, where)
+    model = kiln.load(source)
+    try:
+        plain = kiln.InferenceSession(model, optimize=False)
+    except kiln.UnsupportedOpError as e:
+        pytest.skip(f"Kiln cannot run it unoptimized yet: {e.ops}")
+    optimized, report = optimize_with_report(model)
+    if verbose:
+        print(f"\n[{kind}:{name}] {report.summary()}")
+    fast = kiln.InferenceSession(optimized, optimize=False)
+    try:
+        want = plain.run(None, feeds)
+    except kiln.KilnError as e:
+        pytest.skip(f"the unoptimized model fails on Kiln: {str(e)[:200]}")
+    got = fast.run(None, feeds)
+    names = [o.name for o in plain.get_outputs()]
+    for n, w, g in zip(names, want, got):
+        _compare(w, g, rtol, atol, f"{kind}:{name} output {n}")
+    return report
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_optimized_matches_unoptimized(case):
+    run_case(*case)
+
+
+def test_every_zoo_and_light_model_is_covered():
+    ids = {c.id for c in CASES}
+    assert any(i.startswith("light:") for i in ids)
+    assert any(i.startswith("simple:") for i in ids)
+    assert any(i.startswith("pytorch-converted:") for i in ids)
+
+
+if __name__ == "__main__":  # python tests/test_optimizer_differential.py [name ...]
+    wanted = set(sys.argv[1:])
+    for p in CASES:
+        kind, name, where = p.values[0]
+        if wanted and name not in wanted:
+            continue
+        try:
+            run_case(kind, name, where)
+            print("  ok")
+        except pytest.skip.Exception as e:
+            print(f"[{kind}:{name}] skipped: {e}")
+        except AssertionError as e:
+            print(f"[{kind}:{name}] MISMATCH: {str(e)[:300]}")

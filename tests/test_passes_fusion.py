@@ -1,0 +1,368 @@
+"""The fusion passes (BatchNorm folding; Conv/Gemm/MatMul + bias + residual + activation;
+decomposed LayerNorm and GELU; attention) against onnxruntime on the unfused model, and the
+fused kernels against the unfused kernel sequence for speed."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.ops import registry
+from test_passes_helpers import helper, init, make_model, ops, optimized, rand, vi
+
+# ---------------------------------------------------------------- BatchNorm folding
+
+
+def _bn_inputs(c, seed=1):
+    rng = np.random.default_rng(seed)
+    return [init("scale", rng.uniform(0.5, 2, c).astype(np.float32)),
+            init("bias", rng.standard_normal(c).astype(np.float32)),
+            init("mean", rng.standard_normal(c).astype(np.float32)),
+            init("var", rng.uniform(0.5, 2, c).astype(np.float32))]
+
+
+@pytest.mark.parametrize("with_bias", [True, False])
+def test_batchnorm_folds_into_conv(with_bias):
+    conv_in = ["x", "w", "b"] if with_bias else ["x", "w"]
+    nodes = [helper.make_node("Conv", conv_in, ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"],
+                              ["y"], epsilon=1e-3)]
+    proto = make_model(nodes, [vi("x", ["n", 3, 8, 8])], [vi("y", ["n", 4, 8, 8])],
+                       [init("w", rand(4, 3, 3, 3)), init("b", rand(4))] + _bn_inputs(4))
+    om, _ = optimized(proto, {"x": rand(2, 3, 8, 8)}, level=1, rtol=1e-4, atol=1e-4)
+    assert ops(om) == {"Conv": 1}
+
+
+@pytest.mark.parametrize("group", [1, 2])
+def test_batchnorm_folds_into_conv_transpose(group):
+    nodes = [helper.make_node("ConvTranspose", ["x", "w", "b"], ["c"], group=group,
+                              strides=[2, 2]),
+             helper.make_node("BatchNormalization", ["c", "scale", "bias", "mean", "var"],
+                              ["y"])]
+    proto = make_model(nodes, [vi("x", [1, 4, 5, 5])], [vi("y", None)],
+                       [init("w", rand(4, 6 // group, 3, 3)), init("b", rand(6))]
+                       + _bn_inputs(6))
+    om, _ = optimized(proto, {"x": rand(1, 4, 5, 5)}, level=1, rtol=1e-4, atol=1e-4)
+    assert ops(om) == {"ConvTranspose": 1}
+
+
+@pytest.mark.parametrize("trans_b", [0, 1])
+def test_batchnorm_folds_into_gemm(trans_b):
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["g"], transB=trans_b, alpha=0.7,
+                              beta=1.3),
+             helper.make_node("BatchNormalization", ["g", "scale", "bias", "mean", "var"],
+                              ["y"])]
+    w = rand(5, 6) if trans_b == 0 else rand(6, 5)
+    proto = make_model(nodes, [vi("x", [3, 5])], [vi("y", [3, 6])],
+                       [init("w", w), init("b", rand(6))] + _bn_inputs(6))
+    om, _ = optimized(proto, {"x": rand(3, 5)}, level=1, rtol=1e-4, atol=1e-4)
+    assert ops(om) == {"Gemm": 1}
+
+
+# ---------------------------------------------------------------- Conv/Gemm/MatMul + act
+
+
+def _act_nodes(act: str, x: str, y: str) -> tuple[list, list]:
+    """Nodes applying ``act`` to ``x`` giving ``y``, and the initializers they need."""
+    if act == "Relu6":
+        return [helper.make_node("Clip", [x, "lo", "hi"], [y])], \
+            [init("lo", np.float32(0)), init("hi", np.float32(6))]
+    if act == "SiLU":
+        return [helper.make_node("Sigmoid", [x], ["sg"]),
+                helper.make_node("Mul", [x, "sg"], [y])], []
+    if act == "HardSwishMul":
+        return [helper.make_node("HardSigmoid", [x], ["hs"], alpha=1 / 6, beta=0.5),
+                helper.make_node("Mul", ["hs", x], [y])], []
+    attrs = {"LeakyRelu": {"alpha": 0.2}, "HardSigmoid": {"alpha": 0.3, "beta": 0.4}}
+    return [helper.make_node(act, [x], [y], **attrs.get(act, {}))], []
+
+
+ACTS = ["Relu", "LeakyRelu", "Relu6", "Sigmoid", "HardSigmoid", "HardSwish", "HardSwishMul",
+        "SiLU", "Tanh"]
+
+
+@pytest.mark.parametrize("act", ACTS)
+def test_conv_bias_activation_fuse(act):
+    an, ai = _act_nodes(act, "cb", "y")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["c", "b"], ["cb"])] + an
+    proto = make_model(nodes, [vi("x", ["n", 3, 8, 8])], [vi("y", None)],
+                       [init("w", rand(4, 3, 3, 3)), init("b", rand(1, 4, 1, 1))] + ai,
+                       opset=14)
+    om, _ = optimized(proto, {"x": rand(2, 3, 8, 8)}, rtol=1e-4, atol=1e-5)
+    assert ops(om) == {"ai.kiln.FusedConv": 1}
+
+
+def test_conv_residual_add_relu_fuse():
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Add", ["x", "c"], ["s"]),
+             helper.make_node("Relu", ["s"], ["y"])]
+    proto = make_model(nodes, [vi("x", ["n", 4, 8, 8])], [vi("y", ["n", 4, 8, 8])],
+                       [init("w", rand(4, 4, 3, 3)), init("b", rand(4))])
+    om, _ = optimized(proto, {"x": rand(2, 4, 8, 8)}, rtol=1e-4, atol=1e-5)
+    (n,) = om.graph.nodes
+    assert n.op_type == "FusedConv" and n.inputs[3].name == "x"
+
+
+def test_conv_plus_bias_only_stays_a_standard_conv():
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"]),
+             helper.make_node("Add", ["c", "b"], ["y"])]
+    proto = make_model(nodes, [vi("x", [1, 3, 5, 5])], [vi("y", None)],
+                       [init("w", rand(2, 3, 1, 1)), init("b", rand(2, 1, 1))])
+    om, _ = optimized(proto, {"x": rand(1, 3, 5, 5)})
+    assert ops(om) == {"Conv": 1}
+
+
+@pytest.mark.parametrize("act", ["Relu", "Sigmoid", "LeakyRelu"])
+def test_gemm_activation_fuse(act):
+    an, ai = _act_nodes(act, "g", "y")
+    nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["g"], transB=1)] + an
+    proto = make_model(nodes, [vi("x", ["n", 5])], [vi("y", ["n", 6])],
+                       [init("w", rand(6, 5)), init("b", rand(6))] + ai)
+    om, _ = optimized(proto, {"x": rand(3, 5)})
+    assert ops(om) == {"ai.kiln.FusedGemm": 1}
+
+
+def test_matmul_bias_gelu_fuse_into_one_op():
+    # 3-D input: MatMul + Add(bias) + the erf form of GELU -> one FusedMatMul
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["b", "m"], ["h"]),
+             helper.make_node("Div", ["h", "sqrt2"], ["hd"]),
+             helper.make_node("Erf", ["hd"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]),
+             helper.make_node("Mul", ["h", "e1"], ["p"]),
+             helper.make_node("Mul", ["p", "half"], ["y"])]
+    proto = make_model(nodes, [vi("x", ["b", "s", 8])], [vi("y", ["b", "s", 16])],
+                       [init("w", rand(8, 16)), init("b", rand(16)),
+                        init("sqrt2", np.float32(math.sqrt(2))), init("one", np.float32(1)),
+                        init("half", np.float32(0.5))])
+    om, report = optimized(proto, {"x": rand(2, 3, 8)}, atol=1e-5)
+    assert ops(om) == {"ai.kiln.FusedMatMul": 1}
+    (n,) = om.graph.nodes
+    assert n.attrs["activation"] == "Gelu"
+
+
+# ---------------------------------------------------------------- GELU and LayerNorm
+
+
+def _gelu_erf(order: str, x="x", y="y"):
+    inner = [helper.make_node("Mul", [x, "inv_sqrt2"], ["hd"]),
+             helper.make_node("Erf", ["hd"], ["e"]),
+             helper.make_node("Add", ["one", "e"], ["e1"])]
+    if order == "x_then_half":
+        outer = [helper.make_node("Mul", [x, "e1"], ["p"]),
+                 helper.make_node("Mul", ["p", "half"], [y])]
+    elif order == "half_x_first":
+        outer = [helper.make_node("Mul", ["half", x], ["hx"]),
+                 helper.make_node("Mul", ["hx", "e1"], [y])]
+    else:
+        outer = [helper.make_node("Mul", ["e1", "half"], ["eh"]),
+                 helper.make_node("Mul", [x, "eh"], [y])]
+    return inner + outer
+
+
+def _gelu_consts():
+    return [init("inv_sqrt2", np.float32(1 / math.sqrt(2))), init("one", np.float32(1)),
+            init("half", np.float32(0.5)), init("c3", np.float32(3)),
+            init("k", np.float32(0.044715)), init("s2pi", np.float32(math.sqrt(2 / math.pi)))]
+
+
+@pytest.mark.parametrize("order", ["x_then_half", "half_x_first", "half_e_first"])
+def test_gelu_erf_form_fuses(order):
+    proto = make_model(_gelu_erf(order), [vi("x", ["n", 7])], [vi("y", ["n", 7])],
+                       _gelu_consts())
+    om, _ = optimized(proto, {"x": rand(4, 7) * 3}, atol=1e-5)
+    assert ops(om) == {"ai.kiln.Gelu": 1}
+
+
+@pytest.mark.parametrize("cube", ["pow", "mul"])
+def test_gelu_tanh_form_fuses(cube):
+    if cube == "pow":
+        c = [helper.make_node("Pow", ["x", "c3"], ["x3"])]
+    else:
+        c = [helper.make_node("Mul", ["x", "x"], ["xx"]),
+             helper.make_node("Mul", ["x", "xx"], ["x3"])]
+    nodes = c + [helper.make_node("Mul", ["x3", "k"], ["kx3"]),
+                 helper.make_node("Add", ["x", "kx3"], ["in"]),
+                 helper.make_node("Mul", ["in", "s2pi"], ["arg"]),
+                 helper.make_node("Tanh", ["arg"], ["t"]),
+                 helper.make_node("Add", ["t", "one"], ["t1"]),
+                 helper.make_node("Mul", ["x", "half"], ["hx"]),
+                 helper.make_node("Mul", ["hx", "t1"], ["y"])]
+    proto = make_model(nodes, [vi("x", ["n", 7])], [vi("y", ["n", 7])], _gelu_consts())
+    om, _ = optimized(proto, {"x": rand(4, 7) * 3}, atol=1e-5)
+    assert ops(om) == {"ai.kiln.Gelu": 1}
+    assert om.graph.nodes[0].attrs["approximate"] == "tanh"
+
+
+def test_gelu_becomes_onnx_gelu_from_opset_20():
+    if registry.lookup("", "Gelu", 20) is None:
+        pytest.skip("no Gelu kernel yet")
+    proto = make_model(_gelu_erf("x_then_half"), [vi("x", ["n", 7])], [vi("y", ["n", 7])],
+                       _gelu_consts(), opset=20)
+    om, _ = optimized(proto, {"x": rand(4, 7)}, atol=1e-5)
+    assert ops(om) == {"Gelu": 1}
+
+
+def _layernorm_nodes(opset: int, mul_form: bool = False):
+    axes = {"axes": [-1]} if opset < 18 else {}
+    ax_in = ["ax"] if opset >= 18 else []
+    sq = helper.make_node("Mul", ["d", "d"], ["sq"]) if mul_form else \
+        helper.make_node("Pow", ["d", "two"], ["sq"])
+    nodes = [helper.make_node("ReduceMean", ["x"] + ax_in, ["mean"], **axes),
+             helper.make_node("Sub", ["x", "mean"], ["d"]), sq,
+             helper.make_node("ReduceMean", ["sq"] + ax_in, ["var"], **axes),
+             helper.make_node("Add", ["var", "eps"], ["ve"]),
+             helper.make_node("Sqrt", ["ve"], ["std"]),
+             helper.make_node("Div", ["d", "std"], ["nrm"]),
+             helper.make_node("Mul", ["nrm", "gamma"], ["sc"]),
+             helper.make_node("Add", ["sc", "beta"], ["y"])]
+    inits = [init("two", np.float32(2)), init("eps", np.float32(1e-5)),
+             init("gamma", rand(16, seed=3)), init("beta", rand(16, seed=4)),
+             init("ax", np.array([-1]))]
+    return nodes, inits
+
+
+@pytest.mark.parametrize("opset,want", [(13, "ai.kiln.LayerNorm"), (17, "LayerNormalization"),
+                                        (18, "LayerNormalization")])
+def test_decomposed_layernorm_fuses(opset, want):
+    nodes, inits = _layernorm_nodes(opset, mul_form=opset == 17)
+    proto = make_model(nodes, [vi("x", ["b", "s", 16])], [vi("y", ["b", "s", 16])], inits,
+                       opset=opset)
+    om, _ = optimized(proto, {"x": rand(2, 5, 16) * 4 + 1}, rtol=1e-4, atol=1e-5)
+    if want == "LayerNormalization" and registry.lookup("", want, opset) is None:
+        want = "ai.kiln.LayerNorm"
+    assert ops(om) == {want: 1}
+
+
+# ---------------------------------------------------------------- attention
+
+
+@pytest.mark.parametrize("scale_op,mask", [("Div", True), ("Mul", False), (None, True)])
+def test_attention_fuses(scale_op, mask):
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"])]
+    cur = "s"
+    if scale_op:
+        nodes.append(helper.make_node(scale_op, [cur, "c"], ["ss"]))
+        cur = "ss"
+    if mask:
+        nodes.append(helper.make_node("Add", ["m", cur], ["sm"]))
+        cur = "sm"
+    nodes += [helper.make_node("Softmax", [cur], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["y"])]
+    c = 8.0 if scale_op == "Div" else 0.125
+    inputs = [vi("q", ["b", 2, "s", 8]), vi("k", ["b", 2, "s", 8]), vi("v", ["b", 2, "s", 8])]
+    feeds = {"q": rand(2, 2, 5, 8, seed=1), "k": rand(2, 2, 5, 8, seed=2),
+             "v": rand(2, 2, 5, 8, seed=3)}
+    if mask:
+        inputs.append(vi("m", ["b", 1, 1, "s"]))
+        m = np.zeros((2, 1, 1, 5), np.float32)
+        m[1, ..., 3:] = -1e4
+        feeds["m"] = m
+    proto = make_model(nodes, inputs, [vi("y", ["b", 2, "s", 8])],
+                       [init("c", np.float32(c))])
+    om, _ = optimized(proto, feeds, rtol=1e-4, atol=1e-5)
+    assert ops(om) == {"ai.kiln.Attention": 1, "Transpose": 1}
+
+
+def test_attention_with_extra_reader_is_left_alone():
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]),
+             helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"])]
+    proto = make_model(nodes, [vi("q", [1, 3, 4]), vi("k", [1, 4, 3]), vi("v", [1, 3, 4])],
+                       [vi("y", None), vi("p", None)])
+    om = kiln.optimize(kiln.load(proto))
+    assert "ai.kiln.Attention" not in ops(om)
+
+
+# ---------------------------------------------------------------- fused kernels are faster
+
+
+def _best(fn, reps=7) -> float:
+    fn()
+    best = math.inf
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def _kernel(op, domain="", opset=21):
+    d = registry.lookup(domain, op, opset)
+    if d is None:
+        pytest.skip(f"no {op} kernel yet")
+    return d.kernel
+
+
+def test_fused_conv_relu_is_faster_than_conv_then_relu():
+    conv, relu = _kernel("Conv"), _kernel("Relu")
+    fused = _kernel("FusedConv", "ai.kiln", 1)
+    x, w, b = rand(4, 32, 56, 56), rand(32, 32, 3, 3), rand(32)
+    kw = dict(pads=[1, 1, 1, 1])
+    unfused = _best(lambda: relu(conv(x, w, b, **kw)))
+    one = _best(lambda: fused(x, w, b, **kw, activation="Relu"))
+    np.testing.assert_allclose(fused(x, w, b, **kw, activation="Relu"),
+                               relu(conv(x, w, b, **kw)), rtol=1e-5, atol=1e-5)
+    assert one < unfused, (one, unfused)
+
+
+def test_fused_matmul_gelu_is_faster_than_the_unfused_ops():
+    matmul, add, mul, div, erf = (_kernel(o) for o in ("MatMul", "Add", "Mul", "Div", "Erf"))
+    fused = _kernel("FusedMatMul", "ai.kiln", 1)
+    x, w, b = rand(8, 128, 256), rand(256, 1024), rand(1024)
+    s2, one, half = np.float32(math.sqrt(2)), np.float32(1), np.float32(0.5)
+
+    def unfused():
+        h = add(matmul(x, w), b)
+        return mul(mul(h, add(erf(div(h, s2)), one)), half)
+
+    def one_op():
+        return fused(x, w, b, activation="Gelu")
+
+    np.testing.assert_allclose(one_op(), unfused(), rtol=1e-4, atol=1e-5)
+    assert _best(one_op) < _best(unfused)
+
+
+def test_fused_attention_is_faster_than_the_unfused_ops():
+    matmul, mul, add, softmax = (_kernel(o) for o in ("MatMul", "Mul", "Add", "Softmax"))
+    att = _kernel("Attention", "ai.kiln", 1)
+    q, kt, v = rand(4, 8, 128, 64, seed=1), rand(4, 8, 64, 128, seed=2), rand(4, 8, 128, 64)
+    mask = np.zeros((4, 1, 1, 128), np.float32)
+    c = np.float32(0.125)
+
+    def unfused():
+        return matmul(softmax(add(mul(matmul(q, kt), c), mask), axis=-1), v)
+
+    def one_op():
+        return att(q, kt, v, mask, scale=0.125, k_transposed=1)
+
+    np.testing.assert_allclose(one_op(), unfused(), rtol=1e-4, atol=1e-5)
+    assert _best(one_op) < _best(unfused)
+
+
+def test_kiln_layernorm_and_gelu_kernels_match_the_spec():
+    x = rand(3, 5, 16) * 3
+    ln = _kernel("LayerNorm", "ai.kiln", 1)
+    g, b = rand(16, seed=1), rand(16, seed=2)
+    mean = x.mean(-1, keepdims=True)
+    want = (x - mean) / np.sqrt(((x - mean) ** 2).mean(-1, keepdims=True) + 1e-5) * g + b
+    np.testing.assert_allclose(ln(x, g, b, epsilon=1e-5), want, rtol=1e-5, atol=1e-5)
+    gelu = _kernel("Gelu", "ai.kiln", 1)
+    erf = np.vectorize(math.erf)
+    np.testing.assert_allclose(gelu(x), 0.5 * x * (1 + erf(x / math.sqrt(2))), atol=2e-6)
+    tanh = 0.5 * x * (1 + np.tanh(math.sqrt(2 / math.pi) * (x + 0.044715 * x ** 3)))
+    np.testing.assert_allclose(gelu(x, approximate="tanh"), tanh, rtol=1e-5, atol=1e-6)
+    assert gelu(x).dtype == np.float32 and gelu(x.astype(np.float64)).dtype == np.float64
+
+
+def test_fused_ops_keep_float16():
+    mm = _kernel("FusedMatMul", "ai.kiln", 1)
+    x, w, b = (a.astype(np.float16) for a in (rand(2, 4), rand(4, 3), rand(3)))
+    for act in ("Relu", "Gelu", "GeluTanh", "Silu", "HardSwish", "Sigmoid", "LeakyRelu"):
+        assert mm(x, w, b, activation=act).dtype == np.float16, act
