@@ -21,6 +21,25 @@ class Backend:
         """The kernel to run ``opdef`` with, and where it runs (a placement label)."""
         return opdef.kernel, self.device
 
+    def bind(self, opdef: OpDef, node, opset: int, attrs: dict
+             ) -> tuple[Callable, dict, bool, str]:
+        """How the plan runs ``node``: (callable, the attributes it is called with, whether
+        it takes a KernelContext first, placement label). ``attrs`` are the node's bound
+        attributes; backends with their own kernels (torch) override this."""
+        fn, placement = self.kernel(opdef)
+        return fn, opdef.call_attrs(attrs), opdef.wants_ctx, placement
+
+    def prepare(self, plan, graph, opsets: dict, functions: dict) -> None:
+        """Called once the main plan is compiled (torch: fallback warning, compiled mode)."""
+
+    def constant(self, v):
+        """The backend array holding initializer ``v`` (``v.meta`` may carry placement hints)."""
+        return self.from_numpy(v.const)
+
+    def execute(self, plan, inputs: list, overrides: dict | None = None) -> list:
+        """Run the main plan once (backends wrap this in their execution context)."""
+        return plan.run(inputs, None, overrides)
+
     def from_numpy(self, x):
         return x
 

@@ -49,8 +49,7 @@ class Plan:
                  bindings: dict[str, Any] | None = None):
         self.graph = graph
         self.backend = compiler.backend
-        self.consts = {v: compiler.backend.from_numpy(v.const)
-                       for v in graph.initializers.values()}
+        self.consts = {v: compiler.backend.constant(v) for v in graph.initializers.values()}
         self.captures = graph.captures()
         self.steps: list[Step] = [self._step(n, opsets, compiler, bindings or {})
                                   for n in graph.nodes]
@@ -73,9 +72,8 @@ class Plan:
         common = dict(node=node, inputs=tuple(node.inputs), outputs=tuple(node.outputs),
                       frees=(), opset=opset)
         if opdef is not None:
-            fn, placement = compiler.backend.kernel(opdef)
-            return Step(fn=fn, attrs=opdef.call_attrs(attrs), wants_ctx=opdef.wants_ctx,
-                        placement=placement, **common)
+            fn, attrs, wants_ctx, placement = compiler.backend.bind(opdef, node, opset, attrs)
+            return Step(fn=fn, attrs=attrs, wants_ctx=wants_ctx, placement=placement, **common)
         func = compiler.functions.get((node.domain, node.op_type))
         if func is None:
             from kiln.onnxio.schema_functions import spec_function
@@ -97,6 +95,9 @@ class Plan:
                 if isinstance(sub, Plan):
                     for v in sub.captures:
                         last[v] = i
+            for g in s.node.subgraphs():  # also when a backend binds the plans elsewhere
+                for v in g.captures():
+                    last[v] = i
             for v in s.outputs:
                 if v is not None and v not in last:
                     last[v] = i  # produced but never read: free right away
@@ -171,6 +172,8 @@ def compile_model(graph: Graph, opsets: dict[str, int], functions: dict, backend
     """Compile the main graph; raises UnsupportedOpError naming every op Kiln lacks."""
     compiler = _Compiler(backend, functions)
     plan = Plan(graph, opsets, compiler)
+    if not compiler.missing:
+        backend.prepare(plan, graph, opsets, functions)
     if compiler.missing:
         names = ", ".join(f"{d + '.' if d else ''}{o} (opset {v})" for d, o, v in compiler.missing)
         raise UnsupportedOpError(

@@ -82,21 +82,57 @@ class InferenceSession:
         return [_node_arg(v) for v in self._overridable.values()]
 
     def run(self, output_names: list[str] | None, input_feed: dict[str, Any],
-            run_options: Any = None) -> list:
+            run_options: Any = None, *, output_type: str = "numpy") -> list:
         """Compute ``output_names`` (all outputs when None) from ``input_feed``
-        (name -> array); returns the outputs in the order asked for."""
+        (name -> array); returns the outputs in the order asked for, as NumPy arrays or,
+        with ``output_type="torch"``, as torch tensors left where they were computed
+        (zero-copy; they also speak DLPack)."""
+        return self._prepare_run(output_names, input_feed, output_type)()
+
+    def run_async(self, output_names: list[str] | None, input_feed: dict[str, Any],
+                  run_options: Any = None, *, output_type: str = "numpy"):
+        """Queue a run and return at once an :class:`~kiln.runtime.async_run.AsyncRun`
+        handle (``done()``, ``result()``, ``readback()``); runs execute in order. Feeds
+        are checked now, so bad feeds raise here."""
+        job = self._prepare_run(output_names, input_feed, output_type)
+        if getattr(self, "_async", None) is None:
+            from kiln.runtime.async_run import AsyncRunner
+            self._async = AsyncRunner(self.backend)
+        return self._async.submit(job)
+
+    def placement(self):
+        """Where each layer runs and why, and what the last run moved between host and
+        device (a :class:`~kiln.runtime.torch_backend.PlacementReport` on torch)."""
+        report = getattr(self.backend, "report", None)
+        if report is not None:
+            return report()
+        from kiln.runtime.placement import LayerPlacement, PlacementReport
+        return PlacementReport(self.backend.name, self.backend.device, [
+            LayerPlacement(s.node.name, s.node.op_type, self.backend.device, self.backend.name)
+            for s in self.plan.steps])
+
+    def _prepare_run(self, output_names, input_feed, output_type: str):
+        if output_type not in ("numpy", "torch"):
+            raise InputError(f"output_type must be 'numpy' or 'torch', got {output_type!r}")
         inputs = self._check_feed(input_feed)
         overrides = {v: self.backend.from_numpy(np.asarray(input_feed[n], v.const.dtype))
                      for n, v in self._overridable.items() if n in input_feed}
-        values = self.plan.run(inputs, None, overrides)
-        to_np = self.backend.to_numpy
-        if output_names is None:
-            return [to_np(x) for x in values]
         try:
-            return [to_np(values[self._outputs[n]]) for n in output_names]
+            picks = None if output_names is None else [self._outputs[n] for n in output_names]
         except KeyError as e:
             raise InputError(f"unknown output name {e.args[0]!r}; the model's outputs are "
                              f"{list(self._outputs)}") from None
+        if output_type == "torch":
+            from kiln.runtime.torch_backend import as_torch as convert
+        else:
+            convert = self.backend.to_numpy
+
+        def job() -> list:
+            values = self.backend.execute(self.plan, inputs, overrides)
+            if picks is not None:
+                values = [values[i] for i in picks]
+            return [convert(x) for x in values]
+        return job
 
     def _check_feed(self, feed: dict[str, Any]) -> list:
         if not isinstance(feed, dict):

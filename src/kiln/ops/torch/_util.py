@@ -1,0 +1,69 @@
+"""Small helpers shared by the torch kernels."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from kiln.ir import DType
+
+FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+TORCH_OF: dict[DType, torch.dtype] = {
+    DType.BOOL: torch.bool, DType.UINT8: torch.uint8, DType.INT8: torch.int8,
+    DType.INT16: torch.int16, DType.INT32: torch.int32, DType.INT64: torch.int64,
+    DType.FLOAT16: torch.float16, DType.BFLOAT16: torch.bfloat16, DType.FLOAT: torch.float32,
+    DType.DOUBLE: torch.float64, DType.COMPLEX64: torch.complex64,
+    DType.COMPLEX128: torch.complex128,
+}
+
+
+def ints(x) -> list[int]:
+    """A 1-D (or scalar) integer tensor/array/list as Python ints (reads it on the host)."""
+    if isinstance(x, torch.Tensor):
+        return [int(v) for v in x.reshape(-1).tolist()]
+    if isinstance(x, (list, tuple)):
+        return [int(v) for v in x]
+    return [int(v) for v in np.asarray(x).reshape(-1)]
+
+
+def scalar(x):
+    """A one-element tensor as a Python number."""
+    if isinstance(x, torch.Tensor):
+        return x.reshape(-1)[0].item()
+    return np.asarray(x).reshape(-1)[0].item()
+
+
+def is_float(*xs) -> bool:
+    return all(x is None or x.dtype in FLOATS for x in xs)
+
+
+def axis(a: int, rank: int) -> int:
+    return a + rank if a < 0 else a
+
+
+def const_tensor(site, i: int, dtype: torch.dtype | None = None):
+    """Constant input ``i`` of the node as a tensor on the backend's device, or None."""
+    c = site.const(i)
+    if c is None:
+        return None
+    t = site.backend.from_numpy(c)
+    if not isinstance(t, torch.Tensor):
+        return None
+    return t.to(dtype) if dtype is not None else t
+
+
+def same_pads(in_sizes, kernel, strides, dilations, mode: str) -> list[int]:
+    """ONNX auto_pad SAME_UPPER / SAME_LOWER pads, [begins..., ends...]."""
+    begins, ends = [], []
+    for n, k, s, d in zip(in_sizes, kernel, strides, dilations):
+        out = -(-n // s)
+        total = max(0, (out - 1) * s + (k - 1) * d + 1 - n)
+        small, big = total // 2, total - total // 2
+        if mode == "SAME_UPPER":
+            begins.append(small)
+            ends.append(big)
+        else:
+            begins.append(big)
+            ends.append(small)
+    return begins + ends

@@ -1,0 +1,258 @@
+"""Torch kernels for Kiln's fused ops (domain ai.kiln, defined in kiln/ops/fused.py).
+
+On the CPU, FusedConv with constant weights runs one oneDNN convolution whose post-ops
+do the residual add and the activation (the fusion torch.compile's freezing would make);
+elsewhere the activation is applied by torch right after the product.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.registry import KILN_DOMAIN
+from kiln.ops.torch import Site, kernel
+from kiln.ops.torch._util import FLOATS
+from kiln.ops.torch.elementwise import gemm as _gemm_builder
+from kiln.ops.torch.elementwise import matmul as _matmul_builder
+from kiln.ops.torch.nn import conv as _conv_builder
+
+NI = NotImplemented
+
+
+def activation_fn(name: str, params):
+    """A torch function applying the fused ``activation`` (see kiln/ops/fused.py)."""
+    p = list(params or [])
+    if not name:
+        return None
+    if name == "Relu":
+        return torch.relu
+    if name == "LeakyRelu":
+        alpha = p[0] if p else 0.01
+        return lambda y: F.leaky_relu(y, alpha)
+    if name == "Clip":
+        lo = p[0] if len(p) > 0 and p[0] is not None else None
+        hi = p[1] if len(p) > 1 and p[1] is not None else None
+        return lambda y: torch.clamp(y, lo, hi)
+    if name == "Sigmoid":
+        return torch.sigmoid
+    if name == "HardSigmoid":
+        alpha, beta = (p + [0.2, 0.5][len(p):])[:2]
+        return lambda y: torch.clamp(y * alpha + beta, 0, 1)
+    if name == "HardSwish":
+        return lambda y: y * torch.clamp(y * (1 / 6) + 0.5, 0, 1)
+    if name == "Silu":
+        return F.silu
+    if name == "Gelu":
+        return F.gelu
+    if name == "GeluTanh":
+        return lambda y: F.gelu(y, approximate="tanh")
+    if name == "Tanh":
+        return torch.tanh
+    return False  # unknown: let the NumPy kernel raise its error
+
+
+def _onednn_unary(name: str, params):
+    """(attr, scalars, algorithm) of oneDNN's conv post-op for ``name``, or None."""
+    p = list(params or [])
+    if not name:
+        return "none", [], ""
+    simple = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "HardSwish": "hardswish",
+              "Silu": "swish"}
+    if name in simple:
+        return simple[name], [], ""
+    if name == "LeakyRelu":
+        return "leaky_relu", [p[0] if p else 0.01], ""
+    if name == "Clip" and len(p) == 2 and None not in p:
+        return "hardtanh", [float(p[0]), float(p[1])], ""
+    if name == "Gelu":
+        return "gelu", [], "none"
+    if name == "GeluTanh":
+        return "gelu", [], "tanh"
+    return None
+
+
+def _sub_site(site: Site, n_inputs: int, drop=("activation", "activation_params")) -> Site:
+    """The site as the standard op (Conv, Gemm, MatMul) sees it."""
+    attrs = {k: v for k, v in site.attrs.items() if k not in drop}
+    node = SimpleNamespace(op_type="", name=site.node.name, inputs=site.node.inputs[:n_inputs],
+                           outputs=site.node.outputs[:1])
+    return Site(node, 21, attrs, site.backend)
+
+
+@kernel("FusedConv", 1, domain=KILN_DOMAIN, build=True)
+def fused_conv(site):
+    act_name = site.attr("activation", "") or ""
+    params = site.attr("activation_params")
+    act = activation_fn(act_name, params)
+    if act is False:
+        return None
+    be = site.backend
+    wc = site.const(1)
+    low = be.compute_dtype
+    onednn = _onednn_unary(act_name, params)
+    sub = _sub_site(site, 3)
+    plain = _conv_builder(sub)
+    if plain is None:
+        return None
+    site.notes.extend(sub.notes)
+    group = int(site.attr("group", 1))
+    fast = (onednn is not None and be.tdevice.type == "cpu" and not be.tracing and low is None
+            and wc is not None and wc.ndim == 4 and wc.dtype.name == "float32"
+            and hasattr(torch.ops, "mkldnn") and torch.backends.mkldnn.is_available())
+    state: dict = {}
+
+    def packed(pad, strides, dil):
+        key = (tuple(pad), tuple(strides), tuple(dil))
+        if key not in state:
+            w = torch.from_numpy(wc.copy())
+            state[key] = torch.ops.mkldnn._reorder_convolution_weight(
+                w, list(pad), list(strides), list(dil), group)
+        return state[key]
+
+    def generic(x, w, b, z):
+        y = plain(x, w, b)
+        if y is NI:
+            return NI
+        if z is not None:
+            y = y + z
+        return act(y) if act is not None else y
+
+    def run(x, w, b=None, z=None):
+        if not fast or x.dtype != torch.float32 or x.dim() != 4 or w.dtype != x.dtype \
+                or (b is not None and b.dtype != x.dtype):
+            return generic(x, w, b, z)
+        strides = list(site.attr("strides") or [1, 1])
+        dil = list(site.attr("dilations") or [1, 1])
+        from kiln.ops.torch.nn import _pads
+        p = _pads(site, list(x.shape[2:]), list(w.shape[2:]), strides, dil)
+        begins, ends = p[:2], p[2:]
+        if begins != ends:
+            return generic(x, w, b, z)
+        if be.channels_last:
+            x = x.contiguous(memory_format=torch.channels_last)
+        pw = packed(begins, strides, dil)
+        attr, scalars, algo = onednn
+        if z is None:
+            return torch.ops.mkldnn._convolution_pointwise(x, pw, b, begins, strides, dil,
+                                                           group, attr, scalars, algo)
+        n_out = [x.shape[0], w.shape[0]] + [
+            (sz + 2 * pb - ((k - 1) * d + 1)) // s + 1
+            for sz, pb, k, d, s in zip(x.shape[2:], begins, w.shape[2:], dil, strides)]
+        if list(z.shape) != n_out or z.dtype != x.dtype or attr not in ("none", "relu"):
+            y = torch.ops.mkldnn._convolution_pointwise(x, pw, b, begins, strides, dil,
+                                                        group, "none", [], "")
+            y = y + z
+            return act(y) if act is not None else y
+        if be.channels_last:
+            z = z.contiguous(memory_format=torch.channels_last)
+        return torch.ops.mkldnn._convolution_pointwise(
+            x, z, pw, b, begins, strides, dil, group, "add", None,
+            None if attr == "none" else attr, [], None)
+
+    if fast:
+        site.notes.append(f"oneDNN post-ops: {act_name or 'none'}")
+    return run
+
+
+@kernel("FusedGemm", 1, domain=KILN_DOMAIN, build=True)
+def fused_gemm(site):
+    act = activation_fn(site.attr("activation", "") or "", site.attr("activation_params"))
+    if act is False:
+        return None
+    sub = _sub_site(site, 3)
+    sub.node.op_type = "Gemm"
+    plain = _gemm_builder(sub)
+    if plain is None:
+        return None
+    site.notes.extend(sub.notes)
+
+    def run(a, b, c=None):
+        y = plain(a, b, c)
+        if y is NI or act is None:
+            return y
+        return act(y)
+    return run
+
+
+@kernel("FusedMatMul", 1, domain=KILN_DOMAIN, build=True)
+def fused_matmul(site):
+    act = activation_fn(site.attr("activation", "") or "", site.attr("activation_params"))
+    if act is False:
+        return None
+    sub = _sub_site(site, 2)
+    sub.node.op_type = "MatMul"
+    plain = _matmul_builder(sub)
+    site.notes.extend(sub.notes)
+    low = site.backend.compute_dtype
+    wc = site.const(1)
+    bc = site.const(2)
+    # A constant 2-D weight with a 1-D bias is exactly F.linear: one BLAS call with the
+    # bias folded in.
+    lin = None
+    if low is None and wc is not None and wc.ndim == 2 and wc.dtype.name == "float32" and (
+            bc is None or (bc.ndim == 1 and bc.shape[0] == wc.shape[1])):
+        lin = (site.backend.from_numpy(wc.T.copy()),
+               None if bc is None else site.backend.from_numpy(bc))
+
+    def run(a, b, bias=None):
+        if lin is not None and a.dtype == torch.float32 and a.dim() >= 2 \
+                and (bias is None) == (lin[1] is None):
+            y = F.linear(a, lin[0], lin[1])
+        else:
+            y = plain(a, b)
+            if y is NI:
+                return NI
+            if bias is not None:
+                y = y + bias
+        return act(y) if act is not None else y
+    return run
+
+
+@kernel("LayerNorm", 1, domain=KILN_DOMAIN)
+def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
+    if x.dtype not in FLOATS or any(t is not None and t.dtype != x.dtype for t in (scale, bias)):
+        return NI
+    a = axis + x.dim() if axis < 0 else axis
+    shape = tuple(x.shape[a:])
+    w = None if scale is None else scale.expand(shape)
+    b = None if bias is None else bias.expand(shape)
+    return F.layer_norm(x, shape, w, b, epsilon)
+
+
+@kernel("Gelu", 1, domain=KILN_DOMAIN)
+def gelu(x, *, approximate="none"):
+    return F.gelu(x, approximate=approximate) if x.dtype in FLOATS else NI
+
+
+@kernel("Attention", 1, domain=KILN_DOMAIN, build=True)
+def attention(site):
+    scale = float(site.attr("scale", 1.0))
+    kt = int(site.attr("k_transposed", 0))
+    low = site.backend.compute_dtype
+
+    def run(q, k, v, mask=None):
+        if q.dtype not in FLOATS or not (q.dtype == k.dtype == v.dtype):
+            return NI
+        if mask is not None and mask.dtype != q.dtype:
+            return NI
+        if kt:
+            k = k.transpose(-1, -2)
+        dt = q.dtype
+        if low is not None and dt == torch.float32:
+            q, k, v = q.to(low), k.to(low), v.to(low)
+            mask = None if mask is None else mask.to(low)
+        if q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+            y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+        else:
+            s = torch.matmul(q, k.transpose(-1, -2)) * scale
+            if mask is not None:
+                s = s + mask
+            y = torch.matmul(torch.softmax(s, -1), v)
+        return y if y.dtype == dt else y.to(dt)
+    if low is not None:
+        site.notes.append(f"computes in {low}")
+    return run
+

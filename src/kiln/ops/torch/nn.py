@@ -1,0 +1,434 @@
+"""Torch kernels for convolution, pooling, normalization, softmax and resize.
+
+ONNX padding ([begins..., ends...], auto_pad) is mapped onto torch's symmetric padding,
+with an explicit ``F.pad`` for asymmetric cases. On the CPU, 2-D convolutions with
+constant fp32 weights run oneDNN with the weights reordered once when the plan is built
+(the layout torch.compile's freezing would pick), in NHWC when ``channels_last`` is on.
+Cases a kernel does not cover exactly return None at build time (or NotImplemented at
+run time) and run on the NumPy kernel instead.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.torch import kernel
+from kiln.ops.torch._util import FLOATS, axis, const_tensor, ints, same_pads
+
+NI = NotImplemented
+_CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
+_CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
+_MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+_AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn") \
+    and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+
+
+def _pads(site, x_spatial, kernel_shape, strides, dilations) -> list[int]:
+    """The node's pads for this input size: explicit ones, or computed for auto_pad."""
+    n = len(x_spatial)
+    auto = site.attr("auto_pad", "NOTSET")
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        return same_pads(x_spatial, kernel_shape, strides, dilations, auto)
+    if auto == "VALID":
+        return [0] * (2 * n)
+    p = site.attr("pads")
+    return list(p) if p else [0] * (2 * n)
+
+
+def _torch_pad(begins, ends) -> list[int]:
+    """ONNX begins/ends per spatial dim -> F.pad's (last dim first) list."""
+    out = []
+    for b, e in zip(reversed(begins), reversed(ends)):
+        out += [b, e]
+    return out
+
+
+# -- convolution --------------------------------------------------------------------------
+
+@kernel("Conv", 1, build=True)
+def conv(site):
+    be = site.backend
+    group = int(site.attr("group", 1))
+    wc = site.const(1)
+    bc = const_tensor(site, 2)
+    low = be.compute_dtype
+    cl = be.channels_last
+    packable = (_MKLDNN and be.tdevice.type == "cpu" and not be.tracing and wc is not None
+                and wc.ndim == 4 and wc.dtype.name == "float32"
+                and low in (None, torch.bfloat16) and group >= 1)
+    state: dict = {}
+
+    def packed(pad, strides, dil):
+        key = (tuple(pad), tuple(strides), tuple(dil))
+        got = state.get(key)
+        if got is None:
+            w = torch.from_numpy(wc.copy())
+            b = bc
+            if low is not None:
+                w = w.to(low)
+                b = None if b is None else b.to(low)
+            pw = torch.ops.mkldnn._reorder_convolution_weight(w, list(pad), list(strides),
+                                                               list(dil), group)
+            got = state[key] = (pw, b)
+        return got
+
+    def run(x, w, b=None):
+        if x.dtype not in FLOATS or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+            return NI
+        n = x.dim() - 2
+        if n not in _CONV or w.dim() != n + 2:
+            return NI
+        ks = list(w.shape[2:])
+        strides = list(site.attr("strides") or [1] * n)
+        dil = list(site.attr("dilations") or [1] * n)
+        p = _pads(site, list(x.shape[2:]), ks, strides, dil)
+        begins, ends = p[:n], p[n:]
+        if begins != ends:
+            x = F.pad(x, _torch_pad(begins, ends))
+            begins = [0] * n
+        if packable and n == 2 and x.dtype == torch.float32:
+            pw, pb = packed(begins, strides, dil)
+            if b is not None and b is not bc:
+                pb = b if low is None else b.to(low)
+            xx = x if low is None else x.to(low)
+            if cl:
+                xx = xx.contiguous(memory_format=torch.channels_last)
+            y = torch.ops.mkldnn._convolution_pointwise(xx, pw, pb, begins, strides, dil,
+                                                        group, "none", [], "")
+            return y if low is None else y.to(torch.float32)
+        if low is not None and x.dtype == torch.float32:
+            y = _CONV[n](x.to(low), w.to(low), None if b is None else b.to(low), strides,
+                         begins, dil, group)
+            return y.to(torch.float32)
+        return _CONV[n](x, w, b, strides, begins, dil, group)
+
+    if packable:
+        site.notes.append("oneDNN, weights reordered once" + (", NHWC" if cl else ""))
+    if low is not None:
+        site.notes.append(f"computes in {low}")
+    return run
+
+
+@kernel("ConvTranspose", 1, build=True)
+def conv_transpose(site):
+    if site.attr("output_shape") or site.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
+        return None  # pads derived from output_shape / SAME: NumPy kernel
+    group = int(site.attr("group", 1))
+    low = site.backend.compute_dtype
+
+    def run(x, w, b=None):
+        if x.dtype not in FLOATS or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
+            return NI
+        n = x.dim() - 2
+        if n not in _CONVT:
+            return NI
+        strides = list(site.attr("strides") or [1] * n)
+        dil = list(site.attr("dilations") or [1] * n)
+        outpad = list(site.attr("output_padding") or [0] * n)
+        p = list(site.attr("pads") or [0] * (2 * n))
+        if site.attr("auto_pad", "NOTSET") == "VALID":
+            p = [0] * (2 * n)
+        begins, ends = p[:n], p[n:]
+        dt = x.dtype
+        if low is not None and dt == torch.float32:
+            x, w, b = x.to(low), w.to(low), None if b is None else b.to(low)
+        if begins == ends and all(o < max(s, d) for o, s, d in zip(outpad, strides, dil)):
+            y = _CONVT[n](x, w, b, strides, begins, outpad, group, dil)
+            return y if y.dtype == dt else y.to(dt)
+        # Asymmetric: full transposed conv, then crop/extend to ONNX's output size.
+        y = _CONVT[n](x, w, None, strides, 0, 0, group, dil)
+        full = list(y.shape[2:])
+        sizes = [s * (i - 1) + o + (k - 1) * d + 1 - bb - e for s, i, o, k, d, bb, e in zip(
+            strides, x.shape[2:], outpad, w.shape[2:], dil, begins, ends)]
+        extra = [max(0, bb + sz - f) for bb, sz, f in zip(begins, sizes, full)]
+        if any(extra):
+            y = F.pad(y, _torch_pad([0] * n, extra))
+        idx = (slice(None), slice(None)) + tuple(slice(bb, bb + sz) for bb, sz in
+                                                 zip(begins, sizes))
+        y = y[idx]
+        if b is not None:
+            y = y + b.reshape((1, -1) + (1,) * n)
+        return y if y.dtype == dt else y.to(dt)
+    return run
+
+
+# -- pooling ------------------------------------------------------------------------------
+
+def _pool_out(size, k, s, d, pb, pe, ceil) -> int:
+    span = size + pb + pe - ((k - 1) * d + 1)
+    return (-(-span // s) if ceil else span // s) + 1
+
+
+@kernel("MaxPool", 1, build=True)
+def max_pool(site):
+    want_idx = site.output_used(1)
+    if want_idx and int(site.attr("storage_order", 0)):
+        return None
+    ceil = bool(site.attr("ceil_mode", 0))
+
+    def run(x):
+        if x.dtype not in FLOATS:
+            return NI
+        n = x.dim() - 2
+        if n not in _MAXPOOL:
+            return NI
+        ks = list(site.attr("kernel_shape"))
+        strides = list(site.attr("strides") or [1] * n)
+        dil = list(site.attr("dilations") or [1] * n)
+        p = _pads(site, list(x.shape[2:]), ks, strides, dil)
+        begins, ends = p[:n], p[n:]
+        want = [_pool_out(sz, k, s, d, b, e, ceil) for sz, k, s, d, b, e in
+                zip(x.shape[2:], ks, strides, dil, begins, ends)]
+        sym = begins == ends and all(b <= ((k - 1) * d + 1) // 2 for b, k, d in
+                                     zip(begins, ks, dil))
+        if not sym:
+            if want_idx:
+                return NI
+            x = F.pad(x, _torch_pad(begins, ends), value=-math.inf)
+            begins = [0] * n
+        r = _MAXPOOL[n](x, ks, strides, begins, dil, ceil_mode=ceil, return_indices=want_idx)
+        y = r[0] if want_idx else r
+        if list(y.shape[2:]) != want:
+            return NI  # torch's ceil-mode rule differs here: NumPy kernel
+        if not want_idx:
+            return y
+        # torch's indices are per (n, c) plane; ONNX's run over the whole tensor.
+        plane = math.prod(x.shape[2:])
+        nc = torch.arange(x.shape[0] * x.shape[1], device=x.device).reshape(
+            (x.shape[0], x.shape[1]) + (1,) * n)
+        return y, r[1] + nc * plane
+    return run
+
+
+@kernel("AveragePool", 7, build=True)
+def average_pool(site):
+    ceil = bool(site.attr("ceil_mode", 0))
+    include = bool(site.attr("count_include_pad", 0))
+
+    def run(x):
+        if x.dtype not in FLOATS:
+            return NI
+        n = x.dim() - 2
+        if n not in _AVGPOOL:
+            return NI
+        ks = list(site.attr("kernel_shape"))
+        strides = list(site.attr("strides") or [1] * n)
+        dil = list(site.attr("dilations") or [1] * n)
+        if any(d != 1 for d in dil):
+            return NI
+        p = _pads(site, list(x.shape[2:]), ks, strides, dil)
+        begins, ends = p[:n], p[n:]
+        if begins != ends or any(b > k // 2 for b, k in zip(begins, ks)):
+            return NI
+        want = [_pool_out(sz, k, s, 1, b, e, ceil) for sz, k, s, b, e in
+                zip(x.shape[2:], ks, strides, begins, ends)]
+        if ceil and include:
+            return NI  # torch divides hanging-off windows differently
+        y = _AVGPOOL[n](x, ks, strides, begins, ceil_mode=ceil, count_include_pad=include)
+        return y if list(y.shape[2:]) == want else NI
+    return run
+
+
+@kernel("GlobalAveragePool", 1)
+def global_average_pool(x):
+    if x.dtype not in FLOATS:
+        return NI
+    return x.mean(dim=tuple(range(2, x.dim())), keepdim=True)
+
+
+@kernel("GlobalMaxPool", 1)
+def global_max_pool(x):
+    if x.dtype not in FLOATS:
+        return NI
+    return x.amax(dim=tuple(range(2, x.dim())), keepdim=True)
+
+
+# -- normalization ------------------------------------------------------------------------
+
+@kernel("BatchNormalization", 7, build=True)
+def batch_norm(site):
+    if int(site.attr("training_mode", 0)) or site.num_outputs > 1 \
+            or not int(site.attr("spatial", 1)):
+        return None  # training statistics, per-position params: NumPy kernel
+    eps = float(site.attr("epsilon", 1e-5))
+
+    def run(x, scale, bias, mean, var):
+        if x.dtype not in FLOATS or x.dim() < 2:
+            return NI
+        if any(t.dim() != 1 for t in (scale, bias, mean, var)):
+            return NI
+        dt = x.dtype
+        if not all(t.dtype == dt for t in (scale, bias, mean, var)):
+            return NI
+        return F.batch_norm(x, mean, var, scale, bias, False, 0.0, eps)
+    return run
+
+
+@kernel("InstanceNormalization", 6)
+def instance_norm(x, scale, bias, *, epsilon=1e-5):
+    if x.dtype not in FLOATS or x.dim() < 3 or scale.dtype != x.dtype:
+        return NI
+    return F.instance_norm(x, weight=scale, bias=bias, eps=epsilon)
+
+
+@kernel("LayerNormalization", 17, build=True)
+def layer_norm(site):
+    ax = int(site.attr("axis", -1))
+    eps = float(site.attr("epsilon", 1e-5))
+    stats = site.output_used(1) or site.output_used(2)
+    if int(site.attr("stash_type", 1)) != 1:
+        return None
+
+    def run(x, scale, bias=None):
+        if x.dtype not in FLOATS or scale.dtype != x.dtype \
+                or (stats and x.dtype == torch.float64):
+            return NI
+        a = axis(ax, x.dim())
+        shape = tuple(x.shape[a:])
+        w = scale if tuple(scale.shape) == shape else scale.expand(shape)
+        b = bias
+        if b is not None and tuple(b.shape) != shape:
+            b = b.expand(shape)
+        if not stats:
+            return F.layer_norm(x, shape, w, b, eps)
+        dims = tuple(range(a, x.dim()))
+        xf = x.float()
+        mean = xf.mean(dim=dims, keepdim=True)
+        inv = torch.rsqrt(((xf - mean) ** 2).mean(dim=dims, keepdim=True) + eps)
+        y = ((xf - mean) * inv).to(x.dtype) * w
+        if b is not None:
+            y = y + b
+        return y, mean, inv
+    return run
+
+
+@kernel("LpNormalization", 1)
+def lp_norm(x, *, axis=-1, p=2):
+    if x.dtype not in FLOATS or p not in (1, 2):
+        return NI
+    nrm = x.abs().sum(dim=axis, keepdim=True) if p == 1 else \
+        torch.sqrt((x * x).sum(dim=axis, keepdim=True))
+    return x / nrm
+
+
+# -- softmax ------------------------------------------------------------------------------
+
+def _softmax_kernel(fn):
+    def build(site):
+        legacy = site.opset < 13
+        ax = int(site.attr("axis", 1 if legacy else -1))
+
+        def run(x):
+            if x.dtype not in FLOATS:
+                return NI
+            if not legacy:
+                return fn(x, ax)
+            a = axis(ax, x.dim())
+            lead = math.prod(x.shape[:a])
+            return fn(x.reshape(lead, -1) if x.numel() else x.reshape(lead, 0), 1) \
+                .reshape(x.shape)
+        return run
+    return build
+
+
+kernel("Softmax", 1, build=True)(_softmax_kernel(torch.softmax))
+kernel("LogSoftmax", 1, build=True)(_softmax_kernel(torch.log_softmax))
+
+
+# -- dropout (inference) ------------------------------------------------------------------
+
+@kernel("Dropout", 7, build=True)
+def dropout(site):
+    if site.num_outputs > 1 and site.opset < 10:
+        return None  # the old mask type
+    if site.opset >= 12:
+        def run12(x, ratio=None, training_mode=None):
+            if training_mode is not None and bool(training_mode.reshape(-1)[0]):
+                return NI
+            if site.num_outputs > 1:
+                return x, torch.ones(x.shape, dtype=torch.bool, device=x.device)
+            return x
+        return run12
+
+    def run(x):
+        if site.num_outputs > 1:
+            return x, torch.ones(x.shape, dtype=torch.bool, device=x.device)
+        return x
+    return run
+
+
+# -- resize -------------------------------------------------------------------------------
+
+_INTERP = {1: "linear", 2: "bilinear", 3: "trilinear"}
+
+
+@kernel("Resize", 11, build=True)
+def resize(site):
+    """The coordinate conventions torch's interpolate implements exactly; others: NumPy."""
+    mode = site.attr("mode", "nearest")
+    ctm = site.attr("coordinate_transformation_mode", "half_pixel")
+    nearest_mode = site.attr("nearest_mode", "round_prefer_floor")
+    if int(site.attr("antialias", 0)) or site.attr("axes") is not None:
+        return None
+    if site.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+        return None
+    if mode == "nearest":
+        if (ctm, nearest_mode) == ("asymmetric", "floor"):
+            tmode, align = "nearest", None
+        elif (ctm, nearest_mode) == ("half_pixel", "round_prefer_ceil"):
+            tmode, align = "nearest-exact", None
+        else:
+            return None
+    elif mode == "linear" and ctm in ("half_pixel", "pytorch_half_pixel", "align_corners"):
+        tmode, align = "linear", ctm == "align_corners"
+    elif mode == "cubic" and ctm in ("half_pixel", "align_corners") \
+            and float(site.attr("cubic_coeff_a", -0.75)) == -0.75 \
+            and not int(site.attr("exclude_outside", 0)):
+        tmode, align = "bicubic", ctm == "align_corners"
+    else:
+        return None
+
+    def run(x, roi=None, scales=None, sizes=None):
+        if x.dtype not in FLOATS:
+            return NI
+        n = x.dim() - 2
+        if n < 1:
+            return NI
+        m = tmode
+        if m == "linear":
+            if n not in _INTERP:
+                return NI
+            m = _INTERP[n]
+        if m == "bicubic" and n != 2:
+            return NI
+        if sizes is not None and sizes.numel():
+            sz = ints(sizes)
+            if sz[:2] != list(x.shape[:2]):
+                return NI
+            if ctm == "pytorch_half_pixel" and min(sz[2:]) <= 1:
+                return NI
+            return F.interpolate(x, size=sz[2:], mode=m, align_corners=align)
+        if scales is None or not scales.numel():
+            return NI
+        sc = [float(v) for v in scales.reshape(-1).tolist()]
+        if sc[:2] != [1.0, 1.0]:
+            return NI
+        out = [int(math.floor(d * s)) for d, s in zip(x.shape[2:], sc[2:])]
+        if ctm == "pytorch_half_pixel" and min(out) <= 1:
+            return NI
+        if align:  # align_corners maps by sizes, not by the given scales
+            return F.interpolate(x, size=out, mode=m, align_corners=True)
+        y = F.interpolate(x, scale_factor=sc[2:], mode=m, align_corners=align,
+                          recompute_scale_factor=False)
+        return y if list(y.shape[2:]) == out else NI
+    return run
+
+
+@kernel("Flatten", 1)
+def flatten(x, *, axis=1):
+    a = axis + x.dim() if axis < 0 else axis
+    return x.reshape(math.prod(x.shape[:a]), math.prod(x.shape[a:]))

@@ -1,0 +1,363 @@
+"""Torch kernels for shape and data-movement ops, constants and reductions.
+
+Shape-valued results (Shape, Size) are made on the host: they are metadata, and ops that
+take shapes (Reshape, Expand, Slice...) read them there without a device round trip.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.torch import kernel
+from kiln.ops.torch._util import FLOATS, axis, ints, scalar
+
+NI = NotImplemented
+_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+def _out_device(site):
+    """Where a node that creates a tensor from nothing puts it."""
+    node = site.node
+    outs = [v for v in node.outputs if v is not None]
+    if outs and all(v.meta.get("host") for v in outs):
+        return torch.device("cpu")
+    return site.backend.tdevice
+
+
+# -- shapes -------------------------------------------------------------------------------
+
+@kernel("Shape", 1)
+def shape(x, *, start=0, end=None):
+    dims = list(x.shape)[start:end]
+    return torch.tensor(dims, dtype=torch.int64)
+
+
+@kernel("Size", 1)
+def size(x):
+    return torch.tensor(x.numel(), dtype=torch.int64)
+
+
+@kernel("Reshape", 5)
+def reshape(x, shape, *, allowzero=0):
+    s = ints(shape)
+    if not allowzero:
+        s = [x.shape[i] if d == 0 else d for i, d in enumerate(s)]
+    if -1 in s and x.numel() == 0:
+        return NI  # -1 is ambiguous with zero elements
+    return x.reshape(s)
+
+
+@kernel("Transpose", 1)
+def transpose(x, *, perm=None):
+    if perm is None:
+        perm = list(range(x.dim()))[::-1]
+    return x.permute(perm)
+
+
+def _squeeze(x, axes):
+    if axes is None:
+        return x.squeeze()
+    dims = tuple(axis(a, x.dim()) for a in axes)
+    if any(x.shape[d] != 1 for d in dims):
+        return NI
+    return x.squeeze(dims) if dims else x
+
+
+@kernel("Squeeze", 13)
+def squeeze13(x, axes=None):
+    return _squeeze(x, None if axes is None else ints(axes))
+
+
+@kernel("Squeeze", 1, until=13)
+def squeeze1(x, *, axes=None):
+    return _squeeze(x, axes)
+
+
+def _unsqueeze(x, axes):
+    rank = x.dim() + len(axes)
+    for a in sorted(axis(a, rank) for a in axes):
+        x = x.unsqueeze(a)
+    return x
+
+
+@kernel("Unsqueeze", 13)
+def unsqueeze13(x, axes):
+    return _unsqueeze(x, ints(axes))
+
+
+@kernel("Unsqueeze", 1, until=13)
+def unsqueeze1(x, *, axes=None):
+    return _unsqueeze(x, list(axes or []))
+
+
+@kernel("Concat", 4)
+def concat(*xs, axis=None):
+    if axis is None or len({x.dtype for x in xs}) != 1:
+        return NI
+    if len({x.dim() for x in xs}) != 1:
+        return NI
+    return torch.cat(xs, axis)
+
+
+@kernel("Split", 2, build=True)
+def split(site):
+    ax = int(site.attr("axis", 0))
+    n = site.num_outputs
+
+    def run(x, split=None):
+        a = axis(ax, x.dim())
+        if site.opset < 13:
+            sizes = site.attr("split")
+        else:
+            sizes = None if split is None or not split.numel() else ints(split)
+        if sizes:
+            if sum(sizes) != x.shape[a]:
+                return NI
+            return tuple(torch.split(x, list(sizes), a))
+        d = x.shape[a]
+        if site.opset < 18 and d % n:
+            return NI
+        chunk = -(-d // n)
+        parts = tuple(torch.split(x, chunk, a)) if chunk else ()
+        return parts if len(parts) == n else NI
+    return run
+
+
+def _slice(x, starts, ends, axes, steps):
+    idx = [slice(None)] * x.dim()
+    flips = []
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        a = axis(axes[i], x.dim()) if axes is not None else i
+        st = steps[i] if steps is not None else 1
+        if st == 0:
+            return NI
+        if st > 0:
+            idx[a] = slice(s, e, st)
+        else:
+            flips.append((a, range(*slice(s, e, st).indices(x.shape[a]))))
+    y = x[tuple(idx)]
+    for a, r in flips:
+        y = y.index_select(a, torch.tensor(list(r), dtype=torch.int64, device=y.device))
+    return y
+
+
+@kernel("Slice", 10)
+def slice10(x, starts, ends, axes=None, steps=None):
+    return _slice(x, ints(starts), ints(ends), None if axes is None else ints(axes),
+                  None if steps is None else ints(steps))
+
+
+@kernel("Slice", 1, until=10)
+def slice1(x, *, axes=None, ends=None, starts=None):
+    return _slice(x, list(starts), list(ends), None if axes is None else list(axes), None)
+
+
+@kernel("Gather", 1)
+def gather(x, indices, *, axis=0):
+    if indices.dtype not in (torch.int32, torch.int64):
+        return NI
+    a = axis + x.dim() if axis < 0 else axis
+    if indices.dim() == 1 and a == 0 and indices.numel():
+        if indices.device != x.device:
+            indices = indices.to(x.device)
+        return x.index_select(0, torch.where(indices < 0, indices + x.shape[0], indices))
+    return x[(slice(None),) * a + (indices,)]
+
+
+@kernel("GatherElements", 11)
+def gather_elements(x, indices, *, axis=0):
+    if indices.dtype not in (torch.int32, torch.int64):
+        return NI
+    a = axis + x.dim() if axis < 0 else axis
+    idx = torch.where(indices < 0, indices + x.shape[a], indices).to(torch.int64)
+    return torch.gather(x, a, idx)
+
+
+@kernel("Expand", 8)
+def expand(x, shape):
+    out = torch.broadcast_shapes(tuple(x.shape), tuple(ints(shape)))
+    return x.expand(out)
+
+
+@kernel("Identity", 1)
+def identity(x):
+    return x
+
+
+@kernel("Tile", 6)
+def tile(x, repeats):
+    return x.repeat(ints(repeats))
+
+
+@kernel("Pad", 11, build=True)
+def pad(site):
+    if site.attr("mode", "constant") != "constant":
+        return None
+
+    def run(x, pads, value=None, axes=None):
+        p = ints(pads)
+        r = x.dim()
+        ax = list(range(r)) if axes is None else [axis(a, r) for a in ints(axes)]
+        n = len(ax)
+        begins, ends = [0] * r, [0] * r
+        for i, a in enumerate(ax):
+            begins[a], ends[a] = p[i], p[i + n]
+        fp = []
+        for a in reversed(range(r)):
+            fp += [begins[a], ends[a]]
+        v = 0 if value is None or not value.numel() else scalar(value)
+        if x.dtype == torch.bool:
+            return NI
+        return F.pad(x, fp, value=v)
+    return run
+
+
+# -- constants ----------------------------------------------------------------------------
+
+@kernel("Constant", 1, build=True)
+def constant(site):
+    a = site.attrs
+    if "value" in a:
+        val = np.asarray(a["value"])
+    elif "value_float" in a:
+        val = np.array(a["value_float"], dtype=np.float32)
+    elif "value_floats" in a:
+        val = np.array(a["value_floats"], dtype=np.float32)
+    elif "value_int" in a:
+        val = np.array(a["value_int"], dtype=np.int64)
+    elif "value_ints" in a:
+        val = np.array(a["value_ints"], dtype=np.int64)
+    else:
+        return None  # strings, sparse: NumPy kernel
+    from kiln.runtime.torch_backend import _np_to_torch
+    t = _np_to_torch(val)
+    if t is None:
+        return None
+    t = t.to(_out_device(site))
+
+    def run():
+        return t
+    return run
+
+
+@kernel("ConstantOfShape", 9, build=True)
+def constant_of_shape(site):
+    from kiln.runtime.torch_backend import _np_to_torch
+    v = site.attr("value")
+    val = np.zeros(1, np.float32) if v is None else np.asarray(v).reshape(-1)
+    t = _np_to_torch(val)
+    if t is None:
+        return None
+    fill = val[0].item()
+    dt = t.dtype
+    dev = _out_device(site)
+
+    def run(shape):
+        return torch.full(ints(shape), fill, dtype=dt, device=dev)
+    return run
+
+
+@kernel("Range", 11, build=True)
+def range_(site):
+    dev = _out_device(site)
+
+    def run(start, limit, delta):
+        if start.dtype not in _INTS:
+            return NI
+        s, lim, d = scalar(start), scalar(limit), scalar(delta)
+        if d == 0:
+            return NI
+        n = max(math.ceil((lim - s) / d), 0)
+        return s + torch.arange(n, dtype=start.dtype, device=dev) * d
+    return run
+
+
+# -- reductions ---------------------------------------------------------------------------
+
+def _reduce_kernel(fn, floats_only: bool, empty_ok: bool):
+    def build(site):
+        axes_attr = site.opset < (13 if site.node.op_type == "ReduceSum" else 18)
+        keep = bool(int(site.attr("keepdims", 1)))
+        noop = bool(int(site.attr("noop_with_empty_axes", 0)))
+
+        def run(x, axes=None):
+            if x.dtype == torch.bool or (floats_only and x.dtype not in FLOATS) \
+                    or x.dtype.is_complex:
+                return NI
+            if not empty_ok and x.numel() == 0:
+                return NI
+            ax = site.attr("axes") if axes_attr else (None if axes is None else ints(axes))
+            if not ax:
+                if noop and not axes_attr:
+                    return x
+                ax = list(range(x.dim()))
+            dims = tuple(sorted({axis(a, x.dim()) for a in ax}))
+            if not dims:
+                return x
+            return fn(x, dims, keep)
+        return run
+    return build
+
+
+def _sum(x, d, k):
+    return torch.sum(x, dim=d, keepdim=k, dtype=x.dtype)
+
+
+def _prod(x, d, k):
+    for a in sorted(d, reverse=True):
+        x = torch.prod(x, dim=a, keepdim=k, dtype=x.dtype)
+    return x
+
+
+_REDUCE = {
+    "ReduceSum": (_sum, False, True),
+    "ReduceMean": (lambda x, d, k: torch.mean(x, dim=d, keepdim=k), True, False),
+    "ReduceMax": (lambda x, d, k: torch.amax(x, dim=d, keepdim=k), False, False),
+    "ReduceMin": (lambda x, d, k: torch.amin(x, dim=d, keepdim=k), False, False),
+    "ReduceProd": (_prod, False, True),
+    "ReduceL1": (lambda x, d, k: torch.sum(x.abs(), dim=d, keepdim=k), True, True),
+    "ReduceL2": (lambda x, d, k: torch.sqrt(torch.sum(x * x, dim=d, keepdim=k)), True, True),
+    "ReduceSumSquare": (lambda x, d, k: torch.sum(x * x, dim=d, keepdim=k), True, True),
+    "ReduceLogSum": (lambda x, d, k: torch.log(torch.sum(x, dim=d, keepdim=k)), True, False),
+    "ReduceLogSumExp": (lambda x, d, k: torch.logsumexp(x, dim=d, keepdim=k), True, False),
+}
+for _op, (_fn, _floats, _empty) in _REDUCE.items():
+    kernel(_op, 1, build=True)(_reduce_kernel(_fn, _floats, _empty))
+
+
+def _arg_kernel(fn):
+    def run(x, *, axis=0, keepdims=1, select_last_index=0):
+        if x.dtype == torch.bool or x.dtype.is_complex or x.numel() == 0:
+            return NI
+        a = axis + x.dim() if axis < 0 else axis
+        if select_last_index:
+            r = x.shape[a] - 1 - fn(torch.flip(x, (a,)), dim=a, keepdim=bool(keepdims))
+            return r
+        return fn(x, dim=a, keepdim=bool(keepdims))
+    return run
+
+
+kernel("ArgMax", 11)(_arg_kernel(torch.argmax))
+kernel("ArgMin", 11)(_arg_kernel(torch.argmin))
+
+
+@kernel("TopK", 11)
+def topk(x, k, *, axis=-1, largest=1, sorted=1):  # noqa: A002
+    if x.dtype not in FLOATS + _INTS:
+        return NI
+    kk = ints(k)[0]
+    a = axis + x.dim() if axis < 0 else axis
+    # a stable sort keeps equal values in index order, as ONNX asks
+    vals, idx = torch.sort(x, dim=a, descending=bool(largest), stable=True)
+    return vals.narrow(a, 0, kk), idx.narrow(a, 0, kk)
+
+
+@kernel("Einsum", 12)
+def einsum(*xs, equation=None):
+    if equation is None or len({x.dtype for x in xs}) != 1 or xs[0].dtype not in FLOATS:
+        return NI
+    return torch.einsum(equation, *xs)

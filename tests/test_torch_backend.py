@@ -1,0 +1,535 @@
+"""The torch backend: results against onnxruntime, torch I/O, async runs, CPU fallback and
+its report, host-pinned values, reduced precision, compiled mode, and CUDA (skipped
+without a GPU)."""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from conftest import make_model as _make_model
+from conftest import ort_run
+from kiln.ops import registry
+
+torch = pytest.importorskip("torch")
+
+from kiln.runtime.torch_backend import CompileWarning, FallbackWarning  # noqa: E402
+
+CUDA = torch.cuda.is_available()
+needs_cuda = pytest.mark.skipif(
+    not CUDA, reason="no CUDA device (torch.cuda.is_available() is False); these tests run "
+                     "where a GPU is present")
+
+
+def make_model(nodes, inputs, outputs, initializers=(), custom: bool = False):
+    """conftest's make_model, plus the test.torch domain of the custom ops here."""
+    m = _make_model(nodes, inputs, outputs, initializers)
+    if custom:
+        m.opset_import.append(helper.make_opsetid("test.torch", 1))
+    return m
+
+
+def _init(name, arr):
+    return numpy_helper.from_array(np.asarray(arr), name)
+
+
+def _has(*ops) -> bool:
+    return all(registry.lookup("", op, 17) is not None for op in ops)
+
+
+def _requires(*ops):
+    missing = [op for op in ops if registry.lookup("", op, 17) is None]
+    return pytest.mark.skipif(bool(missing), reason=f"no NumPy kernel yet for {missing}")
+
+
+@pytest.fixture
+def conv_net():
+    """Conv (asymmetric pads) -> BN -> Relu -> MaxPool -> Conv (SAME_UPPER, stride 2) + Add
+    -> Relu -> AveragePool -> GlobalAveragePool -> Flatten -> Gemm -> Softmax."""
+    rng = np.random.default_rng(1)
+    f = np.float32
+    inits = [_init("w1", rng.standard_normal((8, 3, 3, 3)).astype(f) * 0.3),
+             _init("b1", rng.standard_normal(8).astype(f)),
+             _init("scale", rng.uniform(0.5, 1.5, 8).astype(f)),
+             _init("bias", rng.standard_normal(8).astype(f)),
+             _init("mean", rng.standard_normal(8).astype(f) * 0.1),
+             _init("var", rng.uniform(0.5, 2, 8).astype(f)),
+             _init("w2", rng.standard_normal((8, 8, 3, 3)).astype(f) * 0.2),
+             _init("b2", rng.standard_normal(8).astype(f)),
+             _init("w3", rng.standard_normal((8, 8, 1, 1)).astype(f) * 0.3),
+             _init("wf", rng.standard_normal((5, 8)).astype(f)),
+             _init("bf", rng.standard_normal(5).astype(f))]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 0, 2, 1]),
+        helper.make_node("BatchNormalization", ["c1", "scale", "bias", "mean", "var"], ["bn"]),
+        helper.make_node("Relu", ["bn"], ["r1"]),
+        helper.make_node("MaxPool", ["r1"], ["p1"], kernel_shape=[2, 2], strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "w2", "b2"], ["c2"], auto_pad="SAME_UPPER",
+                         strides=[2, 2]),
+        helper.make_node("Conv", ["p1", "w3"], ["c3"], strides=[2, 2]),
+        helper.make_node("Add", ["c2", "c3"], ["s"]),
+        helper.make_node("Relu", ["s"], ["r2"]),
+        helper.make_node("AveragePool", ["r2"], ["p2"], kernel_shape=[3, 3], pads=[1, 1, 1, 1],
+                         strides=[1, 1]),
+        helper.make_node("GlobalAveragePool", ["p2"], ["g"]),
+        helper.make_node("Flatten", ["g"], ["fl"]),
+        helper.make_node("Gemm", ["fl", "wf", "bf"], ["logits"], transB=1),
+        helper.make_node("Softmax", ["logits"], ["y"], axis=-1),
+    ]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                            ["batch", 3, 17, 15])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 5])],
+                      inits)
+
+
+@pytest.fixture
+def transformer_block():
+    """One pre-LN self-attention block with a GELU MLP, shapes from the input (seq free)."""
+    rng = np.random.default_rng(2)
+    d, h, f = 16, 2, 32
+    r = lambda *s: (rng.standard_normal(s) * 0.2).astype(np.float32)  # noqa: E731
+    inits = [_init("ln_s", 1 + r(d)), _init("ln_b", r(d)), _init("wq", r(d, d)),
+             _init("wk", r(d, d)), _init("wv", r(d, d)), _init("wo", r(d, d)),
+             _init("bo", r(d)), _init("w1", r(d, f)), _init("b1", r(f)), _init("w2", r(f, d)),
+             _init("b2", r(d)), _init("heads", np.array([0, 0, h, d // h], np.int64)),
+             _init("back", np.array([0, 0, d], np.int64)),
+             _init("scale", np.array(np.sqrt(d // h), np.float32)),
+             _init("half", np.array(0.5, np.float32)), _init("one", np.array(1.0, np.float32)),
+             _init("rsqrt2", np.array(1 / np.sqrt(2), np.float32))]
+    N = helper.make_node
+    nodes = [
+        N("LayerNormalization", ["x", "ln_s", "ln_b"], ["ln"], axis=-1, epsilon=1e-5),
+        N("MatMul", ["ln", "wq"], ["q0"]), N("MatMul", ["ln", "wk"], ["k0"]),
+        N("MatMul", ["ln", "wv"], ["v0"]),
+        N("Reshape", ["q0", "heads"], ["q1"]), N("Transpose", ["q1"], ["q"], perm=[0, 2, 1, 3]),
+        N("Reshape", ["k0", "heads"], ["k1"]), N("Transpose", ["k1"], ["kt"], perm=[0, 2, 3, 1]),
+        N("Reshape", ["v0", "heads"], ["v1"]), N("Transpose", ["v1"], ["v"], perm=[0, 2, 1, 3]),
+        N("MatMul", ["q", "kt"], ["s0"]), N("Div", ["s0", "scale"], ["s1"]),
+        N("Softmax", ["s1"], ["p"], axis=-1), N("MatMul", ["p", "v"], ["a0"]),
+        N("Transpose", ["a0"], ["a1"], perm=[0, 2, 1, 3]), N("Reshape", ["a1", "back"], ["a2"]),
+        N("MatMul", ["a2", "wo"], ["o0"]), N("Add", ["o0", "bo"], ["o1"]),
+        N("Add", ["x", "o1"], ["res1"]),
+        N("MatMul", ["res1", "w1"], ["m0"]), N("Add", ["m0", "b1"], ["m1"]),
+        N("Mul", ["m1", "rsqrt2"], ["g0"]), N("Erf", ["g0"], ["g1"]),
+        N("Add", ["g1", "one"], ["g2"]),
+        N("Mul", ["m1", "g2"], ["g3"]), N("Mul", ["g3", "half"], ["g4"]),
+        N("MatMul", ["g4", "w2"], ["m2"]), N("Add", ["m2", "b2"], ["m3"]),
+        N("Add", ["res1", "m3"], ["y"]),
+    ]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                            ["batch", "seq", d])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                     ["batch", "seq", d])], inits)
+
+
+def _x_conv(batch=2, seed=0):
+    return np.random.default_rng(seed).standard_normal((batch, 3, 17, 15)).astype(np.float32)
+
+
+def _x_tr(batch=2, seq=7, seed=0):
+    return np.random.default_rng(seed).standard_normal((batch, seq, 16)).astype(np.float32)
+
+
+# -- results ----------------------------------------------------------------------------
+
+@_requires("Conv", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool",
+           "Flatten", "Gemm", "Softmax")
+@pytest.mark.parametrize("optimize", [True, False])
+def test_conv_net_matches_onnxruntime(conv_net, optimize):
+    sess = kiln.InferenceSession(conv_net, backend="torch", optimize=optimize)
+    for batch in (1, 3):
+        x = _x_conv(batch, batch)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(conv_net, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-5)
+    rep = sess.placement()
+    assert not rep.fallbacks, str(rep)
+    assert rep.last_run.transfers == 0
+
+
+def test_mlp_matches_onnxruntime(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch")
+    x = np.random.default_rng(0).standard_normal((6, 4)).astype(np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(mlp_model, {"x": x})[0],
+                               rtol=1e-5, atol=1e-6)
+
+
+@_requires("LayerNormalization", "MatMul", "Reshape", "Transpose", "Softmax", "Erf")
+@pytest.mark.parametrize("optimize", [True, False])
+def test_transformer_block_matches_onnxruntime(transformer_block, optimize):
+    sess = kiln.InferenceSession(transformer_block, backend="torch", optimize=optimize)
+    for seq in (5, 9):
+        x = _x_tr(2, seq)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                   ort_run(transformer_block, {"x": x})[0], rtol=1e-4,
+                                   atol=1e-5)
+    assert not sess.placement().fallbacks
+
+
+# -- torch in, torch out ----------------------------------------------------------------
+
+def test_torch_feeds_and_torch_outputs(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch")
+    x = np.random.default_rng(3).standard_normal((4, 4)).astype(np.float32)
+    want = ort_run(mlp_model, {"x": x})[0]
+    y = sess.run(None, {"x": torch.from_numpy(x)}, output_type="torch")[0]
+    assert isinstance(y, torch.Tensor) and y.device.type == "cpu" and y.dtype == torch.float32
+    np.testing.assert_allclose(y.numpy(), want, rtol=1e-5, atol=1e-6)
+    # NumPy outputs by default, torch feeds or not
+    (y2,) = sess.run(["y"], {"x": torch.from_numpy(x)})
+    assert isinstance(y2, np.ndarray)
+    np.testing.assert_allclose(y2, want, rtol=1e-5, atol=1e-6)
+
+
+def test_zero_copy_io_and_dlpack():
+    m = make_model([helper.make_node("Identity", ["x"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])])
+    sess = kiln.InferenceSession(m, backend="torch", optimize=False)
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    y = sess.run(None, {"x": x}, output_type="torch")[0]
+    assert y.data_ptr() == x.ctypes.data  # NumPy feed shared, not copied
+    z = torch.from_dlpack(y)  # the output speaks DLPack
+    assert z.data_ptr() == y.data_ptr()
+    t = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    (back,) = sess.run(None, {"x": t})
+    assert back.ctypes.data == t.data_ptr()  # NumPy output is a view of the tensor
+    cap = np.asarray(back)  # any DLPack producer is a valid feed
+    np.testing.assert_array_equal(sess.run(None, {"x": cap})[0], t.numpy())
+
+
+def test_wrong_feed_dtype_is_an_input_error(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch")
+    with pytest.raises(kiln.InputError, match="expects"):
+        sess.run(None, {"x": torch.zeros((2, 4), dtype=torch.float64)})
+
+
+# -- async ------------------------------------------------------------------------------
+
+def test_async_runs_keep_order_and_several_are_in_flight(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch")
+    xs = [np.random.default_rng(i).standard_normal((i + 1, 4)).astype(np.float32)
+          for i in range(12)]
+    handles = [sess.run_async(None, {"x": x}) for x in xs]  # all queued before any wait
+    assert all(hasattr(h, "done") for h in handles)
+    for x, h in zip(xs, handles):
+        (y,) = h.result(timeout=60)
+        assert h.done()
+        np.testing.assert_allclose(y, ort_run(mlp_model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+
+
+def test_async_order_is_submission_order():
+    """A slow run first and a fast one second: the second cannot finish before the first."""
+    finished = []
+
+    def slow_tag(x, *, tag=0):
+        if tag == 0:
+            time.sleep(0.3)
+        finished.append(tag)
+        return x.copy()
+
+    kiln.register_op("test.torch", "SlowTag", slow_tag)
+    m = make_model([helper.make_node("SlowTag", ["x"], ["y"], domain="test.torch")],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+                   custom=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        sess = kiln.InferenceSession(m, backend="torch", optimize=False)
+    x = np.ones(2, np.float32)
+    h1 = sess.run_async(None, {"x": x})
+    h2 = sess.run_async(None, {"x": x * 2})
+    assert not h2.done()  # returned at once, still queued behind the slow run
+    np.testing.assert_array_equal(h2.result(timeout=30)[0], x * 2)
+    assert h1.done()
+    assert finished == [0, 0]
+
+
+def test_async_errors_bad_feeds_raise_at_submit_and_kernel_errors_at_result(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch")
+    with pytest.raises(kiln.InputError):
+        sess.run_async(None, {"nope": np.zeros((1, 4), np.float32)})
+
+    def boom(x):
+        raise ValueError("kaput")
+
+    kiln.register_op("test.torch", "Boom", boom)
+    m = make_model([helper.make_node("Boom", ["x"], ["y"], domain="test.torch")],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+                   custom=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        bad = kiln.InferenceSession(m, backend="torch", optimize=False)
+    h = bad.run_async(None, {"x": np.ones(2, np.float32)})
+    with pytest.raises(kiln.KernelError, match="kaput"):
+        h.result(timeout=30)
+    assert h.done()
+
+
+def test_async_torch_outputs_and_readback(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch")
+    x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+    h = sess.run_async(None, {"x": x}, output_type="torch")
+    rb = h.readback()
+    (t,) = h.result(timeout=30)
+    assert isinstance(t, torch.Tensor)
+    (a,) = rb.result(timeout=30)
+    assert isinstance(a, np.ndarray) and rb.done()
+    np.testing.assert_allclose(a, t.numpy())
+
+
+# -- CPU fallback -----------------------------------------------------------------------
+
+def _fallback_model():
+    """Relu -> a custom op that only has a NumPy kernel -> Add: two device<->host hops."""
+    def cumulative_max(x):
+        return np.maximum.accumulate(x, axis=-1)
+
+    kiln.register_op("test.torch", "CumMax", cumulative_max)
+    nodes = [helper.make_node("Relu", ["x"], ["r"], name="relu"),
+             helper.make_node("CumMax", ["r"], ["c"], domain="test.torch", name="cummax"),
+             helper.make_node("Add", ["c", "x"], ["y"], name="add")]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 5])],
+                      custom=True)
+
+
+def test_fallback_op_runs_on_numpy_is_reported_and_warned_once():
+    m = _fallback_model()
+    with pytest.warns(FallbackWarning, match="CumMax") as rec:
+        sess = kiln.InferenceSession(m, backend="torch", optimize=False)
+    assert len([w for w in rec if issubclass(w.category, FallbackWarning)]) == 1
+    x = np.random.default_rng(0).standard_normal((2, 5)).astype(np.float32)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", FallbackWarning)  # never again on run
+        (y,) = sess.run(None, {"x": x})
+    np.testing.assert_allclose(y, np.maximum.accumulate(np.maximum(x, 0), axis=-1) + x,
+                               rtol=1e-6)
+    rep = sess.placement()
+    by_name = {lp.name: lp for lp in rep.layers}
+    assert by_name["cummax"].how == "cpu-fallback" and by_name["cummax"].where == "cpu"
+    assert "NumPy kernel" in by_name["cummax"].why
+    assert by_name["relu"].how == "torch" and by_name["add"].how == "torch"
+    assert [lp.name for lp in rep.fallbacks] == ["cummax"]
+    assert rep.last_run.transfers == 2  # one download, one upload
+    assert rep.last_run.fallback_calls == 1
+    assert "cummax" in str(rep)
+
+
+@pytest.mark.skipif(not _has("NonZero"), reason="no NumPy NonZero kernel yet")
+def test_fallback_with_a_standard_op_torch_lacks_matches_onnxruntime():
+    """NonZero has no torch kernel (its output size depends on the data): NumPy runs it."""
+    nodes = [helper.make_node("Relu", ["x"], ["r"]), helper.make_node("NonZero", ["r"], ["nz"]),
+             helper.make_node("Cast", ["nz"], ["y"], to=TensorProto.FLOAT)]
+    m = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    with pytest.warns(FallbackWarning, match="NonZero"):
+        sess = kiln.InferenceSession(m, backend="torch")
+    x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], ort_run(m, {"x": x})[0])
+    assert [lp.op_type for lp in sess.placement().fallbacks] == ["NonZero"]
+    assert sess.placement().last_run.transfers == 2
+
+
+def test_string_values_stay_numpy():
+    """Strings have no torch type: they stay NumPy arrays and string ops run on NumPy."""
+    if not _has("StringNormalizer"):
+        pytest.skip("no NumPy StringNormalizer kernel yet")
+    m = make_model([helper.make_node("StringNormalizer", ["s"], ["t"],
+                                     case_change_action="UPPER")],
+                   [helper.make_tensor_value_info("s", TensorProto.STRING, [3])],
+                   [helper.make_tensor_value_info("t", TensorProto.STRING, None)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        sess = kiln.InferenceSession(m, backend="torch")
+    s = np.array(["a", "bC", "d"], dtype=object)
+    assert list(sess.run(None, {"s": s})[0]) == ["A", "BC", "D"]
+
+
+# -- host-pinned values -----------------------------------------------------------------
+
+def _shape_model():
+    """y = Reshape(x, [Shape(x)[0], -1]): shape arithmetic the optimizer pins to the host."""
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("Gather", ["s", "zero"], ["n"], axis=0),
+             helper.make_node("Unsqueeze", ["n", "ax0"], ["n1"]),
+             helper.make_node("Concat", ["n1", "minus1"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y0"]),
+             helper.make_node("Relu", ["y0"], ["y"])]
+    inits = [_init("zero", np.array(0, np.int64)), _init("ax0", np.array([0], np.int64)),
+             _init("minus1", np.array([-1], np.int64))]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                            ["batch", 3, 4])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+
+
+@_requires("Shape", "Gather", "Unsqueeze", "Concat", "Reshape")
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=needs_cuda)])
+def test_host_pinned_shape_values_cause_no_transfers(device):
+    sess = kiln.InferenceSession(_shape_model(), backend="torch", device=device)
+    host = [v.name for v in _all_values(sess) if v.meta.get("host")]
+    assert host, "the optimizer pins the shape arithmetic to the host"
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    (y,) = sess.run(None, {"x": x})
+    np.testing.assert_allclose(y, np.maximum(x.reshape(2, -1), 0))
+    rep = sess.placement()
+    assert rep.last_run.transfers == 0 and rep.last_run.fallback_calls == 0
+    assert not rep.fallbacks
+    # every host value really lives on the host
+    seen = {}
+    with torch.inference_mode():
+        sess.plan.run([sess.backend.accept_feed(x, kiln.DType.FLOAT)],
+                      observer=lambda s, t0, t1, r: seen.update({s.outputs[0].name: r}))
+    for name in host:
+        if name in seen:
+            assert seen[name].device.type == "cpu", name
+
+
+def test_host_values_from_a_numpy_kernel_are_not_transfers():
+    """A host-resident value computed by a NumPy-only kernel stays on the host: no copy."""
+    def shape_plus_zero(s):
+        return np.asarray(s, np.int64) + 0
+
+    kiln.register_op("test.torch", "ShapeCopy", shape_plus_zero)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("ShapeCopy", ["s"], ["s2"], domain="test.torch"),
+             helper.make_node("Reshape", ["x", "s2"], ["y"])]
+    onnx_model = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                                  [2, 3])],
+                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])],
+                            custom=True)
+    model = kiln.load(onnx_model.SerializeToString())
+    for n in model.graph.nodes:
+        if n.op_type != "Reshape":
+            n.outputs[0].meta["host"] = True
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        sess = kiln.InferenceSession(model, backend="torch", optimize=False)
+    x = np.ones((2, 3), np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], x)
+    st = sess.placement().last_run
+    assert st.fallback_calls == 1 and st.transfers == 0
+
+
+def _all_values(sess):
+    g = sess.model.graph
+    vals = set(g.inputs) | set(g.initializers.values())
+    for n in g.nodes:
+        vals.update(v for v in n.outputs if v is not None)
+    return vals
+
+
+# -- precision, threads, compile --------------------------------------------------------
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_reduced_precision_keeps_fp32_io(mlp_model, precision):
+    sess = kiln.InferenceSession(mlp_model, backend="torch", precision=precision)
+    x = np.random.default_rng(0).standard_normal((8, 4)).astype(np.float32)
+    (y,) = sess.run(None, {"x": x})
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, ort_run(mlp_model, {"x": x})[0], atol=3e-2)
+    assert any("computes in" in lp.why for lp in sess.placement().layers)
+
+
+@_requires("Conv", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool")
+def test_reduced_precision_conv_net(conv_net):
+    sess = kiln.InferenceSession(conv_net, backend="torch", precision="bf16")
+    x = _x_conv(2)
+    (y,) = sess.run(None, {"x": x})
+    assert y.dtype == np.float32
+    np.testing.assert_allclose(y, ort_run(conv_net, {"x": x})[0], atol=3e-2)
+
+
+def test_bad_options_are_clear():
+    with pytest.raises(ValueError, match="precision"):
+        kiln.InferenceSession(_shape_model(), backend="torch", precision="int3")
+    with pytest.raises(ValueError, match="device"):
+        kiln.InferenceSession(_shape_model(), backend="torch", device="tpu")
+    if not CUDA:
+        with pytest.raises(kiln.KilnError, match="CUDA"):
+            kiln.InferenceSession(_shape_model(), backend="torch", device="cuda")
+
+
+def test_threads_option_sets_torch_threads(mlp_model):
+    before = torch.get_num_threads()
+    try:
+        kiln.InferenceSession(mlp_model, backend="torch", threads=1)
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_compile_runs_one_program_and_matches(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch", compile=True)
+    assert sess.placement().compiled.startswith("yes")
+    for batch in (2, 5):
+        x = np.random.default_rng(batch).standard_normal((batch, 4)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                   ort_run(mlp_model, {"x": x})[0], rtol=1e-5, atol=1e-6)
+        assert sess.placement().last_run.compiled
+
+
+def test_compile_falls_back_to_eager_with_a_warning():
+    with pytest.warns(CompileWarning, match="running eagerly"):
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FallbackWarning)
+            sess = kiln.InferenceSession(_fallback_model(), backend="torch", compile=True,
+                                         optimize=False)
+    assert sess.placement().compiled.startswith("no")
+    x = np.ones((2, 5), np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], 2 * x)
+    assert not sess.placement().last_run.compiled
+
+
+# -- CUDA -------------------------------------------------------------------------------
+
+@needs_cuda
+@_requires("Conv", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool")
+def test_cuda_conv_net_matches_onnxruntime(conv_net):
+    sess = kiln.InferenceSession(conv_net, backend="torch", device="cuda")
+    x = _x_conv(2)
+    y = sess.run(None, {"x": x}, output_type="torch")[0]
+    assert y.is_cuda
+    np.testing.assert_allclose(y.cpu().numpy(), ort_run(conv_net, {"x": x})[0], rtol=1e-3,
+                               atol=1e-4)
+    assert sess.placement().last_run.transfers == 0
+
+
+@needs_cuda
+def test_cuda_feeds_on_device_and_async_readback(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch", device="cuda")
+    xs = [torch.randn(3, 4, device="cuda") for _ in range(6)]
+    hs = [sess.run_async(None, {"x": x}, output_type="torch") for x in xs]
+    rbs = [h.readback() for h in hs]
+    for x, h, rb in zip(xs, hs, rbs):
+        (t,) = h.result()
+        assert t.is_cuda
+        (a,) = rb.result()
+        np.testing.assert_allclose(a, ort_run(mlp_model, {"x": x.cpu().numpy()})[0],
+                                   rtol=1e-4, atol=1e-5)
+        assert rb.done()
+
+
+@needs_cuda
+def test_cuda_fallback_counts_transfers():
+    with pytest.warns(FallbackWarning):
+        sess = kiln.InferenceSession(_fallback_model(), backend="torch", device="cuda",
+                                     optimize=False)
+    x = np.ones((2, 5), np.float32)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], 2 * x)
+    assert sess.placement().last_run.transfers == 2
+
+
+@needs_cuda
+def test_cuda_compile_with_cuda_graphs(mlp_model):
+    sess = kiln.InferenceSession(mlp_model, backend="torch", device="cuda", compile=True)
+    x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
+    for _ in range(3):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(mlp_model, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-5)
+    assert sess.placement().last_run.compiled
