@@ -187,7 +187,8 @@ def tree_ensemble(x, *, aggregate_function=1, leaf_targetids=None, leaf_weights=
         for m, s in members.items():
             at = node == m
             go = np.where(at, np.isin(v, s), go)
-        go = np.where(np.isnan(v), nan_true[node], go)
+        # NaN fails every comparison but !=; nodes may send it to the true branch anyway.
+        go = go | (np.isnan(v) & nan_true[node])
         nxt = np.where(go, true_id[node], false_id[node])
         leaf = np.where(go, true_leaf[node], false_leaf[node])
         cur = np.where(done, cur, nxt)
