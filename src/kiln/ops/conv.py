@@ -1,0 +1,359 @@
+"""Convolutions: Conv, ConvTranspose, DeformConv, CausalConvWithState.
+
+Conv builds an im2col matrix from a strided view of the (padded) input and does one
+batched BLAS matmul over all groups; 1x1 convolutions skip im2col and depthwise ones
+accumulate over kernel offsets. The helpers here are shared by the integer and quantized
+convolutions in quant.py and by the pools.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+
+from kiln.ops.registry import op
+
+# Keep one im2col buffer under this many elements: larger batches go in chunks.
+_COLS_BUDGET = 1 << 25
+
+
+# ---------------------------------------------------------------- shared geometry
+
+def spatial_attrs(nd: int, strides, dilations) -> tuple[list[int], list[int]]:
+    """Strides and dilations with their defaults of 1 per spatial axis."""
+    return list(strides or [1] * nd), list(dilations or [1] * nd)
+
+
+def conv_pads(in_shape, kernel, strides, dilations, auto_pad="NOTSET", pads=None,
+              ceil_mode=False) -> tuple[list[int], list[int]]:
+    """Begin and end pads per spatial axis from ``pads`` or ``auto_pad``."""
+    nd = len(in_shape)
+    if isinstance(auto_pad, bytes):
+        auto_pad = auto_pad.decode()
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        begin, end = [], []
+        for n, k, s, d in zip(in_shape, kernel, strides, dilations):
+            out = -(-n // s)
+            total = max(0, (out - 1) * s + (k - 1) * d + 1 - n)
+            small = total // 2
+            begin.append(small if auto_pad == "SAME_UPPER" else total - small)
+            end.append(total - begin[-1])
+        return begin, end
+    if auto_pad == "VALID" or not pads:
+        return [0] * nd, [0] * nd
+    return list(pads[:nd]), list(pads[nd:])
+
+
+def out_size(n: int, k: int, s: int, d: int, pb: int, pe: int, ceil_mode=False) -> int:
+    """Output length of a sliding window; with ``ceil_mode`` a last window that would
+    start in the end padding is dropped."""
+    span = n + pb + pe - ((k - 1) * d + 1)
+    if not ceil_mode:
+        return span // s + 1
+    out = -(-span // s) + 1
+    if (out - 1) * s >= n + pb:
+        out -= 1
+    return out
+
+
+def pad_spatial(x: np.ndarray, begin, end, value=0) -> np.ndarray:
+    """``x`` padded on its spatial axes (negative pads crop)."""
+    if not any(begin) and not any(end):
+        return x
+    if min(list(begin) + list(end)) < 0:
+        crop = tuple(slice(max(-b, 0), n - max(-e, 0))
+                     for n, b, e in zip(x.shape[2:], begin, end))
+        x = x[(slice(None), slice(None)) + crop]
+        begin = [max(b, 0) for b in begin]
+        end = [max(e, 0) for e in end]
+    shape = x.shape[:2] + tuple(n + b + e for n, b, e in zip(x.shape[2:], begin, end))
+    y = np.full(shape, value, dtype=x.dtype)
+    y[(slice(None), slice(None)) + tuple(slice(b, b + n) for n, b in
+                                         zip(x.shape[2:], begin))] = x
+    return y
+
+
+def offset_slices(offset, strides, dilations, out) -> tuple:
+    """Index of the input elements kernel position ``offset`` sees, for every output."""
+    return (slice(None), slice(None)) + tuple(
+        slice(i * d, i * d + (o - 1) * s + 1, s)
+        for i, s, d, o in zip(offset, strides, dilations, out))
+
+
+def work_dtype(dtype: np.dtype) -> np.dtype:
+    """The dtype BLAS computes in: float32 for the half types NumPy has no BLAS for."""
+    return np.dtype(np.float64) if dtype == np.float64 else np.dtype(np.float32)
+
+
+# ---------------------------------------------------------------- Conv core
+#
+# A strided convolution reads, for kernel offset i along an axis, padded positions
+# o*s + i*d: phase (i*d) % s of the input, shifted by (i*d) // s. Splitting the padded
+# input into its stride phases and flattening each phase's spatial axes turns every
+# kernel offset into one contiguous run of the flat phase: the im2col rows become long
+# contiguous copies and depthwise convs long multiply-adds. Outputs are computed over
+# whole phase rows (a few columns past the output width) and cropped at the end.
+
+class _Phases:
+    """The padded input split into stride phases, each flattened, plus per-offset reads."""
+
+    def __init__(self, x, kernel, strides, dilations, begin, out):
+        n, c = x.shape[:2]
+        self.out = list(out)
+        maxbase = [((k - 1) * d) // s for k, s, d in zip(kernel, strides, dilations)]
+        self.m = [o + b for o, b in zip(out, maxbase)]
+        pstr = [math.prod(self.m[a + 1:]) for a in range(len(self.m))]
+        self.length = out[0] * pstr[0]
+        size = math.prod(self.m)
+        phases = list(itertools.product(*(range(s) for s in strides)))
+        buf = np.zeros((n, len(phases), c, size + sum(b * p for b, p in zip(maxbase, pstr))),
+                       dtype=x.dtype)
+        view = buf[..., :size].reshape((n, len(phases), c) + tuple(self.m))
+        for pi, r in enumerate(phases):
+            dst, src = [], []
+            for ri, s, b, n_in, mm in zip(r, strides, begin, x.shape[2:], self.m):
+                j0 = max(0, -(-(b - ri) // s))
+                j1 = min(mm, -(-(n_in + b - ri) // s))
+                j1 = max(j1, j0)
+                dst.append(slice(j0, j1))
+                start = j0 * s + ri - b
+                src.append(slice(start, start + (j1 - j0 - 1) * s + 1 if j1 > j0 else start, s))
+            view[(slice(None), pi, slice(None)) + tuple(dst)] = x[
+                (slice(None), slice(None)) + tuple(src)]
+        self.buf = buf
+        self.reads = []
+        for offset in itertools.product(*(range(k) for k in kernel)):
+            pos = [i * d for i, d in zip(offset, dilations)]
+            phase = phases.index(tuple(q % s for q, s in zip(pos, strides)))
+            shift = sum((q // s) * p for q, s, p in zip(pos, strides, pstr))
+            self.reads.append((phase, shift))
+
+    def read(self, k: int) -> np.ndarray:
+        """(N, C, L) input values kernel offset ``k`` meets at every output."""
+        phase, shift = self.reads[k]
+        return self.buf[:, phase, :, shift:shift + self.length]
+
+    def crop(self, y: np.ndarray) -> np.ndarray:
+        """(N, M, L) full-row outputs to (N, M, *out)."""
+        y = y.reshape(y.shape[:2] + (self.out[0],) + tuple(self.m[1:]))
+        return y[(slice(None), slice(None), slice(None)) + tuple(slice(o) for o in self.out[1:])]
+
+
+def _finish(y_full, ph, out_shape, b, dtype):
+    """Crop full-row outputs into a fresh contiguous array, adding the bias on the way."""
+    y = np.empty(out_shape, dtype=dtype)
+    src = ph.crop(y_full) if ph is not None else y_full.reshape(out_shape)
+    if b is None:
+        np.copyto(y, src)
+    else:
+        np.add(src, b.astype(dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2)),
+               out=y)
+    return y
+
+
+def conv_core(x, w, b, group, strides, dilations, begin, end) -> np.ndarray:
+    """Convolution plus bias of float ``x`` by ``w`` (both in the working dtype)."""
+    kernel = w.shape[2:]
+    out = [out_size(n, k, s, d, bg, e) for n, k, s, d, bg, e in
+           zip(x.shape[2:], kernel, strides, dilations, begin, end)]
+    n, c = x.shape[:2]
+    m = w.shape[0]
+    out_shape = (n, m) + tuple(out)
+    if group > 1 and w.shape[1] == 1 and group == c:
+        return _depthwise(x, w, b, strides, dilations, begin, out)
+    if all(k == 1 for k in kernel) and not any(begin) and not any(end):
+        xs = x[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in strides)]
+        xs = xs.reshape(n, group, c // group, -1)
+        y = np.matmul(w.reshape(group, m // group, c // group), xs)
+        return _finish(y, None, out_shape, b, x.dtype)
+    wm = w.reshape(group, m // group, -1)
+    kprod = math.prod(kernel)
+    per_item = c * kprod * math.prod(o + 2 for o in out)
+    step = max(1, _COLS_BUDGET // max(per_item, 1))
+    y = np.empty(out_shape, dtype=x.dtype)
+    for i in range(0, n, step):
+        ph = _Phases(x[i:i + step], kernel, strides, dilations, begin, out)
+        nb = ph.buf.shape[0]
+        cols = np.empty((nb, c, kprod, ph.length), dtype=x.dtype)
+        for k in range(kprod):
+            cols[:, :, k] = ph.read(k)
+        full = np.matmul(wm, cols.reshape(nb, group, -1, ph.length))
+        y[i:i + step] = _finish(full.reshape(nb, m, -1), ph, (nb,) + out_shape[1:], b,
+                                x.dtype)
+    return y
+
+
+def _depthwise(x, w, b, strides, dilations, begin, out):
+    """Depthwise conv (one input channel per group): a multiply-add over the whole
+    tensor per kernel offset."""
+    mult = w.shape[0] // x.shape[1]
+    if mult > 1:
+        x = np.repeat(x, mult, axis=1)
+    ph = _Phases(x, w.shape[2:], strides, dilations, begin, out)
+    wk = w.reshape(w.shape[0], -1)
+    acc = np.zeros(x.shape[:2] + (ph.length,), dtype=x.dtype)
+    tmp = np.empty_like(acc)
+    for k in range(wk.shape[1]):
+        np.multiply(ph.read(k), wk[:, k:k + 1], out=tmp)
+        acc += tmp
+    return _finish(acc, ph, x.shape[:2] + tuple(out), b, x.dtype)
+
+
+def add_bias(y: np.ndarray, b) -> np.ndarray:
+    if b is not None:
+        y += b.astype(y.dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2))
+    return y
+
+
+@op("Conv", 1)
+def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
+         pads=None, strides=None):
+    nd = x.ndim - 2
+    strides, dilations = spatial_attrs(nd, strides, dilations)
+    begin, end = conv_pads(x.shape[2:], w.shape[2:], strides, dilations, auto_pad, pads)
+    wd = work_dtype(x.dtype)
+    y = conv_core(x.astype(wd, copy=False), w.astype(wd, copy=False), b, group, strides,
+                  dilations, begin, end)
+    return y.astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------- ConvTranspose
+
+def _transpose_pads(in_shape, kernel, strides, dilations, out_pad, auto_pad, pads,
+                    output_shape):
+    nd = len(in_shape)
+    if isinstance(auto_pad, bytes):
+        auto_pad = auto_pad.decode()
+    full = [s * (n - 1) + op_ + (k - 1) * d + 1 for n, k, s, d, op_ in
+            zip(in_shape, kernel, strides, dilations, out_pad)]
+    if output_shape:
+        target = list(output_shape)[-nd:]
+    elif auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        target = [n * s for n, s in zip(in_shape, strides)]
+    else:
+        if auto_pad == "VALID" or not pads:
+            return [0] * nd, [0] * nd
+        return list(pads[:nd]), list(pads[nd:])
+    begin, end = [], []
+    for f, t in zip(full, target):
+        total = f - t
+        if total < 0:  # a larger output than computed: zeros at the end
+            begin.append(0)
+            end.append(total)
+            continue
+        small = total // 2
+        begin.append(small if auto_pad == "SAME_UPPER" else total - small)
+        end.append(total - begin[-1])
+    return begin, end
+
+
+@op("ConvTranspose", 1)
+def conv_transpose(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1,
+                   kernel_shape=None, output_padding=None, output_shape=None, pads=None,
+                   strides=None):
+    """Matmul to per-kernel-offset columns, then a strided scatter-add per offset."""
+    nd = x.ndim - 2
+    strides, dilations = spatial_attrs(nd, strides, dilations)
+    out_pad = list(output_padding or [0] * nd)
+    kernel = w.shape[2:]
+    begin, end = _transpose_pads(x.shape[2:], kernel, strides, dilations, out_pad,
+                                 auto_pad, pads, output_shape)
+    wd = work_dtype(x.dtype)
+    n, c = x.shape[:2]
+    mg = w.shape[1]
+    in_sp = x.shape[2:]
+    wt = w.astype(wd, copy=False).reshape(group, c // group, -1).transpose(0, 2, 1)
+    cols = np.matmul(wt, x.astype(wd, copy=False).reshape(n, group, c // group, -1))
+    cols = cols.reshape((n, group * mg) + tuple(kernel) + tuple(in_sp))
+    full = [s * (i - 1) + (k - 1) * d + 1 + p for i, k, s, d, p in
+            zip(in_sp, kernel, strides, dilations, out_pad)]
+    y = np.zeros((n, group * mg) + tuple(full), dtype=wd)
+    for offset in itertools.product(*(range(k) for k in kernel)):
+        y[offset_slices(offset, strides, dilations, in_sp)] += cols[
+            (slice(None), slice(None)) + offset]
+    y = pad_spatial(y, [-p for p in begin], [-p for p in end])
+    return np.ascontiguousarray(add_bias(y, b).astype(x.dtype, copy=False))
+
+
+# ---------------------------------------------------------------- DeformConv
+
+def _sample(x, pos):
+    """Multilinear samples of ``x`` (N, C, *in) at positions ``pos`` (nd, N, Q), zero
+    outside: (N, C, Q)."""
+    n, c = x.shape[:2]
+    in_sp = x.shape[2:]
+    flat = x.reshape(n, c, -1)
+    lo = np.floor(pos)
+    frac = pos - lo
+    lo = lo.astype(np.int64)
+    res = np.zeros((n, c, pos.shape[-1]), dtype=x.dtype)
+    for corner in itertools.product((0, 1), repeat=len(in_sp)):
+        weight = np.ones(pos.shape[1:], dtype=x.dtype)
+        index = np.zeros(pos.shape[1:], dtype=np.int64)
+        valid = np.ones(pos.shape[1:], dtype=bool)
+        for a, (bit, size) in enumerate(zip(corner, in_sp)):
+            i = lo[a] + bit
+            weight *= frac[a] if bit else 1 - frac[a]
+            valid &= (i >= 0) & (i < size)
+            index = index * size + np.clip(i, 0, size - 1)
+        vals = np.take_along_axis(flat, index[:, None, :], axis=2)
+        res += vals * (weight * valid)[:, None, :]
+    return res
+
+
+@op("DeformConv", 19)
+def deform_conv(x, w, offset, b=None, mask=None, *, dilations=None, group=1,
+                kernel_shape=None, offset_group=1, pads=None, strides=None):
+    nd = x.ndim - 2
+    strides, dilations = spatial_attrs(nd, strides, dilations)
+    begin, end = conv_pads(x.shape[2:], w.shape[2:], strides, dilations, "NOTSET", pads)
+    kernel = w.shape[2:]
+    kprod = math.prod(kernel)
+    n, c = x.shape[:2]
+    m = w.shape[0]
+    out = offset.shape[2:]
+    p = math.prod(out)
+    off = offset.reshape(n, offset_group, kprod, nd, p)
+    msk = None if mask is None else mask.reshape(n, offset_group, kprod, p)
+    # Position of every (kernel offset, output) pair without the learned offsets.
+    grids = np.meshgrid(*[np.arange(o) * s - bg for o, s, bg in zip(out, strides, begin)],
+                        indexing="ij")
+    kgrid = np.meshgrid(*[np.arange(k) * d for k, d in zip(kernel, dilations)],
+                        indexing="ij")
+    base = np.stack([kg.reshape(-1, 1) + g.reshape(1, -1) for kg, g in zip(kgrid, grids)])
+    cg = c // offset_group
+    cols = np.empty((n, c, kprod, p), dtype=x.dtype)
+    for g in range(offset_group):
+        pos = base[:, None] + np.moveaxis(off[:, g], 2, 0)  # (nd, N, K, P)
+        vals = _sample(x[:, g * cg:(g + 1) * cg], pos.reshape(nd, n, -1))
+        vals = vals.reshape(n, cg, kprod, p)
+        if msk is not None:
+            vals *= msk[:, g][:, None]
+        cols[:, g * cg:(g + 1) * cg] = vals
+    cols = cols.reshape(n, group, (c // group) * kprod, p)
+    y = np.matmul(w.reshape(group, m // group, -1), cols).reshape((n, m) + tuple(out))
+    return add_bias(y, b).astype(x.dtype, copy=False)
+
+
+# ---------------------------------------------------------------- CausalConvWithState
+
+@op("CausalConvWithState", 27)
+def causal_conv_with_state(x, w, b=None, past_state=None, *, activation="none"):
+    """Depthwise causal 1-D conv over [past_state, x]; returns (y, last k-1 steps)."""
+    wd = work_dtype(x.dtype)
+    k = w.shape[-1]
+    n, c, length = x.shape
+    if past_state is None:
+        past_state = np.zeros((n, c, k - 1), dtype=x.dtype)
+    seq = np.concatenate([past_state.astype(wd), x.astype(wd)], axis=2)
+    y = np.zeros((n, c, length), dtype=wd)
+    wk = w.astype(wd).reshape(c, k)
+    for j in range(k):
+        y += seq[:, :, j:j + length] * wk[:, j:j + 1]
+    add_bias(y, b)
+    if activation in ("silu", "swish"):
+        y *= 1 / (1 + np.exp(-y))
+    present = seq[:, :, seq.shape[2] - (k - 1):]
+    return y.astype(x.dtype), present.astype(x.dtype)
