@@ -1,6 +1,10 @@
 """Control flow: If, Loop and Scan. Subgraph attributes arrive compiled; ``ctx.run``
 evaluates them with this node's enclosing values in scope. Sequences are Python lists and
-an empty optional is None, so loop-carried values of any kind pass through unchanged."""
+an empty optional is None, so loop-carried values of any kind pass through unchanged.
+
+Loop and Scan (9+) are generic: values stay arrays of the backend (only conditions and
+trip counts are read on the host), so on torch a loop body's tensors never leave the
+device between iterations."""
 
 from __future__ import annotations
 
@@ -8,6 +12,7 @@ import numpy as np
 
 from kiln.ir import TensorType
 from kiln.ops._array import axis as norm_axis
+from kiln.ops._array import namespace
 from kiln.ops.registry import op
 
 
@@ -26,9 +31,9 @@ def if_(ctx, cond, *, then_branch, else_branch):
     return _outputs(ctx.run(branch, []), ctx)
 
 
-def _empty_stack(body, index: int, leading: tuple[int, ...]):
-    """The stacked result of zero iterations of body output ``index``: shape
-    ``leading + element shape`` where the body declares a static element shape."""
+def _empty_stack(ctx, body, index: int):
+    """The stacked result of zero iterations of body output ``index``: shape ``(0,) +
+    element shape`` where the body declares a static element shape."""
     t = body.graph.outputs[index].type
     dtype, shape = np.float32, ()
     if isinstance(t, TensorType):
@@ -36,14 +41,23 @@ def _empty_stack(body, index: int, leading: tuple[int, ...]):
             dtype = t.dtype.numpy
         if t.shape is not None and all(isinstance(d, int) for d in t.shape):
             shape = tuple(t.shape)
-    return np.zeros(leading + shape, dtype=dtype)
+    return ctx.backend.from_numpy(np.zeros((0, *shape), dtype=dtype))
 
 
 def _stack(items: list):
-    return np.stack([np.asarray(x) for x in items])
+    return namespace(*items).stack(items)
 
 
-@op("Loop", 1)
+def _move_axis(x, src: int, dst: int):
+    """``x`` with axis ``src`` moved to position ``dst`` (array-API permute_dims)."""
+    if src == dst:
+        return x
+    order = [i for i in range(x.ndim) if i != src]
+    order.insert(dst, src)
+    return namespace(x).permute_dims(x, tuple(order))
+
+
+@op("Loop", 1, generic=True)
 def loop(ctx, max_trip_count, cond, *v_initial, body):
     trip = None if max_trip_count is None else int(_scalar(ctx, max_trip_count))
     keep_going = True if cond is None else bool(_scalar(ctx, cond))
@@ -51,15 +65,17 @@ def loop(ctx, max_trip_count, cond, *v_initial, body):
     n = len(carried)
     num_scan = len(body.graph.outputs) - 1 - n
     scans: list[list] = [[] for _ in range(num_scan)]
+    to_backend = ctx.backend.from_numpy
     i = 0
     while keep_going and (trip is None or i < trip):
-        out = ctx.run(body, [np.array(i, np.int64), np.array(keep_going), *carried])
+        out = ctx.run(body, [to_backend(np.array(i, np.int64)),
+                             to_backend(np.array(keep_going)), *carried])
         keep_going = bool(_scalar(ctx, out[0]))
         carried = out[1:1 + n]
         for acc, x in zip(scans, out[1 + n:]):
-            acc.append(ctx.backend.to_numpy(x))
+            acc.append(x)
         i += 1
-    stacked = [_stack(acc) if acc else _empty_stack(body, 1 + n + k, (0,))
+    stacked = [_stack(acc) if acc else _empty_stack(ctx, body, 1 + n + k)
                for k, acc in enumerate(scans)]
     return _outputs(carried + stacked, ctx)
 
@@ -71,36 +87,32 @@ def _scan_body(ctx, body, states: list, slices: list, num_outputs: int):
     acc: list[list] = [[] for _ in range(num_outputs)]
     steps = slices[0].shape[0] if slices else 0
     for t in range(steps):
-        out = ctx.run(body, states + [s[t] for s in slices])
+        out = ctx.run(body, states + [s[t, ...] for s in slices])
         states = out[:n]
         for a, x in zip(acc, out[n:]):
-            a.append(ctx.backend.to_numpy(x))
+            a.append(x)
     return states, acc
 
 
-@op("Scan", 9)
+@op("Scan", 9, generic=True)
 def scan(ctx, *args, body, num_scan_inputs, scan_input_axes=None,
          scan_input_directions=None, scan_output_axes=None, scan_output_directions=None):
     m = num_scan_inputs
     n = len(args) - m
-    xs = [np.asarray(ctx.backend.to_numpy(x)) for x in args[n:]]
     in_axes = scan_input_axes or [0] * m
     in_dirs = scan_input_directions or [0] * m
     slices = []
-    for x, ax, d in zip(xs, in_axes, in_dirs):
-        s = np.moveaxis(x, norm_axis(ax, x.ndim), 0)
-        slices.append(s[::-1] if d else s)
+    for x, ax, d in zip(args[n:], in_axes, in_dirs):
+        s = _move_axis(x, norm_axis(ax, x.ndim), 0)
+        slices.append(namespace(s).flip(s, axis=0) if d else s)
     k = len(body.graph.outputs) - n
     states, acc = _scan_body(ctx, body, list(args[:n]), slices, k)
     out_axes = scan_output_axes or [0] * k
     out_dirs = scan_output_directions or [0] * k
     results = []
     for j, a in enumerate(acc):
-        if a:
-            y = _stack(a[::-1] if out_dirs[j] else a)
-        else:
-            y = _empty_stack(body, n + j, (0,))
-        results.append(np.moveaxis(y, 0, norm_axis(out_axes[j], y.ndim)))
+        y = _stack(a[::-1] if out_dirs[j] else a) if a else _empty_stack(ctx, body, n + j)
+        results.append(_move_axis(y, 0, norm_axis(out_axes[j], y.ndim)))
     return _outputs(list(states) + results, ctx)
 
 
@@ -127,10 +139,10 @@ def scan_v8(ctx, sequence_lens, *args, body, num_scan_inputs, directions=None):
         for f, s in zip(final_states, states):
             f.append(np.asarray(to_np(s)))
         for j, a in enumerate(acc):
-            y = _stack(a) if a else _empty_stack(body, n + j, (0,))
+            y = np.stack([to_np(x) for x in a]) if a else to_np(_empty_stack(ctx, body, n + j))
             if length < max_len:
                 pad = [(0, max_len - length)] + [(0, 0)] * (y.ndim - 1)
                 y = np.pad(y, pad)
             outs[j].append(y)
-    results = [_stack(f) for f in final_states] + [_stack(o) for o in outs]
+    results = [np.stack(f) for f in final_states] + [np.stack(o) for o in outs]
     return _outputs(results, ctx)
