@@ -30,21 +30,26 @@ def _plain(x: np.ndarray) -> np.ndarray:
 def _from_strings(x: np.ndarray, to: np.dtype) -> np.ndarray:
     """Parse decimal/scientific literals and INF/-INF/NaN (any case)."""
     s = x.astype(str)
-    if to.kind in "iu":
+    if to.kind in "iub":
         try:
-            return s.astype(to)
-        except ValueError:  # "2.5" and the like: undefined by the spec, truncate
+            return s.astype(np.int64)
+        except (ValueError, OverflowError):  # "2.5" and the like: undefined, truncate
             pass
     return s.astype(np.float64)
 
 
 def _to_strings(x: np.ndarray) -> np.ndarray:
-    if x.dtype == np.bool_:
-        x = x.astype(np.uint8)
-    elif x.dtype in _NARROW_FLOAT or x.dtype in _SUBBYTE_BITS:
-        x = x.astype(np.float32) if x.dtype not in _SUBBYTE_BITS or x.dtype in _F8 \
-            else x.astype(np.int8)
-    return x.astype(str).astype(object)
+    """Numbers as onnxruntime writes them: integers in full, floats with 8 significant
+    digits ('%.8g'), NaN/INF/-INF spelled as the spec's literals, booleans as 1/0."""
+    if x.dtype == np.bool_ or x.dtype.kind in "iu" or (
+            x.dtype in _SUBBYTE_BITS and x.dtype not in _F8):
+        return x.astype(np.int64).astype(str).astype(object)
+    v = _plain(x).astype(np.float64)
+    out = np.char.mod("%.8g", v).astype(object)
+    out[np.isnan(v)] = "NaN"
+    out[v == np.inf] = "INF"
+    out[v == -np.inf] = "-INF"
+    return out
 
 
 def _wrap_int(x: np.ndarray, to: np.dtype) -> np.ndarray:

@@ -150,14 +150,11 @@ def erf_(x):
 @op("Clip", 6, generic=True)
 def clip_attrs(x, *, min=None, max=None):
     # Bounds at or beyond float32's range are "no bound" (opset 6's defaults are +-FLT_MAX).
-    xp = namespace(x)
     lo = None if min is None or abs(min) >= 3.4e38 else min
     hi = None if max is None or abs(max) >= 3.4e38 else max
-    if lo is not None:
-        x = xp.where(x < lo, xp.full_like(x, lo), x)
-    if hi is not None:
-        x = xp.where(x > hi, xp.full_like(x, hi), x)
-    return x
+    if lo is not None and hi is not None and lo > hi:
+        lo = hi
+    return x if lo is None and hi is None else namespace(x).clip(x, min=lo, max=hi)
 
 
 @op("Clip", 11, generic=True)

@@ -17,12 +17,20 @@ def _blas_dtype(x):
     return None
 
 
+def _matmul(xp, a, b):
+    if a.ndim > 2 and b.ndim == 2:
+        # A stack times one matrix is one tall GEMM: NumPy would loop over the stack.
+        y = xp.matmul(xp.reshape(a, (-1, a.shape[-1])), b)
+        return xp.reshape(y, tuple(a.shape[:-1]) + (b.shape[-1],))
+    return xp.matmul(a, b)
+
+
 def matmul(xp, a, b):
     """a @ b with a's dtype, via BLAS."""
     work = _blas_dtype(a)
     if work is None:
-        return xp.matmul(a, b)
-    return xp.astype(xp.matmul(xp.astype(a, work), xp.astype(b, work)), a.dtype)
+        return _matmul(xp, a, b)
+    return xp.astype(_matmul(xp, xp.astype(a, work), xp.astype(b, work)), a.dtype)
 
 
 @op("MatMul", 1, generic=True)

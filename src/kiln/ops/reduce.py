@@ -65,6 +65,8 @@ def _float_result(xp, fn, x):
 
 
 def _log_sum_exp(xp, x, axes, keepdims):
+    if not is_float(x.dtype):
+        return _float_result(xp, lambda v: _log_sum_exp(xp, v, axes, keepdims), x)
     if any(x.shape[a] == 0 for a in axes):
         return _extreme(xp, x, axes, keepdims, None, lambda _: -math.inf)
     m = xp.max(x, axis=axes, keepdims=True)
