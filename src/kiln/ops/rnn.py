@@ -1,0 +1,214 @@
+"""Recurrent layers: RNN, GRU, LSTM (all directions, sequence_lens, layout, clip, custom
+activations). The input projection of all time steps is one matmul up front; the loop
+over time does only the recurrent matmul and the gates."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from kiln.ops.conv import work_dtype
+from kiln.ops.registry import op
+
+
+def _sigmoid(x):
+    with np.errstate(over="ignore"):
+        return 1 / (1 + np.exp(-x))
+
+
+def _activation(name: str, alpha, beta):
+    """The activation named ``name`` (case-insensitive) with its alpha/beta."""
+    n = name.lower()
+    a = alpha
+    b = beta
+    table = {
+        "relu": lambda x: np.maximum(x, 0),
+        "tanh": np.tanh,
+        "sigmoid": _sigmoid,
+        "affine": lambda x: a * x + b,
+        "leakyrelu": lambda x: np.where(x >= 0, x, a * x),
+        "thresholdedrelu": lambda x: np.where(x >= a, x, 0).astype(x.dtype),
+        "scaledtanh": lambda x: a * np.tanh(b * x),
+        "hardsigmoid": lambda x: np.clip(a * x + b, 0, 1),
+        "elu": lambda x: np.where(x >= 0, x, a * (np.exp(np.minimum(x, 0)) - 1)),
+        "softsign": lambda x: x / (1 + np.abs(x)),
+        "softplus": lambda x: np.logaddexp(x, 0),
+    }
+    if n not in table:
+        raise ValueError(f"unsupported RNN activation {name!r}")
+    return table[n]
+
+
+# Default alpha/beta of the activations that take them (those of the ONNX ops).
+_ALPHA = {"affine": 1.0, "leakyrelu": 0.01, "thresholdedrelu": 1.0, "scaledtanh": 1.0,
+          "hardsigmoid": 0.2, "elu": 1.0}
+_BETA = {"affine": 0.0, "scaledtanh": 1.0, "hardsigmoid": 0.5}
+
+
+def _activations(names, alphas, betas, defaults, num_dirs):
+    """One list of activation functions per direction; alpha/beta values are consumed in
+    order by the activations that use them."""
+    names = list(names or defaults * num_dirs)
+    if isinstance(names[0], bytes):
+        names = [n.decode() for n in names]
+    alphas, betas = list(alphas or []), list(betas or [])
+    fns = []
+    for name in names:
+        n = name.lower()
+        a = alphas.pop(0) if n in _ALPHA and alphas else _ALPHA.get(n, 0.0)
+        b = betas.pop(0) if n in _BETA and betas else _BETA.get(n, 0.0)
+        fns.append(_activation(n, a, b))
+    per = len(defaults)
+    if len(fns) == per and num_dirs == 2:
+        fns = fns * 2
+    return [fns[d * per:(d + 1) * per] for d in range(num_dirs)]
+
+
+class _Setup:
+    """What every recurrent op shares: layouts, directions, masks, the input projection."""
+
+    def __init__(self, x, w, b, sequence_lens, initial, direction, layout, gates):
+        if isinstance(direction, bytes):
+            direction = direction.decode()
+        self.dtype = x.dtype
+        self.wd = work_dtype(x.dtype)
+        self.layout = layout
+        x = x.astype(self.wd, copy=False)
+        if layout:
+            x = np.swapaxes(x, 0, 1)
+            initial = [None if s is None else np.swapaxes(s, 0, 1) for s in initial]
+        self.t_len, self.batch = x.shape[:2]
+        self.num_dirs = w.shape[0]
+        self.hidden = w.shape[1] // gates
+        self.reverse = [direction == "reverse" or d == 1 for d in range(self.num_dirs)]
+        if sequence_lens is None:
+            self.lens = None
+        else:
+            self.lens = np.asarray(sequence_lens).astype(np.int64).reshape(-1)
+        # Input projection for all steps and both directions: (dirs, T, B, gates*H).
+        wt = w.astype(self.wd, copy=False)
+        self.xw = np.matmul(x.reshape(1, -1, x.shape[2]), np.swapaxes(wt, 1, 2))
+        self.xw = self.xw.reshape(self.num_dirs, self.t_len, self.batch, -1)
+        if b is not None:
+            self.xw += b.astype(self.wd)[:, None, None, :gates * self.hidden]
+        self.rb = None if b is None else b.astype(self.wd)[:, gates * self.hidden:]
+        self.initial = [np.zeros((self.num_dirs, self.batch, self.hidden), self.wd)
+                        if s is None else s.astype(self.wd) for s in initial]
+
+    def steps(self, d):
+        order = range(self.t_len - 1, -1, -1) if self.reverse[d] else range(self.t_len)
+        for t in order:
+            mask = None if self.lens is None else (t < self.lens)[:, None]
+            yield t, mask
+
+    def outputs(self, ctx, y, finals):
+        """(Y, Y_h[, Y_c]) in the op's layout and dtype."""
+        y = np.stack(y, axis=1)  # (T, dirs, B, H)
+        finals = list(finals)
+        if self.layout:
+            y = np.transpose(y, (2, 0, 1, 3))
+            finals = [np.swapaxes(f, 0, 1) for f in finals]
+        outs = [y] + finals
+        outs = [np.ascontiguousarray(o).astype(self.dtype, copy=False) for o in outs]
+        return tuple(outs[:ctx.num_outputs]) if ctx.num_outputs > 1 else outs[0]
+
+
+def _clip(v, clip):
+    return v if clip is None else np.clip(v, -clip, clip)
+
+
+def _blend(mask, new, old):
+    return new if mask is None else np.where(mask, new, old)
+
+
+def _masked_out(mask, h):
+    return h if mask is None else np.where(mask, h, 0)
+
+
+@op("RNN", 1)
+def rnn(ctx, x, w, r, b=None, sequence_lens=None, initial_h=None, *, activation_alpha=None,
+        activation_beta=None, activations=None, clip=None, direction="forward",
+        hidden_size=None, layout=0):
+    s = _Setup(x, w, b, sequence_lens, [initial_h], direction, layout, 1)
+    acts = _activations(activations, activation_alpha, activation_beta, ["Tanh"], s.num_dirs)
+    ys, hs = [], []
+    for d in range(s.num_dirs):
+        f = acts[d][0]
+        rt = r[d].astype(s.wd).T
+        bias = 0 if s.rb is None else s.rb[d]
+        h = s.initial[0][d]
+        y = np.zeros((s.t_len, s.batch, s.hidden), s.wd)
+        for t, mask in s.steps(d):
+            hn = f(_clip(s.xw[d, t] + h @ rt + bias, clip))
+            h = _blend(mask, hn, h)
+            y[t] = _masked_out(mask, hn)
+        ys.append(y)
+        hs.append(h)
+    return s.outputs(ctx, ys, [np.stack(hs)])
+
+
+@op("GRU", 1)
+def gru(ctx, x, w, r, b=None, sequence_lens=None, initial_h=None, *, activation_alpha=None,
+        activation_beta=None, activations=None, clip=None, direction="forward",
+        hidden_size=None, layout=0, linear_before_reset=0):
+    s = _Setup(x, w, b, sequence_lens, [initial_h], direction, layout, 3)
+    acts = _activations(activations, activation_alpha, activation_beta, ["Sigmoid", "Tanh"],
+                        s.num_dirs)
+    hsz = s.hidden
+    ys, hs = [], []
+    for d in range(s.num_dirs):
+        f, g = acts[d]
+        rd = r[d].astype(s.wd)
+        rzr_t = rd[:2 * hsz].T
+        rh_t = rd[2 * hsz:].T
+        rb = np.zeros(3 * hsz, s.wd) if s.rb is None else s.rb[d]
+        h = s.initial[0][d]
+        y = np.zeros((s.t_len, s.batch, hsz), s.wd)
+        for t, mask in s.steps(d):
+            xw = s.xw[d, t]
+            zr = f(_clip(xw[:, :2 * hsz] + h @ rzr_t + rb[:2 * hsz], clip))
+            z, rg = zr[:, :hsz], zr[:, hsz:]
+            if linear_before_reset:
+                hh = xw[:, 2 * hsz:] + rg * (h @ rh_t + rb[2 * hsz:])
+            else:
+                hh = xw[:, 2 * hsz:] + (rg * h) @ rh_t + rb[2 * hsz:]
+            hh = g(_clip(hh, clip))
+            hn = (1 - z) * hh + z * h
+            h = _blend(mask, hn, h)
+            y[t] = _masked_out(mask, hn)
+        ys.append(y)
+        hs.append(h)
+    return s.outputs(ctx, ys, [np.stack(hs)])
+
+
+@op("LSTM", 1)
+def lstm(ctx, x, w, r, b=None, sequence_lens=None, initial_h=None, initial_c=None, p=None,
+         *, activation_alpha=None, activation_beta=None, activations=None, clip=None,
+         direction="forward", hidden_size=None, input_forget=0, layout=0):
+    s = _Setup(x, w, b, sequence_lens, [initial_h, initial_c], direction, layout, 4)
+    acts = _activations(activations, activation_alpha, activation_beta,
+                        ["Sigmoid", "Tanh", "Tanh"], s.num_dirs)
+    hsz = s.hidden
+    ys, hs, cs = [], [], []
+    for d in range(s.num_dirs):
+        f, g, hf = acts[d]
+        rt = r[d].astype(s.wd).T
+        rb = 0 if s.rb is None else s.rb[d]
+        pi, po, pf = (np.zeros(hsz, s.wd),) * 3 if p is None else \
+            np.split(p[d].astype(s.wd), 3)
+        h, c = s.initial[0][d], s.initial[1][d]
+        y = np.zeros((s.t_len, s.batch, hsz), s.wd)
+        for t, mask in s.steps(d):
+            gates = s.xw[d, t] + h @ rt + rb
+            gi, go, gf, gc = (gates[:, k * hsz:(k + 1) * hsz] for k in range(4))
+            i = f(_clip(gi + pi * c, clip))
+            fg = 1 - i if input_forget else f(_clip(gf + pf * c, clip))
+            cn = fg * c + i * g(_clip(gc, clip))
+            o = f(_clip(go + po * cn, clip))
+            hn = o * hf(cn)
+            h = _blend(mask, hn, h)
+            c = _blend(mask, cn, c)
+            y[t] = _masked_out(mask, hn)
+        ys.append(y)
+        hs.append(h)
+        cs.append(c)
+    return s.outputs(ctx, ys, [np.stack(hs), np.stack(cs)])
