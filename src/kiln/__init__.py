@@ -20,9 +20,11 @@ from kiln.onnxio import load, save
 from kiln.ops import register_op
 from kiln.optimize import optimize
 from kiln.runtime import InferenceSession, NodeArg
+from kiln.tools import bench, inspect, profile, report
 
 __version__ = "0.1.0"
 
 __all__ = ["DType", "ExternalDataError", "InferenceSession", "InputError", "KernelError",
            "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
-           "UnsupportedOpError", "load", "optimize", "register_op", "save"]
+           "UnsupportedOpError", "bench", "inspect", "load", "optimize", "profile",
+           "register_op", "report", "save"]

@@ -1,0 +1,450 @@
+"""The ``kiln`` command: inspect, optimize, run, profile, bench, report, zoo.
+
+Exit codes: 0 success, 1 failure (the model or an input is the problem: the message says
+what to do), 2 usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from kiln.errors import InputError, KilnError
+
+USAGE_ERROR = 2
+
+
+class UsageError(Exception):
+    """A problem with the command line itself (exit code 2)."""
+
+
+# -- argument types ---------------------------------------------------------------------
+
+def _dim(text: str) -> tuple[str, int]:
+    name, sep, val = text.partition("=")
+    try:
+        n = int(val)
+    except ValueError:
+        n = -1
+    if not sep or not name or n < 0:
+        raise argparse.ArgumentTypeError(f"expected NAME=N with N >= 0, got {text!r}")
+    return name, n
+
+
+def _input_shape(text: str) -> tuple[str, list[int | str | None]]:
+    name, sep, val = text.partition("=")
+    if not sep or not name or not val:
+        raise argparse.ArgumentTypeError(f"expected NAME=D1,D2,... got {text!r}")
+    dims: list[int | str | None] = []
+    for d in val.split(","):
+        d = d.strip()
+        if d.lstrip("-").isdigit():
+            if int(d) < 0:
+                raise argparse.ArgumentTypeError(f"negative dim in {text!r}")
+            dims.append(int(d))
+        elif d in ("", "?"):
+            dims.append(None)
+        else:
+            dims.append(d)
+    return name, dims
+
+
+def _positive(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return n
+
+
+def _count(text: str) -> int:
+    try:
+        n = int(text)
+    except ValueError:
+        n = -1
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
+    return n
+
+
+# -- shared option groups -----------------------------------------------------------------
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", metavar="MODEL",
+                   help="an .onnx file, or the name of a built zoo model (see `kiln zoo list`)")
+
+
+def _add_backend(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backend", choices=["numpy", "torch"], default="numpy",
+                   help="backend to run on (default: numpy)")
+    p.add_argument("--device", default=None,
+                   help="torch device: cpu, cuda or cuda:N (default: cpu)")
+
+
+def _add_dims(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=N",
+                   help="size of a symbolic dim such as batch or seq (repeatable; "
+                        "unset symbolic dims are 1)")
+
+
+def _add_inputs(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--input", action="append", default=[], metavar="NAME=FILE",
+                   help="an input from .npy, .pb (TensorProto) or .npz (repeatable); a bare "
+                        "FILE.npz feeds the inputs named by its keys")
+    _add_dims(p)
+    p.add_argument("--seed", type=int, default=0, help="seed of random inputs (default 0)")
+
+
+def _add_no_optimize(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--no-optimize", action="store_true",
+                   help="run the model as it is, without Kiln's optimizer")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="kiln", description="Kiln: import ONNX models, optimize them and run them.",
+        epilog="Run `kiln COMMAND --help` for a command's options. Exit codes: 0 ok, "
+               "1 failure, 2 usage error.")
+    from kiln import __version__
+    ap.add_argument("--version", action="version", version=f"kiln {__version__}")
+    sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    p = sub.add_parser("inspect", help="what a model is made of: I/O, layers, ops, "
+                       "parameters, FLOPs, backend support",
+                       description="Describe a model without running it.")
+    _add_model(p)
+    _add_backend(p)
+    _add_dims(p)
+    p.add_argument("--optimize", action="store_true",
+                   help="describe the model as a session runs it, after Kiln's optimizer")
+    p.add_argument("--no-layers", action="store_true", help="leave out the per-layer table")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_inspect, parser=p)
+
+    p = sub.add_parser("optimize", help="write the optimized model and say what changed",
+                       description="Optimize a model with Kiln's passes and save it.")
+    _add_model(p)
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="optimized .onnx")
+    p.add_argument("--input-shape", type=_input_shape, action="append", default=[],
+                   metavar="NAME=D1,D2,...",
+                   help="fix an input's shape, e.g. x=1,3,224,224 (repeatable; a name keeps "
+                        "a dim symbolic, ? leaves it unknown)")
+    p.add_argument("--disable", action="append", default=[], metavar="PASS",
+                   help="skip a pass by name (repeatable; `--disable help` lists them)")
+    p.add_argument("--level", choices=["0", "1", "2"], default=None,
+                   help="0: only --input-shape, 1: standard ONNX rewrites, "
+                        "2: also Kiln's fused ops (default)")
+    p.add_argument("--no-optimize", action="store_true",
+                   help="run no pass; only apply --input-shape (same as --level 0)")
+    p.set_defaults(func=cmd_optimize, parser=p)
+
+    p = sub.add_parser("run", help="run a model once and summarize its outputs",
+                       description="Run a model once on given or random inputs.")
+    _add_model(p)
+    _add_inputs(p)
+    p.add_argument("--random", action="store_true",
+                   help="random inputs of the declared shapes for inputs not given")
+    p.add_argument("--output", metavar="OUT.npz", help="save every output to an .npz")
+    _add_backend(p)
+    _add_no_optimize(p)
+    p.add_argument("--json", action="store_true", help="machine-readable summary")
+    p.set_defaults(func=cmd_run, parser=p)
+
+    p = sub.add_parser("profile", help="time every layer; totals by op type; Chrome trace",
+                       description="Profile a model layer by layer (random inputs unless "
+                                   "--input is given).")
+    _add_model(p)
+    _add_backend(p)
+    p.add_argument("--runs", type=_positive, default=10, help="measured runs (default 10)")
+    p.add_argument("--warmup", type=_count, default=1, help="unmeasured runs first (default 1)")
+    p.add_argument("--trace", metavar="TRACE.json",
+                   help="write a Chrome trace (chrome://tracing, ui.perfetto.dev)")
+    p.add_argument("--top", type=_count, default=0,
+                   help="show only the N slowest layers (default: all, in run order)")
+    _add_inputs(p)
+    _add_no_optimize(p)
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_profile, parser=p)
+
+    p = sub.add_parser("bench", help="latency percentiles and throughput, optionally vs "
+                       "onnxruntime", description="Benchmark a model (random inputs unless "
+                                                  "--input is given).")
+    _add_model(p)
+    _add_backend(p)
+    p.add_argument("--vs", choices=["onnxruntime"], default=None,
+                   help="also time onnxruntime, alternating runs in this process")
+    p.add_argument("--batch", type=_positive, default=None,
+                   help="batch size for random inputs (sets a symbolic first dim)")
+    p.add_argument("--threads", type=_positive, default=None,
+                   help="threads for Kiln and onnxruntime alike (default: all cores)")
+    p.add_argument("--runs", type=_positive, default=50, help="measured runs (default 50)")
+    p.add_argument("--warmup", type=_count, default=5, help="unmeasured runs (default 5)")
+    _add_inputs(p)
+    _add_no_optimize(p)
+    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_bench, parser=p)
+
+    p = sub.add_parser("report", help="a self-contained HTML page: the graph, time by op, "
+                       "the summary", description="Write an HTML report of a model.")
+    _add_model(p)
+    p.add_argument("-o", "--output", required=True, metavar="REPORT.html")
+    p.add_argument("--profile", action="store_true",
+                   help="run the model and color each layer by its share of the time")
+    p.add_argument("--runs", type=_positive, default=5, help="profiled runs (default 5)")
+    _add_backend(p)
+    _add_inputs(p)
+    _add_no_optimize(p)
+    p.set_defaults(func=cmd_report, parser=p)
+
+    sub.add_parser("zoo", help="the offline model zoo (kiln zoo --help)", add_help=False)
+    return ap
+
+
+# -- helpers ------------------------------------------------------------------------------
+
+def _dims(args) -> dict[str, int]:
+    return dict(args.dim)
+
+
+def _feeds(args, model, random_rest: bool):
+    """Feeds from --input, the others random when ``random_rest``; None = all random."""
+    from kiln.tools._common import feeds_from_specs, random_feeds
+
+    if not args.input:
+        return None if random_rest else {}
+    feeds = feeds_from_specs(model, args.input)
+    missing = [v.name for v in model.graph.inputs if v.name not in feeds]
+    if missing and random_rest:
+        rnd = random_feeds(model, _dims(args), args.seed)
+        feeds.update({k: rnd[k] for k in missing})
+    return feeds
+
+
+def _emit_json(obj: Any) -> None:
+    print(json.dumps(obj, indent=2, default=str))
+
+
+# -- commands -----------------------------------------------------------------------------
+
+def cmd_inspect(args) -> int:
+    from kiln.cli.format import summary_text
+    from kiln.tools import inspect
+    from kiln.tools._common import load_model
+
+    model: Any = args.model
+    if args.optimize:
+        from kiln.optimize import optimize
+        model = optimize(load_model(model), backend=args.backend)
+    s = inspect(model, backend=args.backend, device=args.device, dims=_dims(args))
+    if args.optimize:
+        s.name = f"{Path(args.model).name} (optimized)"
+    if args.json:
+        _emit_json(s.to_dict())
+    else:
+        print(summary_text(s, layers=not args.no_layers))
+    return 0
+
+
+def cmd_optimize(args) -> int:
+    try:  # the module: the package attribute ``kiln.optimize`` is the function
+        kopt = importlib.import_module("kiln.optimize")
+    except ImportError:
+        raise KilnError("this Kiln has no optimizer (kiln.optimize is missing)") from None
+    names = list(getattr(kopt, "PASS_NAMES", ()))
+    if "help" in args.disable:
+        print("passes: " + ", ".join(names))
+        return 0
+    unknown = [d for d in args.disable if names and d not in names]
+    if unknown:
+        raise UsageError(f"unknown pass(es) {unknown} for --disable; the passes are "
+                         + ", ".join(names))
+    from kiln.passes.base import count_nodes, op_histogram
+    from kiln.tools._common import load_model
+
+    model = load_model(args.model)
+    before_nodes, before_ops = count_nodes(model.graph), op_histogram(model.graph)
+    level = 0 if args.no_optimize else (int(args.level) if args.level is not None else None)
+    kw: dict[str, Any] = {"disable": args.disable, "input_shapes": dict(args.input_shape)}
+    if level is not None:
+        kw["level"] = level
+    t0 = time.perf_counter()
+    run = getattr(kopt, "optimize_with_report", None)
+    if run is not None:
+        out, rep = run(model, **kw)
+    else:
+        out, rep = kopt.optimize(model, **kw), None
+    dt = time.perf_counter() - t0
+    from kiln.onnxio import save
+    save(out, args.output)
+    after_nodes, after_ops = count_nodes(out.graph), op_histogram(out.graph)
+    print(f"{args.model} -> {args.output}: {before_nodes} -> {after_nodes} nodes "
+          f"in {dt * 1e3:.0f} ms")
+    if rep is not None and hasattr(rep, "by_pass"):
+        for name, changes in rep.by_pass().items():
+            if changes:
+                print(f"  {name}: " + ", ".join(f"{k} x{v}" for k, v in sorted(changes.items())))
+    diff = []
+    for op in sorted(set(before_ops) | set(after_ops)):
+        a, b = before_ops.get(op, 0), after_ops.get(op, 0)
+        if a != b:
+            diff.append(f"{op} {a}->{b}")
+    print("ops changed: " + (", ".join(diff) if diff else "none"))
+    if args.input_shape:
+        shapes = {v.name: v.shape for v in out.graph.inputs}
+        from kiln.tools._common import fmt_dims
+        print("inputs: " + ", ".join(f"{n} {fmt_dims(s)}" for n, s in shapes.items()))
+    return 0
+
+
+def cmd_run(args) -> int:
+    import numpy as np
+
+    from kiln.cli.format import array_summary, table
+    from kiln.tools._common import load_model, random_feeds, session_for
+
+    model = load_model(args.model)
+    feeds = _feeds(args, model, args.random) if args.input else {}
+    missing = [v.name for v in model.graph.inputs if v.name not in feeds]
+    if missing:
+        if not args.random:
+            raise UsageError(f"no value for input(s) {missing}: give --input NAME=FILE or "
+                             "--random")
+        rnd = random_feeds(model, _dims(args), args.seed)
+        feeds.update({k: rnd[k] for k in missing})
+    sess = session_for(model, args.backend, args.device, optimize=not args.no_optimize)
+    t0 = time.perf_counter()
+    outs = sess.run(None, feeds)
+    dt = (time.perf_counter() - t0) * 1e3
+    names = [o.name for o in sess.get_outputs()]
+    if args.output:
+        arrays = {n: np.asarray(o) for n, o in zip(names, outs) if not isinstance(o, list)}
+        np.savez(args.output, **arrays)
+    rows = [array_summary(n, o) for n, o in zip(names, outs)]
+    if args.json:
+        _emit_json({"ms": dt, "inputs": {k: [list(v.shape), str(v.dtype)]
+                                         for k, v in feeds.items()},
+                    "outputs": [dict(zip(["name", "dtype", "shape", "min", "max", "mean"], r))
+                                for r in rows]})
+        return 0
+    ins = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
+    print(f"ran {Path(str(args.model)).name} on {args.backend} in {dt:.1f} ms"
+          + (f" (inputs: {ins})" if ins else ""))
+    print(table(["output", "dtype", "shape", "min", "max", "mean"], rows, right=(3, 4, 5)))
+    if args.output:
+        print(f"saved {len(names)} output(s) to {args.output}")
+    return 0
+
+
+def cmd_profile(args) -> int:
+    from kiln.cli.format import profile_text
+    from kiln.tools import profile
+    from kiln.tools._common import load_model, model_name, session_for
+
+    model = load_model(args.model)
+    feeds = _feeds(args, model, True)
+    sess = session_for(model, args.backend, args.device, optimize=not args.no_optimize)
+    p = profile(sess, feeds, runs=args.runs, warmup=args.warmup, dims=_dims(args),
+                seed=args.seed)
+    p.model = model_name(args.model)
+    if args.trace:
+        p.save_trace(args.trace)
+    if args.json:
+        _emit_json(p.to_dict())
+    else:
+        print(profile_text(p, args.top))
+        if args.trace:
+            print(f"\ntrace written to {args.trace} (open in ui.perfetto.dev or "
+                  "chrome://tracing)")
+    return 0
+
+
+def cmd_bench(args) -> int:
+    from kiln.cli.format import bench_text
+    from kiln.tools import bench
+    from kiln.tools._common import load_model
+
+    feeds = None
+    if args.input:
+        model = load_model(args.model)
+        feeds = _feeds(args, model, True)
+    r = bench(args.model, backend=args.backend, device=args.device, feeds=feeds,
+              runs=args.runs, warmup=args.warmup, batch=args.batch, threads=args.threads,
+              vs=args.vs, dims=_dims(args), optimize=not args.no_optimize,
+              progress=not args.quiet and not args.json and sys.stderr.isatty())
+    if args.json:
+        _emit_json(r.to_dict())
+    else:
+        print(bench_text(r))
+    return 0
+
+
+def cmd_report(args) -> int:
+    from kiln.tools import report
+    from kiln.tools._common import load_model
+
+    feeds = None
+    if args.input:
+        feeds = _feeds(args, load_model(args.model), True)
+    report(args.model, args.output, profile=args.profile, backend=args.backend,
+           device=args.device, runs=args.runs, feeds=feeds, dims=_dims(args),
+           optimize=not args.no_optimize)
+    print(f"report written to {args.output}")
+    return 0
+
+
+def cmd_zoo(argv: list[str]) -> int:
+    if importlib.util.find_spec("kiln.zoo.__main__") is None:
+        print("kiln: the model zoo is not available in this install "
+              "(pip install 'kiln[zoo]')", file=sys.stderr)
+        return 1
+    try:
+        from kiln.zoo.__main__ import main as zoo_main
+    except ImportError as e:
+        print(f"kiln: the model zoo is not available ({e}); pip install 'kiln[zoo]'",
+              file=sys.stderr)
+        return 1
+    return int(zoo_main(argv) or 0)
+
+
+# -- entry point --------------------------------------------------------------------------
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the ``kiln`` command line; returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "zoo":
+        return _guard(lambda: cmd_zoo(argv[1:]), None)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return _guard(lambda: args.func(args), args.parser)
+
+
+def _guard(fn: Callable[[], int], parser: argparse.ArgumentParser | None) -> int:
+    """Turn expected failures into a message and an exit code (no traceback)."""
+    try:
+        return fn()
+    except UsageError as e:
+        if parser is not None:
+            parser.print_usage(sys.stderr)
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return USAGE_ERROR
+    except (KilnError, InputError) as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 1
+    except BrokenPipeError:  # output piped into `head` and the like
+        sys.stdout = None
+        return 0
+    except OSError as e:
+        print(f"kiln: error: {e}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        print("kiln: interrupted", file=sys.stderr)
+        return 130

@@ -1,0 +1,199 @@
+"""``kiln.bench``: latency percentiles and throughput, optionally side by side with
+onnxruntime (alternating runs in one process, same thread count)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from time import perf_counter
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import KilnError
+from kiln.tools._common import (
+    load_model,
+    model_name,
+    onnx_source,
+    random_feeds,
+    session_for,
+)
+
+
+@dataclass
+class Stats:
+    """Latencies (ms) of one engine's measured runs."""
+
+    engine: str
+    latencies_ms: list[float] = field(default_factory=list)
+    batch: int = 1
+
+    def pct(self, q: float) -> float:
+        return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
+
+    @property
+    def p50(self) -> float:
+        return self.pct(50)
+
+    @property
+    def p90(self) -> float:
+        return self.pct(90)
+
+    @property
+    def p99(self) -> float:
+        return self.pct(99)
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.latencies_ms)) if self.latencies_ms else 0.0
+
+    @property
+    def throughput(self) -> float:
+        """Samples per second (batch items, not runs) at the mean latency."""
+        return self.batch * 1e3 / self.mean if self.mean > 0 else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "runs": len(self.latencies_ms), "p50_ms": self.p50,
+                "p90_ms": self.p90, "p99_ms": self.p99, "mean_ms": self.mean,
+                "min_ms": min(self.latencies_ms, default=0.0),
+                "throughput_per_s": self.throughput}
+
+
+@dataclass
+class BenchResult:
+    """Kiln's numbers and, with ``vs``, the other engine's measured alongside."""
+
+    model: str
+    backend: str
+    device: str
+    batch: int
+    threads: int
+    warmup: int
+    kiln: Stats
+    other: Stats | None = None
+
+    @property
+    def speedup(self) -> float | None:
+        """Other engine's p50 / Kiln's p50: above 1 means Kiln is faster."""
+        if self.other is None or self.kiln.p50 <= 0:
+            return None
+        return self.other.p50 / self.kiln.p50
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"model": self.model, "backend": self.backend, "device": self.device,
+                "batch": self.batch, "threads": self.threads, "warmup": self.warmup,
+                "kiln": self.kiln.to_dict(),
+                "other": None if self.other is None else self.other.to_dict(),
+                "speedup": self.speedup}
+
+
+class _SimpleBar:
+    """A text progress bar on stderr for when tqdm is not installed."""
+
+    def __init__(self, total: int, desc: str):
+        self.total, self.desc, self.n = total, desc, 0
+
+    def update(self, k: int = 1) -> None:
+        self.n += k
+        done = int(30 * self.n / max(self.total, 1))
+        sys.stderr.write(f"\r{self.desc} [{'#' * done}{'.' * (30 - done)}] "
+                         f"{self.n}/{self.total}")
+        sys.stderr.flush()
+
+    def close(self) -> None:
+        sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def progress_bar(total: int, desc: str, enabled: bool = True):
+    """tqdm's bar when installed, a plain one otherwise; None when disabled."""
+    if not enabled:
+        return None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _SimpleBar(total, desc)
+    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, leave=False)
+
+
+def default_threads() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:
+        return os.cpu_count() or 1
+
+
+def _ort_session(model: Any, threads: int, device: str):
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        raise KilnError("--vs onnxruntime needs onnxruntime: pip install onnxruntime") from None
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    providers = ["CPUExecutionProvider"]
+    if device.startswith("cuda"):
+        if "CUDAExecutionProvider" not in ort.get_available_providers():
+            raise KilnError("onnxruntime here has no CUDA provider; compare on the CPU")
+        providers.insert(0, "CUDAExecutionProvider")
+    try:
+        return ort.InferenceSession(onnx_source(model), so, providers=providers)
+    except Exception as e:  # ORT's own exception types
+        raise KilnError(f"onnxruntime cannot load the model: {e}") from None
+
+
+def _thread_limit(threads: int):
+    """Caps NumPy's BLAS threads (threadpoolctl when installed)."""
+    try:
+        from threadpoolctl import threadpool_limits
+    except ImportError:
+        import contextlib
+        return contextlib.nullcontext()
+    return threadpool_limits(limits=threads)
+
+
+def bench(model: Any, backend: str = "numpy", device: str | None = None,
+          feeds: dict | None = None, runs: int = 50, warmup: int = 5, batch: int | None = None,
+          threads: int | None = None, vs: str | None = None,
+          dims: dict[str, int] | None = None, optimize: bool = True,
+          progress: bool = True) -> BenchResult:
+    """Time ``runs`` runs of ``model`` (after ``warmup``) on ``backend``.
+
+    ``feeds`` default to random inputs of the declared shapes, the first dim set to
+    ``batch`` when symbolic, other symbolic dims from ``dims`` (default 1). ``threads``
+    (default: all cores) caps Kiln's threads and, with ``vs="onnxruntime"``, ORT's intra-op
+    threads; then both run alternately (order swapped every iteration) on the same feeds.
+    """
+    if vs not in (None, "onnxruntime", "ort"):
+        raise KilnError(f"--vs {vs!r}: only 'onnxruntime' can be compared against")
+    threads = threads or default_threads()
+    m = load_model(model)
+    sess = session_for(m, backend, device, threads=threads, optimize=optimize)
+    if feeds is None:
+        feeds = random_feeds(m, dims, batch=batch)
+    first = next(iter(feeds.values()), None)
+    n_batch = batch or (int(first.shape[0]) if getattr(first, "ndim", 0) else 1)
+    dev = getattr(sess.backend, "device", "cpu")
+    ort_sess = _ort_session(model, threads, dev) if vs else None
+    ours, theirs = Stats("kiln", batch=n_batch), Stats("onnxruntime", batch=n_batch)
+    engines = [(ours, lambda: sess.run(None, feeds))]
+    if ort_sess is not None:
+        engines.append((theirs, lambda: ort_sess.run(None, feeds)))
+    bar = progress_bar(warmup + runs, f"bench {model_name(model)}", progress)
+    with _thread_limit(threads):
+        for i in range(warmup + runs):
+            order = engines if i % 2 == 0 else engines[::-1]
+            for st, fn in order:
+                t0 = perf_counter()
+                fn()
+                dt = (perf_counter() - t0) * 1e3
+                if i >= warmup:
+                    st.latencies_ms.append(dt)
+            if bar is not None:
+                bar.update(1)
+    if bar is not None:
+        bar.close()
+    return BenchResult(model_name(model), backend, dev, n_batch, threads, warmup, ours,
+                       theirs if ort_sess is not None else None)
