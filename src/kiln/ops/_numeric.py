@@ -65,7 +65,7 @@ def legacy_broadcast(b, a_ndim: int, broadcast: int, axis):
     trailing = a_ndim - ax - b.ndim
     if trailing <= 0:
         return b
-    return b.reshape(tuple(b.shape) + (1,) * trailing)
+    return array_namespace(b).reshape(b, tuple(b.shape) + (1,) * trailing)
 
 
 def _erf_series(a: np.ndarray) -> np.ndarray:

@@ -30,20 +30,22 @@ def _plain(x: np.ndarray) -> np.ndarray:
 def _from_strings(x: np.ndarray, to: np.dtype) -> np.ndarray:
     """Parse decimal/scientific literals and INF/-INF/NaN (any case)."""
     s = x.astype(str)
-    if to.kind in "iub":
-        try:
-            return s.astype(np.int64)
-        except (ValueError, OverflowError):  # "2.5" and the like: undefined, truncate
-            pass
+    if to.kind in "iub":  # integers parse exactly; "2.5" and the like (undefined) truncate
+        for t in ((np.uint64,) if to == np.uint64 else ()) + (np.int64,):
+            try:
+                return s.astype(t)
+            except (ValueError, OverflowError):
+                pass
     return s.astype(np.float64)
 
 
 def _to_strings(x: np.ndarray) -> np.ndarray:
     """Numbers as onnxruntime writes them: integers in full, floats with 8 significant
     digits ('%.8g'), NaN/INF/-INF spelled as the spec's literals, booleans as 1/0."""
-    if x.dtype == np.bool_ or x.dtype.kind in "iu" or (
-            x.dtype in _SUBBYTE_BITS and x.dtype not in _F8):
-        return x.astype(np.int64).astype(str).astype(object)
+    if x.dtype == np.bool_ or (x.dtype in _SUBBYTE_BITS and x.dtype not in _F8):
+        x = x.astype(np.int8)
+    if x.dtype.kind in "iu":
+        return x.astype(str).astype(object)
     v = _plain(x).astype(np.float64)
     out = np.char.mod("%.8g", v).astype(object)
     out[np.isnan(v)] = "NaN"
@@ -142,4 +144,6 @@ def bit_cast(input, *, to=None):
         x = x.view(np.uint8) & np.uint8((1 << _SUBBYTE_BITS[x.dtype]) - 1)
     if x.dtype.itemsize != target.itemsize:
         raise ValueError(f"BitCast from {input.dtype} to {target}: the widths differ")
+    if target == np.bool_:  # keep NumPy's bools canonical (one byte, 0 or 1)
+        return x.view(np.uint8) != 0
     return x.view(target)

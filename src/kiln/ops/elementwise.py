@@ -84,17 +84,13 @@ def mod(a, b, *, fmod=0):
 
 @op("Pow", 1, generic=True)
 def pow_(x, y, *, broadcast=0, axis=None):
-    """The result has the base's type; an integer base with a float exponent is computed
-    in float64 and truncated back."""
+    """The result has the base's type. An integer base with a float or negative exponent
+    is computed in float64 and truncated back (2 ** -1 == 0, as in C)."""
     xp = namespace(x, y)
     y = legacy_broadcast(y, x.ndim, broadcast, axis)
-    if x.dtype == y.dtype:
-        return xp.pow(x, y)
-    if is_float(x.dtype):
-        return xp.pow(x, xp.astype(y, x.dtype))
-    if is_float(y.dtype):
+    if not is_float(x.dtype) and (is_float(y.dtype) or bool(xp.any(y < 0))):
         return xp.astype(xp.pow(xp.astype(x, xp.float64), xp.astype(y, xp.float64)), x.dtype)
-    return xp.pow(x, xp.astype(y, x.dtype))
+    return xp.pow(x, y if y.dtype == x.dtype else xp.astype(y, x.dtype))
 
 
 # -- unary math -------------------------------------------------------------------------

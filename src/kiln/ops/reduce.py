@@ -35,16 +35,23 @@ def _extreme(xp, x, axes, keepdims, fn, fill):
     return fn(x, axis=axes, keepdims=keepdims)
 
 
+def _int_info(dtype):
+    # NumPy and torch dtypes print as "int32" / "torch.int32".
+    return np.iinfo(np.dtype(str(dtype).removeprefix("torch.")))
+
+
 def _lowest(dtype):
+    """The identity of max: -inf, the type's minimum, or False."""
     if str(dtype).endswith("bool"):
         return False
-    return -math.inf if is_float(dtype) else int(np.iinfo(np.dtype(str(dtype).split(".")[-1])).min)
+    return -math.inf if is_float(dtype) else int(_int_info(dtype).min)
 
 
 def _highest(dtype):
+    """The identity of min: +inf, the type's maximum, or True."""
     if str(dtype).endswith("bool"):
         return True
-    return math.inf if is_float(dtype) else int(np.iinfo(np.dtype(str(dtype).split(".")[-1])).max)
+    return math.inf if is_float(dtype) else int(_int_info(dtype).max)
 
 
 def _mean(xp, x, axes, keepdims):
