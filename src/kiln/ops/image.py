@@ -1,345 +1,225 @@
-"""ImageDecoder. With Pillow importable (an optional dependency) every format it reads is
-decoded by it; without, Kiln decodes the simple formats itself: BMP, PNM (PBM/PGM/PPM),
-PNG and TIFF (uncompressed, PackBits or Deflate). JPEG, JPEG 2000 and WebP need Pillow."""
+"""Spatial ops: Pad, CenterCropPad, Col2Im, DepthToSpace/SpaceToDepth, AffineGrid and
+GridSample."""
 
 from __future__ import annotations
 
-import io
-import struct
-import zlib
+import math
 
 import numpy as np
 
+from kiln.ops._array import axis as norm_axis
+from kiln.ops._array import namespace
+from kiln.ops._numeric import int_list
 from kiln.ops.registry import op
+from kiln.ops.resize import cubic_weights
+
+# -- Pad --------------------------------------------------------------------------------
+
+_MODES = ("constant", "reflect", "edge", "wrap")  # NumPy names them alike
 
 
-class _Unsupported(Exception):
-    """A format (or a variant of one) only Pillow can decode."""
-
-
-@op("ImageDecoder", 20)
-def image_decoder(encoded_stream, *, pixel_format="RGB"):
-    """Decodes to uint8 [H, W, 3] (RGB or BGR) or [H, W, 1] (Grayscale); a stream that
-    cannot be decoded gives an empty [0, 0, C] tensor, as the spec asks."""
-    channels = 1 if pixel_format == "Grayscale" else 3
-    data = np.asarray(encoded_stream, dtype=np.uint8).tobytes()
-    try:
-        img = _decode_with_pillow(data, pixel_format)
-        if img is None:
-            img = _to_format(_decode_builtin(data), pixel_format)
-    except _Unsupported as e:
-        raise ValueError(f"ImageDecoder: {e}; install Pillow (pip install pillow) to decode "
-                         "it (built in: BMP, PNG, PNM, uncompressed/PackBits/Deflate TIFF)"
-                         ) from None
-    except Exception:  # noqa: BLE001 - corrupt stream: the spec's empty result
-        return np.zeros((0, 0, channels), dtype=np.uint8)
-    return img
-
-
-def _decode_with_pillow(data: bytes, pixel_format: str):
-    try:
-        from PIL import Image
-    except ImportError:
-        return None
-    with Image.open(io.BytesIO(data)) as im:
-        if pixel_format == "Grayscale":
-            return np.asarray(im.convert("L"), dtype=np.uint8)[..., None]
-        rgb = np.asarray(im.convert("RGB"), dtype=np.uint8)
-    return np.ascontiguousarray(rgb[..., ::-1]) if pixel_format == "BGR" else rgb
-
-
-def _to_format(img: np.ndarray, pixel_format: str) -> np.ndarray:
-    """[H, W] gray or [H, W, 3] RGB -> the asked layout (Pillow's integer luma weights)."""
-    if pixel_format == "Grayscale":
-        if img.ndim == 3:
-            r, g, b = (img[..., i].astype(np.uint32) for i in range(3))
-            img = ((r * 19595 + g * 38470 + b * 7471 + 0x8000) >> 16).astype(np.uint8)
-        return img[..., None]
-    if img.ndim == 2:
-        img = np.repeat(img[..., None], 3, axis=2)
-    return np.ascontiguousarray(img[..., ::-1]) if pixel_format == "BGR" else img
-
-
-def _decode_builtin(data: bytes) -> np.ndarray:
-    if data[:2] == b"BM":
-        return _bmp(data)
-    if data[:8] == b"\x89PNG\r\n\x1a\n":
-        return _png(data)
-    if data[:1] == b"P" and data[1:2] in b"123456":
-        return _pnm(data)
-    if data[:4] in (b"II*\x00", b"MM\x00*"):
-        return _tiff(data)
-    if data[:2] == b"\xff\xd8":
-        raise _Unsupported("JPEG needs a decoder Kiln does not include")
-    if data[4:8] == b"jP  " or data[:4] == b"\xff\x4f\xff\x51":
-        raise _Unsupported("JPEG 2000 needs a decoder Kiln does not include")
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        raise _Unsupported("WebP needs a decoder Kiln does not include")
-    raise ValueError("unknown image format")
-
-
-def _palette_lookup(indices: np.ndarray, palette: np.ndarray) -> np.ndarray:
-    return palette[np.minimum(indices, len(palette) - 1)]
-
-
-def _unpack_bits(rows: np.ndarray, bits: int, width: int) -> np.ndarray:
-    """[H, row bytes] of packed ``bits``-bit samples (MSB first) -> [H, width] values."""
-    if bits == 8:
-        return rows[:, :width]
-    per_byte = 8 // bits
-    shifts = np.arange(8 - bits, -1, -bits, dtype=np.uint8)
-    vals = (rows[:, :, None] >> shifts) & ((1 << bits) - 1)
-    return vals.reshape(rows.shape[0], -1)[:, :width]
-
-
-# -- BMP --------------------------------------------------------------------------------
-
-
-def _bmp(data: bytes) -> np.ndarray:
-    offset, dib = struct.unpack_from("<II", data, 10)
-    if dib == 12:  # OS/2 core header
-        w, h, _, bpp = struct.unpack_from("<HHHH", data, 18)
-        comp, ncolors, pal_entry = 0, 0, 3
+def _pad(x, pads: list[int], mode: str, value, axes=None):
+    """Pads as [begin..., end...] for ``axes`` (default all); negative pads crop first."""
+    rank = x.ndim
+    axes = list(range(rank)) if axes is None else [norm_axis(a, rank) for a in axes]
+    n = len(axes)
+    widths = [(0, 0)] * rank
+    for a, b, e in zip(axes, pads[:n], pads[n:]):
+        widths[a] = (b, e)
+    if any(b < 0 or e < 0 for b, e in widths):
+        x = x[tuple(slice(max(-b, 0), d - max(-e, 0)) for (b, e), d in zip(widths, x.shape))]
+        widths = [(max(b, 0), max(e, 0)) for b, e in widths]
+    if not any(b or e for b, e in widths):
+        return np.array(x, copy=True)
+    if mode not in _MODES:
+        raise ValueError(f"Pad: unknown mode {mode!r}")
+    if mode != "constant":
+        return np.pad(x, widths, mode=mode)
+    if value is None:
+        fill = "" if x.dtype == object else 0
     else:
-        w, h, _, bpp, comp = struct.unpack_from("<iiHHI", data, 18)
-        ncolors = struct.unpack_from("<I", data, 46)[0] if dib >= 40 else 0
-        pal_entry = 4
-    if comp not in (0, 3):
-        raise _Unsupported("compressed (RLE) BMP")
-    top_down = h < 0
-    h = abs(h)
-    stride = (bpp * w + 31) // 32 * 4
-    raw = np.frombuffer(data, np.uint8, stride * h, offset).reshape(h, stride)
-    if not top_down:
-        raw = raw[::-1]
-    if bpp <= 8:
-        n = ncolors or (1 << bpp)
-        pal = np.frombuffer(data, np.uint8, n * pal_entry, 14 + dib).reshape(n, pal_entry)
-        img = _palette_lookup(_unpack_bits(raw, bpp, w), pal[:, 2::-1])
-    elif bpp == 24:
-        img = raw[:, :w * 3].reshape(h, w, 3)[..., ::-1]
-    elif bpp in (16, 32):
-        px = raw[:, :w * bpp // 8].copy().view("<u2" if bpp == 16 else "<u4")
-        if comp == 3:
-            masks = struct.unpack_from("<III", data, 54 if dib == 40 else 14 + 40)
+        fill = np.asarray(value).reshape(-1)[0]
+    out = np.full(tuple(d + b + e for d, (b, e) in zip(x.shape, widths)), fill, dtype=x.dtype)
+    out[tuple(slice(b, b + d) for d, (b, _) in zip(x.shape, widths))] = x
+    return out
+
+
+@op("Pad", 1)
+def pad1(x, *, paddings=None, mode="constant", value=0.0):
+    return _pad(x, list(paddings), mode, value)
+
+
+@op("Pad", 2)
+def pad2(x, *, pads=None, mode="constant", value=0.0):
+    return _pad(x, list(pads), mode, value)
+
+
+@op("Pad", 11)
+def pad(x, pads, constant_value=None, axes=None, *, mode="constant"):
+    return _pad(x, int_list(pads), mode, constant_value,
+                None if axes is None else int_list(axes))
+
+
+@op("CenterCropPad", 18)
+def center_crop_pad(x, shape, *, axes=None):
+    """Crop windows start rounded down; odd padding puts the extra element at the end."""
+    rank = x.ndim
+    axes = list(range(rank)) if axes is None else [norm_axis(a, rank) for a in axes]
+    crop = [slice(None)] * rank
+    widths = [(0, 0)] * rank
+    for a, t in zip(axes, int_list(shape)):
+        d = x.shape[a]
+        if t < d:
+            start = (d - t) // 2
+            crop[a] = slice(start, start + t)
+        elif t > d:
+            widths[a] = ((t - d) // 2, t - d - (t - d) // 2)
+    return _pad(x[tuple(crop)], [b for b, _ in widths] + [e for _, e in widths], "constant", 0)
+
+
+# -- Col2Im -----------------------------------------------------------------------------
+
+
+@op("Col2Im", 18)
+def col2im(x, image_shape, block_shape, *, dilations=None, pads=None, strides=None):
+    """Sum column blocks back into an image: one strided slice-add per kernel position
+    (the positions one kernel offset reaches never overlap)."""
+    img, blk = int_list(image_shape), int_list(block_shape)
+    nd = len(img)
+    dil = list(dilations or [1] * nd)
+    st = list(strides or [1] * nd)
+    pads = list(pads or [0] * (2 * nd))
+    n, ck, _ = x.shape
+    c = ck // math.prod(blk)
+    full = [img[i] + pads[i] + pads[i + nd] for i in range(nd)]
+    nblocks = [(full[i] - dil[i] * (blk[i] - 1) - 1) // st[i] + 1 for i in range(nd)]
+    cols = x.reshape((n, c, *blk, *nblocks))
+    out = np.zeros((n, c, *full), dtype=x.dtype)
+    for kpos in np.ndindex(*blk):
+        window = tuple(slice(k * d, k * d + s * (m - 1) + 1, s)
+                       for k, d, s, m in zip(kpos, dil, st, nblocks))
+        out[(slice(None), slice(None), *window)] += cols[(slice(None), slice(None), *kpos)]
+    return out[(slice(None), slice(None),
+                *(slice(pads[i], pads[i] + img[i]) for i in range(nd)))]
+
+
+# -- depth <-> space --------------------------------------------------------------------
+
+
+@op("DepthToSpace", 1, generic=True)
+def depth_to_space(x, *, blocksize=None, mode="DCR"):
+    xp = namespace(x)
+    b, c, h, w = x.shape
+    bs = blocksize
+    if mode == "DCR":
+        y = xp.reshape(x, (b, bs, bs, c // (bs * bs), h, w))
+        y = xp.permute_dims(y, (0, 3, 4, 1, 5, 2))
+    else:  # CRD
+        y = xp.reshape(x, (b, c // (bs * bs), bs, bs, h, w))
+        y = xp.permute_dims(y, (0, 1, 4, 2, 5, 3))
+    return xp.reshape(y, (b, c // (bs * bs), h * bs, w * bs))
+
+
+@op("SpaceToDepth", 1, generic=True)
+def space_to_depth(x, *, blocksize=None, mode="DCR"):
+    """The inverse of DepthToSpace in the same mode (opset 28 adds CRD)."""
+    xp = namespace(x)
+    b, c, h, w = x.shape
+    bs = blocksize
+    y = xp.reshape(x, (b, c, h // bs, bs, w // bs, bs))
+    perm = (0, 3, 5, 1, 2, 4) if mode == "DCR" else (0, 1, 3, 5, 2, 4)
+    y = xp.permute_dims(y, perm)
+    return xp.reshape(y, (b, c * bs * bs, h // bs, w // bs))
+
+
+# -- AffineGrid and GridSample ----------------------------------------------------------
+
+
+def _base_coords(n: int, align_corners: int):
+    """Normalized positions of ``n`` pixels on [-1, 1] (centers, or corners' extrema)."""
+    if align_corners:
+        return np.linspace(-1.0, 1.0, n)
+    return (2.0 * np.arange(n) + 1.0) / n - 1.0
+
+
+@op("AffineGrid", 20)
+def affine_grid(theta, size, *, align_corners=0):
+    """Output positions theta @ [x, y(, z), 1] for a regular grid, innermost axis first."""
+    spatial = int_list(size)[2:]
+    axes = [_base_coords(n, align_corners) for n in spatial]
+    mesh = np.meshgrid(*axes, indexing="ij")  # outermost spatial axis first
+    homog = np.stack([*mesh[::-1], np.ones_like(mesh[0])], axis=-1)  # (..., r + 1)
+    grid = np.einsum("...k,nrk->n...r", homog, np.asarray(theta, dtype=np.float64))
+    return grid.astype(theta.dtype)
+
+
+def _reflect(x, lo2: float, hi2: float):
+    """Reflect coordinates into [lo2 / 2, hi2 / 2] by repeated mirroring at its ends."""
+    if lo2 == hi2:
+        return np.zeros_like(x)
+    low, span = lo2 / 2, (hi2 - lo2) / 2
+    d = np.abs(x - low)
+    extra = np.fmod(d, span)
+    flips = np.floor(d / span)
+    return np.where(flips % 2 == 0, low + extra, span - extra + low)
+
+
+def _pad_coord(x, size: int, padding_mode: str, align_corners: int):
+    """Apply border/reflection padding to source coordinates (zeros: unchanged)."""
+    if padding_mode == "border":
+        return np.clip(x, 0, size - 1)
+    if padding_mode == "reflection":
+        bounds = (0, 2 * (size - 1)) if align_corners else (-1, 2 * size - 1)
+        return np.clip(_reflect(x, *bounds), 0, size - 1)
+    return x
+
+
+def _grid_taps(x, size: int, mode: str, padding_mode: str, align_corners: int):
+    """Per-axis (points, taps) source indices and weights; taps outside the image get
+    weight 0 (zeros padding), or are clamped/reflected per tap (cubic)."""
+    if mode == "cubic":  # padding applies to each of the 4 taps, not to the coordinate
+        base = np.floor(x)
+        idx = base[..., None] + np.arange(-1, 3)
+        w = cubic_weights(idx - x[..., None], -0.75)
+        if padding_mode != "zeros":
+            idx = np.rint(_pad_coord(idx, size, padding_mode, align_corners))
+    else:
+        x = _pad_coord(x, size, padding_mode, align_corners)
+        if mode == "nearest":  # rint: halfway points go to the even index
+            idx, w = np.rint(x)[..., None], np.ones(x.shape + (1,))
         else:
-            masks = (0x7C00, 0x03E0, 0x001F) if bpp == 16 else (0xFF0000, 0xFF00, 0xFF)
-        img = np.stack([_mask_channel(px, m) for m in masks], axis=-1)
-    else:
-        raise _Unsupported(f"{bpp}-bit BMP")
-    return np.ascontiguousarray(img, dtype=np.uint8)
+            base = np.floor(x)
+            idx = base[..., None] + np.arange(2)
+            frac = (x - base)[..., None]
+            w = np.concatenate([1 - frac, frac], axis=-1)
+    inside = (idx >= 0) & (idx <= size - 1)
+    return np.clip(idx, 0, size - 1).astype(np.int64), np.where(inside, w, 0.0)
 
 
-def _mask_channel(px: np.ndarray, mask: int) -> np.ndarray:
-    if not mask:
-        return np.zeros(px.shape, np.uint8)
-    shift = (mask & -mask).bit_length() - 1
-    top = (mask >> shift)
-    return ((px.astype(np.uint32) >> shift & top) * 255 // top).astype(np.uint8)
-
-
-# -- PNM --------------------------------------------------------------------------------
-
-
-def _pnm(data: bytes) -> np.ndarray:
-    kind = data[1] - ord("0")
-    fields, pos = [], 2
-    need = 2 if kind in (1, 4) else 3
-    while len(fields) < need:  # header tokens, with '#' comments to end of line
-        while data[pos:pos + 1].isspace():
-            pos += 1
-        if data[pos:pos + 1] == b"#":
-            pos = data.index(b"\n", pos)
-            continue
-        end = pos
-        while end < len(data) and not data[end:end + 1].isspace():
-            end += 1
-        fields.append(int(data[pos:end]))
-        pos = end
-    w, h = fields[0], fields[1]
-    maxval = fields[2] if need == 3 else 1
-    chans = 3 if kind in (3, 6) else 1
-    if kind in (1, 2, 3):  # ASCII
-        if kind == 1:
-            digits = [c for c in data[pos:].decode("ascii") if c in "01"]
-            vals = np.array(digits[:w * h], dtype=np.uint8).reshape(h, w)
+@op("GridSample", 16)
+@op("GridSample", 20)
+def grid_sample(x, grid, *, align_corners=0, mode="linear", padding_mode="zeros"):
+    """Sample x at grid positions: all tap combinations (2^r linear, 4^r cubic) are
+    gathered as flat indices over the spatial dims, weighted and summed."""
+    mode = {"bilinear": "linear", "bicubic": "cubic"}.get(mode, mode)
+    n, c, *spatial = x.shape
+    r = len(spatial)
+    out_shape = grid.shape[1:-1]
+    g = np.asarray(grid, dtype=np.float64).reshape(n, -1, r)
+    taps = []
+    for j, size in enumerate(spatial):  # grid lists coordinates innermost axis first
+        v = g[..., r - 1 - j]
+        if align_corners:
+            coord = (v + 1) / 2 * (size - 1)
         else:
-            vals = np.array(data[pos:].split()[:w * h * chans], dtype=np.int64)
-    else:
-        pos += 1  # the single whitespace before the raster
-        if kind == 4:
-            stride = (w + 7) // 8
-            rows = np.frombuffer(data, np.uint8, stride * h, pos).reshape(h, stride)
-            vals = _unpack_bits(rows, 1, w)
-        else:
-            dt = np.dtype(np.uint8) if maxval < 256 else np.dtype(">u2")
-            vals = np.frombuffer(data, dt, w * h * chans, pos).astype(np.int64)
-    if kind in (1, 4):  # bitmaps: 1 is black
-        return np.where(vals.reshape(h, w) == 1, 0, 255).astype(np.uint8)
-    vals = vals.reshape((h, w, 3) if chans == 3 else (h, w))
-    if maxval != 255:
-        vals = (vals * 255 + maxval // 2) // maxval
-    return vals.astype(np.uint8)
-
-
-# -- PNG --------------------------------------------------------------------------------
-
-_ADAM7 = [(0, 0, 8, 8), (4, 0, 8, 8), (0, 4, 4, 8), (2, 0, 4, 4), (0, 2, 2, 4), (1, 0, 2, 2),
-          (0, 1, 1, 2)]  # (x0, y0, dx, dy) of each interlace pass
-
-
-def _png(data: bytes) -> np.ndarray:
-    pos, idat, palette, trns = 8, [], None, None
-    while pos < len(data):
-        length, kind = struct.unpack_from(">I4s", data, pos)
-        body = data[pos + 8:pos + 8 + length]
-        if kind == b"IHDR":
-            w, h, depth, ctype, _, _, interlace = struct.unpack(">IIBBBBB", body)
-        elif kind == b"PLTE":
-            palette = np.frombuffer(body, np.uint8).reshape(-1, 3)
-        elif kind == b"tRNS":
-            trns = body
-        elif kind == b"IDAT":
-            idat.append(body)
-        elif kind == b"IEND":
-            break
-        pos += 12 + length
-    del trns  # transparency is dropped, as Pillow's convert("RGB") does
-    raw = zlib.decompress(b"".join(idat))
-    samples = {0: 1, 2: 3, 3: 1, 4: 2, 6: 4}[ctype]
-    if interlace:
-        img = np.zeros((h, w, samples), np.uint16)
-        off = 0
-        for x0, y0, dx, dy in _ADAM7:
-            pw, ph = (w - x0 + dx - 1) // dx, (h - y0 + dy - 1) // dy
-            if pw and ph:
-                part, off = _png_pass(raw, off, pw, ph, depth, samples)
-                img[y0::dy, x0::dx] = part
-    else:
-        img, _ = _png_pass(raw, 0, w, h, depth, samples)
-    if ctype == 3:
-        return _palette_lookup(img[..., 0], palette)
-    if depth == 16:
-        img = img >> 8
-    elif depth < 8:  # gray scaled to 0..255
-        img = img * (255 // ((1 << depth) - 1))
-    img = img.astype(np.uint8)
-    return img[..., 0] if ctype in (0, 4) else img[..., :3]
-
-
-def _png_pass(raw: bytes, off: int, w: int, h: int, depth: int, samples: int):
-    """Unfilter one (sub-)image; returns [h, w, samples] samples and the next offset."""
-    bpp = max(1, depth * samples // 8)
-    stride = (w * samples * depth + 7) // 8
-    rows = np.zeros((h, stride), np.uint8)
-    prior = np.zeros(stride, np.uint8)
-    for y in range(h):
-        ftype = raw[off]
-        line = np.frombuffer(raw, np.uint8, stride, off + 1)
-        off += 1 + stride
-        rows[y] = prior = _unfilter(ftype, line, prior, bpp)
-    if depth == 16:
-        vals = rows.view(">u2").astype(np.uint16)
-    else:
-        vals = _unpack_bits(rows, depth, w * samples).astype(np.uint16)
-    return vals.reshape(h, w, samples), off
-
-
-def _unfilter(ftype: int, line: np.ndarray, prior: np.ndarray, bpp: int) -> np.ndarray:
-    if ftype == 0:
-        return line
-    if ftype == 2:  # Up
-        return line + prior
-    if ftype == 1:  # Sub: a running sum per byte lane, modulo 256
-        n = len(line)
-        pad = (-n) % bpp
-        lanes = np.concatenate([line, np.zeros(pad, np.uint8)]).reshape(-1, bpp)
-        return (np.cumsum(lanes, axis=0, dtype=np.uint64) % 256).astype(np.uint8).reshape(-1)[:n]
-    # Average and Paeth depend on the byte just decoded: a sequential byte loop.
-    out = bytearray(line.tobytes())
-    up = prior.tobytes()
-    if ftype == 3:
-        for i in range(len(out)):
-            left = out[i - bpp] if i >= bpp else 0
-            out[i] = (out[i] + ((left + up[i]) >> 1)) & 0xFF
-    elif ftype == 4:
-        for i in range(len(out)):
-            a = out[i - bpp] if i >= bpp else 0
-            b = up[i]
-            c = up[i - bpp] if i >= bpp else 0
-            p = a + b - c
-            pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
-            pred = a if pa <= pb and pa <= pc else (b if pb <= pc else c)
-            out[i] = (out[i] + pred) & 0xFF
-    else:
-        raise ValueError(f"bad PNG filter type {ftype}")
-    return np.frombuffer(bytes(out), np.uint8)
-
-
-# -- TIFF -------------------------------------------------------------------------------
-
-
-def _tiff(data: bytes) -> np.ndarray:
-    end = "<" if data[:2] == b"II" else ">"
-    (ifd,) = struct.unpack_from(end + "I", data, 4)
-    (count,) = struct.unpack_from(end + "H", data, ifd)
-    sizes = {1: 1, 2: 1, 3: 2, 4: 4, 5: 8, 6: 1, 7: 1, 8: 2, 9: 4, 10: 8, 11: 4, 12: 8, 16: 8}
-    codes = {1: "B", 3: "H", 4: "I", 6: "b", 8: "h", 9: "i", 16: "Q"}
-    tags: dict[int, list[int]] = {}
-    for i in range(count):
-        tag, typ, n = struct.unpack_from(end + "HHI", data, ifd + 2 + 12 * i)
-        if typ not in codes:
-            continue
-        where = ifd + 2 + 12 * i + 8
-        if sizes[typ] * n > 4:
-            (where,) = struct.unpack_from(end + "I", data, where)
-        tags[tag] = list(struct.unpack_from(end + codes[typ] * n, data, where))
-    w, h = tags[256][0], tags[257][0]
-    bits = tags.get(258, [1])
-    spp = tags.get(277, [1])[0]
-    comp = tags.get(259, [1])[0]
-    photometric = tags.get(262, [1])[0]
-    if tags.get(284, [1])[0] != 1:
-        raise _Unsupported("planar TIFF")
-    if any(b != 8 for b in bits) and not (photometric == 3 and bits[0] in (4, 8)):
-        raise _Unsupported(f"{bits[0]}-bit TIFF")
-    strips = [_tiff_strip(data[o:o + n], comp)
-              for o, n in zip(tags[273], tags.get(279, [len(data)]))]
-    raw = np.frombuffer(b"".join(strips), np.uint8)
-    depth = bits[0]
-    stride = (w * spp * depth + 7) // 8
-    rows = raw[:stride * h].reshape(h, stride)
-    if tags.get(317, [1])[0] == 2:  # horizontal differencing predictor
-        lanes = rows.reshape(h, -1, spp)
-        rows = (np.cumsum(lanes, axis=1, dtype=np.uint64) % 256).astype(np.uint8).reshape(h, -1)
-    vals = _unpack_bits(rows, depth, w * spp).reshape(h, w, spp)
-    if photometric == 3:
-        cmap = np.asarray(tags[320], np.uint16).reshape(3, -1).T >> 8
-        return _palette_lookup(vals[..., 0], cmap.astype(np.uint8))
-    if photometric in (0, 1):
-        gray = vals[..., 0]
-        return 255 - gray if photometric == 0 else gray
-    if photometric == 2:
-        return np.ascontiguousarray(vals[..., :3])
-    raise _Unsupported(f"TIFF photometric interpretation {photometric}")
-
-
-def _tiff_strip(chunk: bytes, comp: int) -> bytes:
-    if comp == 1:
-        return chunk
-    if comp in (8, 32946):
-        return zlib.decompress(chunk)
-    if comp == 32773:  # PackBits
-        out, i = bytearray(), 0
-        while i < len(chunk):
-            n = chunk[i]
-            if n < 128:
-                out += chunk[i + 1:i + 2 + n]
-                i += 2 + n
-            elif n > 128:
-                out += chunk[i + 1:i + 2] * (257 - n)
-                i += 2
-            else:
-                i += 1
-        return bytes(out)
-    raise _Unsupported(f"TIFF compression {comp}")
+            coord = ((v + 1) * size - 1) / 2
+        taps.append(_grid_taps(coord, size, mode, padding_mode, align_corners))
+    strides = [math.prod(spatial[j + 1:]) for j in range(r)]
+    work = np.float64 if x.dtype == np.float64 else np.float32
+    flat = x.reshape(n, c, -1).astype(work, copy=False)
+    out = np.zeros((n, c, g.shape[1]), dtype=work)
+    for combo in np.ndindex(*(t[0].shape[-1] for t in taps)):
+        pos = sum(taps[j][0][..., k] * strides[j] for j, k in enumerate(combo))
+        w = math.prod(taps[j][1][..., k] for j, k in enumerate(combo))
+        out += np.take_along_axis(flat, pos[:, None, :], axis=2) * w[:, None, :].astype(work)
+    return out.reshape((n, c, *out_shape)).astype(x.dtype)

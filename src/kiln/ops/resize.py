@@ -25,18 +25,21 @@ def cubic_weights(t, a: float):
 
 
 def _source_coords(out: int, size: int, scale: float, mode: str, start: float, end: float):
-    """x_original for every output position along one axis (float64). The resized length
-    in the formulas is ``scale * size``, fractional when a scale does not divide evenly."""
-    x = np.arange(out, dtype=np.float64)
-    length = scale * size
+    """x_original for every output position along one axis. The resized length in the
+    formulas is ``scale * size``, fractional when a scale does not divide evenly. Computed
+    in float32 like the scales themselves, so exact halves and integers land where other
+    runtimes put them (0.8 as float32 is 0.8000000119: 4 / 0.8 must still be 5)."""
+    x = np.arange(out, dtype=np.float32)
+    scale = np.float32(scale)
+    length = scale * np.float32(size)
     if mode == "half_pixel":
         return (x + 0.5) / scale - 0.5
     if mode == "half_pixel_symmetric":
         return size / 2 * (1 - out / length) + (x + 0.5) / scale - 0.5
     if mode == "pytorch_half_pixel":
-        return (x + 0.5) / scale - 0.5 if length > 1 else np.zeros(out)
+        return (x + 0.5) / scale - 0.5 if length > 1 else np.zeros(out, np.float32)
     if mode == "align_corners":
-        return x * (size - 1) / (length - 1) if length > 1 else np.zeros(out)
+        return x * (size - 1) / (length - 1) if length > 1 else np.zeros(out, np.float32)
     if mode == "asymmetric":
         return x / scale
     if mode == "tf_half_pixel_for_nn":
@@ -44,7 +47,7 @@ def _source_coords(out: int, size: int, scale: float, mode: str, start: float, e
     if mode == "tf_crop_and_resize":
         if length > 1:
             return start * (size - 1) + x * (end - start) * (size - 1) / (length - 1)
-        return np.full(out, 0.5 * (start + end) * (size - 1))
+        return np.full(out, 0.5 * (start + end) * (size - 1), np.float32)
     raise ValueError(f"Resize: unknown coordinate_transformation_mode {mode!r}")
 
 
