@@ -291,6 +291,16 @@ def test_string_concat_split_and_regex():
     check(model, {"a": _strings("abc-1", "x--", "Q"), "b": np.array("-42", dtype=object)})
 
 
+@pytest.mark.parametrize("attrs", [{"maxsplit": 1}, {"delimiter": "ab", "maxsplit": 1},
+                                   {"delimiter": ","}])
+def test_string_split(attrs):
+    model = make_model([h.make_node("StringSplit", ["x"], ["y", "z"], **attrs)],
+                       [vi("x", T.STRING, None)],
+                       [vi("y", T.STRING, None), vi("z", T.INT64, None)], opset=20)
+    x = np.array([["  a  b  c ", ""], ["xabyabz", "ab,,c"]], dtype=object)
+    check(model, {"x": x})
+
+
 @pytest.mark.parametrize("mode", ["TF", "IDF", "TFIDF"])
 @pytest.mark.parametrize("strings", [False, True])
 def test_tfidf_vectorizer(mode, strings):

@@ -55,7 +55,8 @@ def string_split(x, *, delimiter=None, maxsplit=None):
     x = _strings(x)
     sep = delimiter or None  # unset or "": split on runs of whitespace, Python-style
     limit = -1 if maxsplit is None else int(maxsplit)
-    parts = [s.split(sep, limit) if sep else s.strip().split(None, limit)
+    # An empty string has no substrings (Python's "".split(sep) would give [""]).
+    parts = [(s.split(sep, limit) if sep else s.strip().split(None, limit)) if s else []
              for s in x.reshape(-1)]
     counts = np.array([len(p) for p in parts], dtype=np.int64).reshape(x.shape)
     width = max((len(p) for p in parts), default=0)
