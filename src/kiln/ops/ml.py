@@ -180,7 +180,9 @@ def tree_ensemble(x, *, aggregate_function=1, leaf_targetids=None, leaf_weights=
     roots = np.asarray(tree_roots, dtype=np.int64)
     cur = np.broadcast_to(roots, (xf.shape[0], len(roots))).copy()
     done = np.zeros(cur.shape, dtype=bool)
-    while not done.all():
+    for _ in range(len(modes) + 1):  # no path is longer than the node count
+        if done.all():
+            break
         node = np.where(done, 0, cur)
         v = xf[rows, feature[node]]
         go = _branch(modes[node], v, splits[node])
@@ -193,6 +195,8 @@ def tree_ensemble(x, *, aggregate_function=1, leaf_targetids=None, leaf_weights=
         leaf = np.where(go, true_leaf[node], false_leaf[node])
         cur = np.where(done, cur, nxt)
         done = done | leaf
+    else:
+        raise ValueError("TreeEnsemble: a tree has a cycle (a path never reaches a leaf)")
     targets = np.asarray(leaf_targetids, dtype=np.int64)[cur]
     weights = np.asarray(leaf_weights, dtype=np.float64).reshape(-1)[cur]
     n_out = int(n_targets) if n_targets is not None else int(targets.max(initial=-1)) + 1
