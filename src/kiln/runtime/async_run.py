@@ -39,6 +39,7 @@ class AsyncRun:
         ev = self._event(block=True)
         if ev is not None:
             ev.synchronize()
+            _used_by_caller(values)
         return values
 
     def exception(self, timeout: float | None = None):
@@ -94,6 +95,16 @@ class AsyncRun:
         if self._event_of is None:
             return None
         return self._event_of()
+
+
+def _used_by_caller(values: list) -> None:
+    """Tell the CUDA caching allocator that the caller's stream now uses these outputs
+    (made on the worker's stream), so their memory is not reused under it."""
+    import torch
+
+    for v in values:
+        if isinstance(v, torch.Tensor) and v.is_cuda:
+            v.record_stream(torch.cuda.current_stream(v.device))
 
 
 class _AllEvents:

@@ -250,7 +250,7 @@ class TorchBackend(Backend):
         native = self._native(opdef, node, opset, attrs)
         if native is not None:
             fn, wants_ctx, note = native
-            fn = self._guarded(fn, wants_ctx, alt, alt_ctx, node)
+            fn = self._guarded(fn, wants_ctx, alt, alt_ctx, node, fallback)
             how, why = "torch", note or "torch kernel"
             wants_ctx = wants_ctx or alt_ctx
         else:
@@ -266,7 +266,7 @@ class TorchBackend(Backend):
     def _native(self, opdef: OpDef, node, opset: int, attrs: dict):
         """(callable taking positional inputs, wants ctx, note) or None."""
         user = opdef.backend_kernels.get("torch")
-        if user is not None:
+        if user is not None and not torch_ops.is_builtin(user):
             od = OpDef(opdef.domain, opdef.op_type, opdef.since, opdef.until, user)
             return _bind_attrs(user, od.call_attrs(attrs)), od.wants_ctx, "registered torch kernel"
         tk = torch_ops.find(opdef.domain, opdef.op_type, opset)
@@ -283,13 +283,16 @@ class TorchBackend(Backend):
 
     def _generic(self, opdef: OpDef, attrs: dict, fallback: Callable, wants_ctx: bool, node):
         k = _bind_attrs(opdef.kernel, opdef.call_attrs(attrs))
-        return self._guarded(k, wants_ctx, fallback, wants_ctx, node)
+        return self._guarded(k, wants_ctx, fallback, wants_ctx, node, fallback)
 
-    def _guarded(self, fn: Callable, fn_ctx: bool, alt: Callable, alt_ctx: bool, node):
+    def _guarded(self, fn: Callable, fn_ctx: bool, alt: Callable, alt_ctx: bool, node,
+                 fallback: Callable):
         """``fn`` on tensors; ``alt`` for calls with NumPy-only inputs or that ``fn``
-        declines (returns NotImplemented). The result takes ctx when either does."""
+        declines (returns NotImplemented); the NumPy ``fallback`` for calls ``fn`` hands
+        to it (returns ``kiln.ops.torch.USE_NUMPY``; ``alt`` and ``fallback`` take ctx
+        when ``alt_ctx``). The result takes ctx when either does."""
         cuda_move = self._cuda_mover(node) if self.is_cuda else None
-        nd, ni = _ND, NotImplemented
+        nd, ni, use_np = _ND, NotImplemented, torch_ops.USE_NUMPY
 
         if fn_ctx or alt_ctx:
             def run_ctx(ctx, *args):
@@ -301,6 +304,8 @@ class TorchBackend(Backend):
                 r = fn(ctx, *args) if fn_ctx else fn(*args)
                 if r is ni:
                     return alt(ctx, *args) if alt_ctx else alt(*args)
+                if r is use_np:
+                    return fallback(ctx, *args) if alt_ctx else fallback(*args)
                 return r
             return run_ctx
 
@@ -313,6 +318,8 @@ class TorchBackend(Backend):
             r = fn(*args)
             if r is ni:
                 return alt(*args)
+            if r is use_np:
+                return fallback(*args)
             return r
         return run
 
@@ -539,6 +546,8 @@ class CompiledProgram:
                               "running eagerly instead", CompileWarning, stacklevel=5)
             return None
         self.ok_calls += 1
+        if self.backend.is_cuda:  # CUDA-graph outputs are overwritten by the next replay
+            return [o.clone() if isinstance(o, _TENSOR) else o for o in out]
         return list(out)
 
 

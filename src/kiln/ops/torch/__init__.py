@@ -17,7 +17,8 @@ Two kernel styles:
   then uses the generic or NumPy kernel).
 
 At run time a kernel may return ``NotImplemented`` for inputs it does not handle (a dtype,
-say); the backend then runs the next kernel in line for that call.
+say); the backend then runs the next kernel in line (generic, else NumPy) for that call.
+Returning :data:`USE_NUMPY` goes straight to the NumPy kernel (counted as a fallback call).
 """
 
 from __future__ import annotations
@@ -27,8 +28,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from kiln.ops import registry
 from kiln.ops.registry import OpDef
 
+USE_NUMPY = type("UseNumpy", (), {"__repr__": lambda self: "USE_NUMPY"})()
 _MODULES = ("elementwise", "nn", "shape", "fused", "control")
 _TABLE: dict[tuple[str, str], list[TorchKernel]] = {}
 _installed = False
@@ -114,13 +117,24 @@ def find(domain: str, op_type: str, opset: int) -> TorchKernel | None:
 
 
 def install() -> None:
-    """Import the kernel modules (and so torch); idempotent."""
+    """Import the kernel modules (and so torch), and announce them in the op registry
+    (``OpDef.backend_kernels["torch"]``, which the optimizer consults before creating a
+    fused op for a backend); idempotent."""
     global _installed
     if _installed:
         return
     for m in _MODULES:
         importlib.import_module(f"{__name__}.{m}")
+    for d in registry.registered():
+        tk = find(d.domain, d.op_type, d.since)
+        if tk is not None and "torch" not in d.backend_kernels:
+            d.backend_kernels["torch"] = tk.fn
     _installed = True
+
+
+def is_builtin(fn) -> bool:
+    """Whether ``fn`` is one of these kernels (not a third party's override)."""
+    return any(k.fn is fn for ks in _TABLE.values() for k in ks)
 
 
 def covered() -> list[tuple[str, str, int]]:

@@ -244,7 +244,8 @@ def attention(site):
         if low is not None and dt == torch.float32:
             q, k, v = q.to(low), k.to(low), v.to(low)
             mask = None if mask is None else mask.to(low)
-        if q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]:
+        if q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] \
+                and (mask is None or mask.dim() >= 2):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         else:
             s = torch.matmul(q, k.transpose(-1, -2)) * scale

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.torch import kernel
+from kiln.ops.torch import USE_NUMPY, kernel
 from kiln.ops.torch._util import FLOATS, axis, const_tensor, ints, same_pads
 
 NI = NotImplemented
@@ -312,7 +312,7 @@ def lp_norm(x, *, axis=-1, p=2):
         return NI
     nrm = x.abs().sum(dim=axis, keepdim=True) if p == 1 else \
         torch.sqrt((x * x).sum(dim=axis, keepdim=True))
-    return x / nrm
+    return x / torch.where(nrm == 0, torch.ones_like(nrm), nrm)  # zero vectors stay zero
 
 
 # -- softmax ------------------------------------------------------------------------------
@@ -325,6 +325,11 @@ def _softmax_kernel(fn):
         def run(x):
             if x.dtype not in FLOATS:
                 return NI
+            if x.dtype == torch.float16 and x.device.type == "cpu":
+                # fp16 on the CPU is emulated anyway; the NumPy kernel's rounding is the
+                # reference's (torch's fp32 exp differs in the last bit, which flips
+                # fp16 results)
+                return USE_NUMPY
             if not legacy:
                 return fn(x, ax)
             a = axis(ax, x.dim())
@@ -420,7 +425,10 @@ def resize(site):
         out = [int(math.floor(d * s)) for d, s in zip(x.shape[2:], sc[2:])]
         if ctm == "pytorch_half_pixel" and min(out) <= 1:
             return NI
-        if align:  # align_corners maps by sizes, not by the given scales
+        if align:
+            # ONNX maps by in*scale (unrounded), torch by the rounded output size
+            if any(d * s != o for d, s, o in zip(x.shape[2:], sc[2:], out)):
+                return NI
             return F.interpolate(x, size=out, mode=m, align_corners=True)
         y = F.interpolate(x, scale_factor=sc[2:], mode=m, align_corners=align,
                           recompute_scale_factor=False)
