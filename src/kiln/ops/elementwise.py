@@ -148,9 +148,10 @@ def clip_attrs(x, *, min=None, max=None):
     # Bounds at or beyond float32's range are "no bound" (opset 6's defaults are +-FLT_MAX).
     lo = None if min is None or abs(min) >= 3.4e38 else min
     hi = None if max is None or abs(max) >= 3.4e38 else max
-    if lo is not None and hi is not None and lo > hi:
-        lo = hi
-    return x if lo is None and hi is None else namespace(x).clip(x, min=lo, max=hi)
+    xp = namespace(x)
+    if lo is not None:
+        x = xp.maximum(x, lo)
+    return x if hi is None else xp.minimum(x, hi)
 
 
 @op("Clip", 11, generic=True)
