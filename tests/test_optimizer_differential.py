@@ -154,9 +154,35 @@ def run_case(kind: str, name: str, where: str | None, verbose: bool = True):
     return report
 
 
+def ort_level1_case(kind: str, name: str, where: str | None, tmp_path) -> None:
+    """The level-1 optimized model (standard ONNX only) saved and run by onnxruntime
+    agrees with onnxruntime on the original: an oracle independent of Kiln's kernels."""
+    ort = pytest.importorskip("onnxruntime")
+    source, feeds, rtol, atol = load_case(kind, name, where)
+    try:
+        ref = ort.InferenceSession(source if isinstance(source, str) else
+                                   source.SerializeToString(),
+                                   providers=["CPUExecutionProvider"])
+        want = ref.run(None, feeds)
+    except Exception as e:  # noqa: BLE001 - models onnxruntime itself rejects
+        pytest.skip(f"onnxruntime cannot run the original: {str(e)[:120]}")
+    basic = kiln.optimize(kiln.load(source), level=1)
+    path = kiln.save(basic, tmp_path / "basic.onnx", external_data=True)
+    onnx.checker.check_model(str(path))
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    got = sess.run(None, feeds)
+    for o, w, g in zip(ref.get_outputs(), want, got):
+        _compare(w, g, rtol, atol, f"{kind}:{name} output {o.name} (onnxruntime, level 1)")
+
+
 @pytest.mark.parametrize("case", CASES)
 def test_optimized_matches_unoptimized(case):
     run_case(*case)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_basic_level_output_runs_on_onnxruntime(case, tmp_path):
+    ort_level1_case(*case, tmp_path)
 
 
 def test_every_zoo_and_light_model_is_covered():
@@ -166,8 +192,47 @@ def test_every_zoo_and_light_model_is_covered():
     assert any(i.startswith("pytorch-converted:") for i in ids)
 
 
-if __name__ == "__main__":  # python tests/test_optimizer_differential.py [name ...]
-    wanted = set(sys.argv[1:])
+def bench(names: list[str], rounds: int = 10) -> None:
+    """Markdown table of node counts and NumPy-backend latency, unoptimized vs optimized
+    (vs optimized with the inputs' shapes fixed), for zoo models; runs interleaved, best
+    and median of ``rounds``."""
+    import time
+
+    from kiln import zoo
+    from kiln.passes.base import count_nodes
+
+    print("| model | nodes before | nodes after | fixed-shape nodes | latency before (ms) "
+          "| after (ms) | speed-up | fixed shapes (ms) | speed-up |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in names:
+        inputs, _, _ = zoo.load_reference(name)
+        path = str(zoo.path(name))
+        shapes = {k: list(v.shape) for k, v in inputs.items()}
+        sessions = [kiln.InferenceSession(path, optimize=False), kiln.InferenceSession(path),
+                    kiln.InferenceSession(path, input_shapes=shapes)]
+        times: list[list[float]] = [[] for _ in sessions]
+        for s in sessions:
+            s.run(None, inputs)
+        for _ in range(rounds):
+            for s, t in zip(sessions, times):
+                t0 = time.perf_counter()
+                s.run(None, inputs)
+                t.append(time.perf_counter() - t0)
+        best = [min(t) * 1e3 for t in times]
+        med = [float(np.median(t)) * 1e3 for t in times]
+        nodes = [count_nodes(s.model.graph) for s in sessions]
+        print(f"| {name} | {nodes[0]} | {nodes[1]} | {nodes[2]} | {best[0]:.1f} "
+              f"(median {med[0]:.1f}) | {best[1]:.1f} ({med[1]:.1f}) | "
+              f"{best[0] / best[1]:.2f}x | {best[2]:.1f} ({med[2]:.1f}) | "
+              f"{best[0] / best[2]:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":  # python tests/test_optimizer_differential.py [--bench] [name ...]
+    args = sys.argv[1:]
+    if args and args[0] == "--bench":
+        bench(args[1:] or ["resnet18", "resnet50", "mobilenetv2", "bert", "gpt2"])
+        sys.exit()
+    wanted = set(args)
     for p in CASES:
         kind, name, where = p.values[0]
         if wanted and name not in wanted:

@@ -369,7 +369,10 @@ def test_optimized_model_saves_as_valid_onnx_and_reloads_without_reoptimizing(tm
     sess = kiln.InferenceSession(path)  # optimize=True: sees the mark, does not redo it
     assert ops(sess.model) == ops(om)
     want = kiln.InferenceSession(proto, optimize=False).run(None, {"x": x})[0]
-    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-5)
+    got = sess.run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    same = kiln.InferenceSession(om, optimize=False).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(got, same)  # optimize + save + load: identical outputs
 
 
 def test_session_optimize_switch():

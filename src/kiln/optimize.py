@@ -107,6 +107,9 @@ def optimize_with_report(model, level: int | str = DEFAULT_LEVEL, disable: Itera
         if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
             model.opset_imports.setdefault(KILN_DOMAIN, 1)
         model.metadata[MARK] = str(max(lvl, done))
+        if model.ir_version < 4 and any(not v.meta.get("overridable")
+                                        for v in model.graph.initializers.values()):
+            model.ir_version = 4  # IR 3 wants every initializer listed as an input too
     report.nodes_after = count_nodes(model.graph)
     report.ops_after = op_histogram(model.graph)
     return model, report

@@ -168,6 +168,14 @@ _ACT_ATTRS = ("activation", "activation_params")
 
 # ---------------------------------------------------------------- FusedConv
 
+def _pointwise(x, w, group, auto_pad, dilations, pads, strides) -> bool:
+    """A 1x1, stride-1, unpadded, ungrouped float32/64 convolution."""
+    return (group == 1 and x.dtype in (np.float32, np.float64) and w.dtype == x.dtype
+            and x.ndim >= 3 and all(k == 1 for k in w.shape[2:])
+            and not any(pads or ()) and all(s == 1 for s in strides or ())
+            and auto_pad in ("NOTSET", "VALID", "SAME_UPPER", "SAME_LOWER", b"NOTSET"))
+
+
 def _infer_conv(ctx):
     return _infer_as(ctx, "Conv", 3, _ACT_ATTRS)
 
@@ -178,9 +186,18 @@ def fused_conv(x, w, b=None, z=None, *, auto_pad="NOTSET", dilations=None, group
                activation_params=None):
     """activation(Conv(x, w, b) + z): the bias, residual add and activation are applied
     in place on the convolution's output."""
-    conv = _standard_kernel("Conv")
-    y = conv(x, w, b, auto_pad=auto_pad, dilations=dilations, group=group,
-             kernel_shape=kernel_shape, pads=pads, strides=strides)
+    if _pointwise(x, w, group, auto_pad, dilations, pads, strides):
+        # A 1x1 convolution is one matrix product whose output already has the NCHW
+        # layout: no im2col, no copy into a fresh output.
+        n, c = x.shape[:2]
+        y = np.matmul(w.reshape(w.shape[0], c), x.reshape(n, c, -1))
+        y = y.reshape((n, w.shape[0]) + x.shape[2:])
+        if b is not None:
+            y += b.reshape((1, -1) + (1,) * (x.ndim - 2))
+    else:
+        conv = _standard_kernel("Conv")
+        y = conv(x, w, b, auto_pad=auto_pad, dilations=dilations, group=group,
+                 kernel_shape=kernel_shape, pads=pads, strides=strides)
     y = owned(y, x, w, b, z)
     y = _add_into(y, z)
     return apply_activation(y, activation, activation_params)

@@ -157,7 +157,7 @@ def _from_syms(n: Node) -> list[np.ndarray] | None:
         t = tensor_type(v)
         ints = symdim.known_ints(v.meta.get("sym"))
         if ints is None or t is None or t.shape is None or len(t.shape) > 1 or \
-                t.dtype not in symdim._INT_TYPES:
+                t.dtype not in symdim.SYM_TYPES:
             return None
         arr = np.array(ints, dtype=t.dtype.numpy)
         if len(t.shape) == 0:

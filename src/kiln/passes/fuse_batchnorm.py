@@ -4,8 +4,8 @@ it: ``BN(conv(x, W) + b) = conv(x, W * s) + (b - mean) * s + beta`` with
 new constant weights, so the BN costs nothing at run time.
 
 Requires the weights and all four BN parameters to be constants, the BN to be the only
-reader of the Conv's output, and no training-mode outputs in use. Arithmetic is done in
-float64 and cast back to the weights' dtype.
+reader of the Conv's output, and no training-mode outputs in use. The per-channel factors
+are computed in float64, then applied to the weights in their own dtype.
 """
 
 from __future__ import annotations
@@ -76,18 +76,18 @@ def _fold(g: Graph, base: Node, params, eps: float) -> Node | None:
         return None
     s = scale / np.sqrt(var + eps)
     c = s.size
-    w64 = w.astype(np.float64)
+    s_w = s.astype(w.dtype)
     if base.op_type == "Conv":
         if w.shape[0] != c:
             return None
-        w_new = w64 * s.reshape((c,) + (1,) * (w.ndim - 1))
+        w_new = w * s_w.reshape((c,) + (1,) * (w.ndim - 1))
     elif base.op_type == "ConvTranspose":
         group = base.attrs.get("group", 1)
         if w.shape[1] * group != c:
             return None
         per = w.shape[1]
-        wg = w64.reshape((group, w.shape[0] // group, per) + w.shape[2:])
-        wg = wg * s.reshape((group, 1, per) + (1,) * (w.ndim - 2))
+        wg = w.reshape((group, w.shape[0] // group, per) + w.shape[2:])
+        wg = wg * s_w.reshape((group, 1, per) + (1,) * (w.ndim - 2))
         w_new = wg.reshape(w.shape)
     else:  # Gemm: output columns are the channels
         if w.ndim != 2:
@@ -97,7 +97,8 @@ def _fold(g: Graph, base: Node, params, eps: float) -> Node | None:
         if n_out != c:
             return None
         alpha = base.attrs.get("alpha", 1.0)
-        w_new = w64 * (s.reshape(-1, 1) if trans_b else s.reshape(1, -1)) * alpha
+        sa = (s * alpha).astype(w.dtype)
+        w_new = w * (sa.reshape(-1, 1) if trans_b else sa.reshape(1, -1))
         bias = np.zeros(c) if b is None else \
             np.broadcast_to(b.astype(np.float64) * base.attrs.get("beta", 1.0), _bshape(b, c))
         if bias.ndim == 2 and bias.shape[0] != 1:
@@ -105,10 +106,10 @@ def _fold(g: Graph, base: Node, params, eps: float) -> Node | None:
         else:
             b_new = (bias.reshape(-1) - mean) * s + beta
         attrs = {k: v for k, v in base.attrs.items() if k not in ("alpha", "beta")}
-        return _node(g, base, w_new.astype(w.dtype), b_new.astype(w.dtype), attrs)
+        return _node(g, base, w_new, b_new, attrs)
     bias = np.zeros(c) if b is None else b.astype(np.float64).reshape(-1)
     b_new = (bias - mean) * s + beta
-    return _node(g, base, w_new.astype(w.dtype), b_new.astype(w.dtype), dict(base.attrs))
+    return _node(g, base, w_new, b_new, dict(base.attrs))
 
 
 def _bshape(b: np.ndarray, c: int) -> tuple:
@@ -116,6 +117,7 @@ def _bshape(b: np.ndarray, c: int) -> tuple:
 
 
 def _node(g: Graph, base: Node, w: np.ndarray, b: np.ndarray, attrs) -> Node:
-    wv = add_const(g, f"{base.inputs[1].name}_bn", w)
-    bv = add_const(g, f"{base.name or base.op_type}_bn_bias", b)
+    dtype = base.inputs[1].const.dtype
+    wv = add_const(g, f"{base.inputs[1].name}_bn", w.astype(dtype, copy=False))
+    bv = add_const(g, f"{base.name or base.op_type}_bn_bias", b.astype(dtype))
     return Node(base.op_type, [base.inputs[0], wv, bv], [None], attrs, name=base.name)

@@ -90,7 +90,7 @@ def infer_node(n: Node, model: Model) -> int:
 
 def _small_int(v: Value) -> bool:
     t = v.type
-    return isinstance(t, TensorType) and t.dtype in symdim._INT_TYPES and \
+    return isinstance(t, TensorType) and t.dtype in symdim.SYM_TYPES and \
         (t.shape is None or len(t.shape) <= 1)
 
 

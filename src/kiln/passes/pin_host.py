@@ -82,5 +82,5 @@ def _small(v: Value) -> bool:
             v.const.size <= symdim.MAX_SYM_LEN * 4
     if not isinstance(t, TensorType):
         return False
-    return (t.dtype in symdim._INT_TYPES or t.dtype.name == "BOOL") and \
+    return t.dtype in symdim.SYM_TYPES and \
         (t.shape is None or len(t.shape) <= 1)

@@ -205,15 +205,25 @@ class _Simplifier:
         if r2.op_type != "Reshape" or r2.domain != "" or r2.inputs[0] is not n.outputs[0]:
             return
         x = r1.inputs[0]
-        xs, ys = shape_of(x), shape_of(r2.outputs[0])
+        xs, ys, flat = shape_of(x), shape_of(r2.outputs[0]), shape_of(r1.outputs[0])
         b = const_value(n.inputs[1])
-        if xs is None or ys is None or len(xs) < 3 or b is None or b.ndim != 2:
-            return
-        if not _same(shape_of(r1.outputs[0]), (symdim.product(xs[:-1]), xs[-1])):
+        if xs is None or ys is None or flat is None or len(ys) < 3 or b is None or \
+                b.ndim != 2 or len(flat) != 2:
             return
         k, nn = (b.shape[1], b.shape[0]) if n.attrs.get("transB", 0) else b.shape
-        if not _same(ys, tuple(xs[:-1]) + (nn,)) or not symdim.same(xs[-1], k):
+        lead = tuple(ys[:-1])
+        if not symdim.same(ys[-1], nn) or not symdim.same(flat[1], k) or \
+                not symdim.same(symdim.product(lead), flat[0]):
             return
+        pre = None
+        if not _same(xs, lead + (k,)):
+            # x is not [lead..., K] (e.g. [b, s, heads, d]): one Reshape gets it there
+            target = _reshape_target(xs, lead + (k,))
+            if target is None:
+                return
+            tv = add_const(self.g, f"{x.name}_lead", np.array(target, np.int64))
+            pre = Node("Reshape", [x, tv], [fresh_value(x, "lead")], name=r1.name)
+            x = pre.outputs[0]
         c = n.inputs[2] if len(n.inputs) > 2 else None
         cv = const_value(c) if c is not None else None
         if c is not None and (cv is None or cv.size not in (1, nn) or
@@ -225,7 +235,7 @@ class _Simplifier:
             w = (w * alpha).astype(b.dtype)
         wv = add_const(self.g, f"{n.inputs[1].name}_mm", np.ascontiguousarray(w))
         out = r2.outputs[0]
-        nodes = []
+        nodes = [pre] if pre is not None else []
         if cv is None:
             nodes.append(Node("MatMul", [x, wv], [out], name=n.name))
         else:

@@ -273,10 +273,21 @@ def _max(a: Dim, b: Dim) -> Dim:
     return a if same(a, b) else None
 
 
+def nonnegative(d: Dim) -> bool:
+    """True when ``d`` cannot be negative (dims and their sums/products are not)."""
+    p = parse(d)
+    return p is not None and all(c > 0 for c in p.values())
+
+
 def _equal(a: Dim, b: Dim) -> Dim:
     if isinstance(a, int) and isinstance(b, int):
         return int(a == b)
-    return 1 if same(a, b) else None
+    if same(a, b):
+        return 1
+    for x, y in ((a, b), (b, a)):  # a symbolic dim is never a negative number
+        if isinstance(y, int) and y < 0 and nonnegative(x):
+            return 0
+    return None
 
 
 _BINARY: dict[str, Callable[[Dim, Dim], Dim]] = {
@@ -382,6 +393,13 @@ def eval_sym(ctx: InferContext) -> list[tuple[Dim, ...] | None] | None:
             return None
         f = product if op == "ReduceProd" else _sum
         return [(f(s),)]
+    if op == "ConstantOfShape":
+        shape, v = known_ints(ctx.sym(0)), n.attrs.get("value")
+        fill = const_sym(v) if isinstance(v, np.ndarray) else None
+        if shape is None or len(shape) > 1 or (fill is None and v is not None):
+            return None
+        count = shape[0] if shape else 1
+        return [(fill[0] if fill else 0,) * count] if count <= MAX_SYM_LEN else None
     if op == "Range":
         start, limit, delta = (known_ints(ctx.sym(i)) for i in range(3))
         if start and limit and delta and delta[0]:
@@ -399,6 +417,8 @@ def _sum(dims):
 
 _INT_TYPES = {DType.INT64, DType.INT32, DType.INT16, DType.INT8, DType.UINT8, DType.UINT16,
               DType.UINT32, DType.UINT64}
+SYM_TYPES = _INT_TYPES | {DType.BOOL}
+"""Element types whose small tensors get symbolic values (bools as 0/1)."""
 
 
 # ---------------------------------------------------------------- shape-inference rules
