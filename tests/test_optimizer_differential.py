@@ -131,15 +131,18 @@ def _compare(a, b, rtol, atol, what):
         np.testing.assert_array_equal(b, a, err_msg=what)
 
 
-def run_case(kind: str, name: str, where: str | None, verbose: bool = True):
-    """Run one model both ways and compare; returns the optimizer's report."""
+def run_case(kind: str, name: str, where: str | None, verbose: bool = True,
+             fixed: bool = False):
+    """Run one model both ways and compare; returns the optimizer's report. ``fixed``:
+    optimize with the inputs' shapes fixed to those of the feeds."""
     source, feeds, rtol, atol = load_case(kind, name, where)
+    shapes = {k: list(np.shape(v)) for k, v in feeds.items()} if fixed else None
     model = kiln.load(source)
     try:
         plain = kiln.InferenceSession(model, optimize=False)
     except kiln.UnsupportedOpError as e:
         pytest.skip(f"Kiln cannot run it unoptimized yet: {e.ops}")
-    optimized, report = optimize_with_report(model)
+    optimized, report = optimize_with_report(model, input_shapes=shapes)
     if verbose:
         print(f"\n[{kind}:{name}] {report.summary()}")
     fast = kiln.InferenceSession(optimized, optimize=False)
@@ -178,6 +181,11 @@ def ort_level1_case(kind: str, name: str, where: str | None, tmp_path) -> None:
 @pytest.mark.parametrize("case", CASES)
 def test_optimized_matches_unoptimized(case):
     run_case(*case)
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c.id.startswith(("zoo:", "light:"))])
+def test_fixed_input_shapes_match_unoptimized(case):
+    run_case(*case, fixed=True)
 
 
 @pytest.mark.parametrize("case", CASES)

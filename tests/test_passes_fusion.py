@@ -146,6 +146,17 @@ def test_matmul_bias_gelu_fuse_into_one_op():
     assert n.attrs["activation"] == "Gelu"
 
 
+def test_matmul_bias_residual_fuse():
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Add", ["m", "b"], ["h"]),
+             helper.make_node("Add", ["x", "h"], ["y"])]
+    proto = make_model(nodes, [vi("x", ["b", "s", 8])], [vi("y", ["b", "s", 8])],
+                       [init("w", rand(8, 8)), init("b", rand(8))])
+    om, _ = optimized(proto, {"x": rand(2, 3, 8)})
+    (n,) = om.graph.nodes
+    assert n.op_type == "FusedMatMul" and n.inputs[3].name == "x"
+
+
 # ---------------------------------------------------------------- GELU and LayerNorm
 
 

@@ -230,10 +230,10 @@ def _infer_matmul(ctx):
 
 
 @op("FusedMatMul", 1, domain=KILN_DOMAIN, infer=_infer_matmul)
-def fused_matmul(a, b, bias=None, *, activation="", activation_params=None):
-    """activation(A @ B + bias), bias and activation in place on the product."""
-    y = owned(np.matmul(a, b), a, b, bias)
-    y = _add_into(y, bias)
+def fused_matmul(a, b, bias=None, z=None, *, activation="", activation_params=None):
+    """activation(A @ B + bias + z), the adds and activation in place on the product."""
+    y = owned(np.matmul(a, b), a, b, bias, z)
+    y = _add_into(_add_into(y, bias), z)
     return apply_activation(y, activation, activation_params)
 
 

@@ -2,14 +2,15 @@
 
     Conv   [+ Add(bias)] [+ Add(residual)] [+ activation]  -> ai.kiln.FusedConv
     Gemm   [+ Add(bias)] [+ activation]                    -> ai.kiln.FusedGemm
-    MatMul [+ Add(bias)] [+ activation]                    -> ai.kiln.FusedMatMul
+    MatMul [+ Add(bias)] [+ Add(residual)] [+ activation]  -> ai.kiln.FusedMatMul
 
 Activations: Relu, LeakyRelu, Clip (Relu6), Sigmoid, HardSigmoid, HardSwish (the op, or
 ``x * HardSigmoid(x)``), SiLU (``x * Sigmoid(x)``), GELU (ONNX's ``Gelu`` or Kiln's, which
 the GELU pass makes from the decomposed forms), Tanh.
 
-The fused kernel applies the bias, residual and activation in place on the fresh output of
-the convolution or product: one buffer instead of one per op. A Conv followed only by a
+The fused kernel applies the bias, residual (a same-shape tensor added after the bias, as
+in ResNet blocks and transformer layers) and activation in place on the fresh output of the
+convolution or product: one buffer instead of one per op. A Conv followed only by a
 constant bias Add just gets that bias folded into its own ``B`` (no Kiln op needed).
 Every intermediate must be read by the next op of the chain alone.
 """
@@ -116,7 +117,8 @@ class _Fuser:
         m = self._next(ch.out)
         if m is not None and m.domain == "" and m.op_type == "Add" and self._bias(ch, m):
             m = self._next(ch.out)
-        if ch.kind == "Conv" and m is not None and m.domain == "" and m.op_type == "Add":
+        if ch.kind in ("Conv", "MatMul") and m is not None and m.domain == "" and \
+                m.op_type == "Add":
             self._residual(ch, m)
         self._activation(ch)
         if not ch.absorbed:
@@ -257,7 +259,7 @@ class _Fuser:
                 return Node("Gemm", ch.inputs[:3], [None], attrs, name=name)
             return Node("FusedGemm", ch.inputs[:3], [None], {**attrs, **act_attrs},
                         domain=KILN_DOMAIN, name=name)
-        return Node("FusedMatMul", ch.inputs[:3], [None], act_attrs, domain=KILN_DOMAIN,
+        return Node("FusedMatMul", ch.inputs[:4], [None], act_attrs, domain=KILN_DOMAIN,
                     name=name)
 
 
