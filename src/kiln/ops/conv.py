@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import threading
 
 import numpy as np
 
@@ -17,6 +18,22 @@ from kiln.ops.registry import op
 
 # Keep one im2col buffer under this many elements: larger batches go in chunks.
 _COLS_BUDGET = 1 << 25
+
+_scratch_local = threading.local()
+
+
+def scratch(name: str, shape, dtype) -> np.ndarray:
+    """A per-thread reusable work buffer (contents undefined). Large temporaries that
+    are allocated fresh on every call cost page faults comparable to the BLAS call."""
+    pool = getattr(_scratch_local, "pool", None)
+    if pool is None:
+        pool = _scratch_local.pool = {}
+    size = math.prod(shape)
+    dtype = np.dtype(dtype)
+    buf = pool.get((name, dtype))
+    if buf is None or buf.size < size:
+        buf = pool[(name, dtype)] = np.empty(size, dtype)
+    return buf[:size].reshape(shape)
 
 
 # ---------------------------------------------------------------- shared geometry
@@ -108,8 +125,9 @@ class _Phases:
         self.length = out[0] * pstr[0]
         size = math.prod(self.m)
         phases = list(itertools.product(*(range(s) for s in strides)))
-        buf = np.zeros((n, len(phases), c, size + sum(b * p for b, p in zip(maxbase, pstr))),
-                       dtype=x.dtype)
+        buf = scratch("phases", (n, len(phases), c,
+                                 size + sum(b * p for b, p in zip(maxbase, pstr))), x.dtype)
+        buf.fill(0)
         view = buf[..., :size].reshape((n, len(phases), c) + tuple(self.m))
         for pi, r in enumerate(phases):
             dst, src = [], []
@@ -123,17 +141,27 @@ class _Phases:
             view[(slice(None), pi, slice(None)) + tuple(dst)] = x[
                 (slice(None), slice(None)) + tuple(src)]
         self.buf = buf
+        self.view = view
         self.reads = []
         for offset in itertools.product(*(range(k) for k in kernel)):
             pos = [i * d for i, d in zip(offset, dilations)]
             phase = phases.index(tuple(q % s for q, s in zip(pos, strides)))
-            shift = sum((q // s) * p for q, s, p in zip(pos, strides, pstr))
-            self.reads.append((phase, shift))
+            bases = [q // s for q, s in zip(pos, strides)]
+            self.reads.append((phase, sum(b * p for b, p in zip(bases, pstr)), bases))
+        # Whole phase rows waste (m - out) / out of the work along the last axis.
+        self.rows_pay = len(out) == 1 or 8 * (self.m[-1] - out[-1]) <= out[-1]
 
-    def read(self, k: int) -> np.ndarray:
-        """(N, C, L) input values kernel offset ``k`` meets at every output."""
-        phase, shift = self.reads[k]
-        return self.buf[:, phase, :, shift:shift + self.length]
+    def read(self, k: int, c0: int = 0, c1: int | None = None) -> np.ndarray:
+        """(N, C, L) input values kernel offset ``k`` meets at every output (channels
+        c0:c1)."""
+        phase, shift, _ = self.reads[k]
+        return self.buf[:, phase, c0:c1, shift:shift + self.length]
+
+    def read_exact(self, k: int) -> np.ndarray:
+        """(N, C, *out) input values kernel offset ``k`` meets at every output."""
+        phase, _, bases = self.reads[k]
+        return self.view[(slice(None), phase, slice(None)) + tuple(
+            slice(b, b + o) for b, o in zip(bases, self.out))]
 
     def crop(self, y: np.ndarray) -> np.ndarray:
         """(N, M, L) full-row outputs to (N, M, *out)."""
@@ -141,14 +169,13 @@ class _Phases:
         return y[(slice(None), slice(None), slice(None)) + tuple(slice(o) for o in self.out[1:])]
 
 
-def _finish(y_full, ph, out_shape, b, dtype):
-    """Crop full-row outputs into a fresh contiguous array, adding the bias on the way."""
-    y = np.empty(out_shape, dtype=dtype)
-    src = ph.crop(y_full) if ph is not None else y_full.reshape(out_shape)
+def _finish(y_full, ph, y, b):
+    """Crop full-row outputs into ``y``, adding the bias on the way."""
+    src = ph.crop(y_full)
     if b is None:
         np.copyto(y, src)
     else:
-        np.add(src, b.astype(dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2)),
+        np.add(src, b.astype(y.dtype, copy=False).reshape((1, -1) + (1,) * (y.ndim - 2)),
                out=y)
     return y
 
@@ -167,7 +194,7 @@ def conv_core(x, w, b, group, strides, dilations, begin, end) -> np.ndarray:
         xs = x[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in strides)]
         xs = xs.reshape(n, group, c // group, -1)
         y = np.matmul(w.reshape(group, m // group, c // group), xs)
-        return _finish(y, None, out_shape, b, x.dtype)
+        return add_bias(y.reshape(out_shape), b)
     wm = w.reshape(group, m // group, -1)
     kprod = math.prod(kernel)
     per_item = c * kprod * math.prod(o + 2 for o in out)
@@ -176,29 +203,44 @@ def conv_core(x, w, b, group, strides, dilations, begin, end) -> np.ndarray:
     for i in range(0, n, step):
         ph = _Phases(x[i:i + step], kernel, strides, dilations, begin, out)
         nb = ph.buf.shape[0]
-        cols = np.empty((nb, c, kprod, ph.length), dtype=x.dtype)
-        for k in range(kprod):
-            cols[:, :, k] = ph.read(k)
-        full = np.matmul(wm, cols.reshape(nb, group, -1, ph.length))
-        y[i:i + step] = _finish(full.reshape(nb, m, -1), ph, (nb,) + out_shape[1:], b,
-                                x.dtype)
+        yi = y[i:i + step]
+        if ph.rows_pay:
+            cols = scratch("cols", (nb, c, kprod, ph.length), x.dtype)
+            for k in range(kprod):
+                cols[:, :, k] = ph.read(k)
+            full = np.matmul(wm, cols.reshape(nb, group, -1, ph.length),
+                             out=scratch("gemm", (nb, group, m // group, ph.length), x.dtype))
+            _finish(full.reshape(nb, m, -1), ph, yi, b)
+        else:  # small outputs: exact columns, the product lands in y directly
+            cols = scratch("cols", (nb, c, kprod) + tuple(out), x.dtype)
+            for k in range(kprod):
+                cols[:, :, k] = ph.read_exact(k)
+            np.matmul(wm, cols.reshape(nb, group, -1, math.prod(out)),
+                      out=yi.reshape(nb, group, m // group, -1))
+            add_bias(yi, b)
     return y
 
 
 def _depthwise(x, w, b, strides, dilations, begin, out):
-    """Depthwise conv (one input channel per group): a multiply-add over the whole
-    tensor per kernel offset."""
+    """Depthwise conv (one input channel per group): a multiply-add per kernel offset,
+    over a block of channels at a time so the accumulator stays in cache."""
     mult = w.shape[0] // x.shape[1]
     if mult > 1:
         x = np.repeat(x, mult, axis=1)
     ph = _Phases(x, w.shape[2:], strides, dilations, begin, out)
-    wk = w.reshape(w.shape[0], -1)
-    acc = np.zeros(x.shape[:2] + (ph.length,), dtype=x.dtype)
-    tmp = np.empty_like(acc)
-    for k in range(wk.shape[1]):
-        np.multiply(ph.read(k), wk[:, k:k + 1], out=tmp)
-        acc += tmp
-    return _finish(acc, ph, x.shape[:2] + tuple(out), b, x.dtype)
+    n, c = x.shape[:2]
+    wk = w.reshape(c, -1)
+    acc = scratch("gemm", (n, c, ph.length), x.dtype)
+    block = max(1, (1 << 16) // max(n * ph.length, 1))
+    tmp = scratch("cols", (n, min(block, c), ph.length), x.dtype)
+    for c0 in range(0, c, block):
+        c1 = min(c, c0 + block)
+        a, t = acc[:, c0:c1], tmp[:, :c1 - c0]
+        np.multiply(ph.read(0, c0, c1), wk[c0:c1, 0:1], out=a)
+        for k in range(1, wk.shape[1]):
+            np.multiply(ph.read(k, c0, c1), wk[c0:c1, k:k + 1], out=t)
+            a += t
+    return _finish(acc, ph, np.empty(x.shape[:2] + tuple(out), x.dtype), b)
 
 
 def add_bias(y: np.ndarray, b) -> np.ndarray:

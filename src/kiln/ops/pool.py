@@ -1,7 +1,8 @@
 """Pooling: MaxPool (with Indices), AveragePool, LpPool, their Global forms, MaxUnpool.
 
 Windows are reduced one spatial axis at a time (max and sum are separable), each axis as a
-short loop over kernel offsets with a vectorized ufunc over the whole tensor.
+short loop over kernel offsets with a vectorized ufunc over the whole tensor; padding is
+never materialized, each offset just covers the outputs whose window reaches the input.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import math
 import numpy as np
 
 from kiln.ops._array import ints
-from kiln.ops.conv import conv_pads, out_size, pad_spatial, spatial_attrs, work_dtype
+from kiln.ops.conv import conv_pads, out_size, pad_spatial, scratch, spatial_attrs, work_dtype
 from kiln.ops.registry import op
 
 
@@ -38,14 +39,40 @@ def _axis_window(y, axis, i, s, d, o):
     return y[tuple(idx)]
 
 
-def _reduce_windows(xp, kernel, strides, dilations, out, ufunc):
-    """Apply ``ufunc`` (np.maximum, np.add) over every window, axis by axis."""
-    y = xp
-    for ax, (k, s, d, o) in enumerate(zip(kernel, strides, dilations, out)):
-        acc = np.array(_axis_window(y, ax + 2, 0, s, d, o), copy=True)
-        for i in range(1, k):
-            ufunc(acc, _axis_window(y, ax + 2, i, s, d, o), out=acc)
-        y = acc
+def _reduce_axis(y, axis, k, s, d, b, o, ufunc, fill, out):
+    """Reduce windows along one axis of the unpadded ``y`` into ``out``; positions a
+    window finds outside ``y`` (padding) count as ``fill``."""
+    n = y.shape[axis]
+    spans = []
+    for i in range(k):
+        lo = max(0, -(-(b - i * d) // s))
+        hi = min(o, -(-(n + b - i * d) // s))
+        if hi > lo:
+            start = lo * s - b + i * d
+            spans.append((lo, hi, slice(start, start + (hi - lo - 1) * s + 1, s)))
+    full = next((sp for sp in spans if sp[0] == 0 and sp[1] == o), None)
+    pre = (slice(None),) * axis
+    if full is not None:
+        np.copyto(out, y[pre + (full[2],)])
+    else:
+        out.fill(fill)
+    for lo, hi, src in spans:
+        if (lo, hi, src) != full:
+            dst = out[pre + (slice(lo, hi),)]
+            ufunc(dst, y[pre + (src,)], out=dst)
+    return out
+
+
+def _reduce_windows(x, kernel, strides, dilations, begin, out, ufunc, fill):
+    """Apply ``ufunc`` (np.maximum, np.add) over every window, one axis at a time, without
+    materializing the padded input."""
+    y = x
+    last = len(kernel) - 1
+    for ax, (k, s, d, b, o) in enumerate(zip(kernel, strides, dilations, begin, out)):
+        shape = y.shape[:ax + 2] + (o,) + y.shape[ax + 3:]
+        dst = np.empty(shape, y.dtype) if ax == last else scratch(f"pool{ax % 2}", shape,
+                                                                   y.dtype)
+        y = _reduce_axis(y, ax + 2, k, s, d, b, o, ufunc, fill, dst)
     return y
 
 
@@ -87,30 +114,28 @@ def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_s
     strides, dilations, begin, end, extra, out = _geometry(
         x, kernel, strides, dilations, pads, auto_pad, ceil_mode)
     low = _lowest(x.dtype)
-    xp = pad_spatial(x, begin, [e + a for e, a in zip(end, extra)], low)
     if ctx.num_outputs < 2:
-        return _reduce_windows(xp, kernel, strides, dilations, out, np.maximum)
+        return _reduce_windows(x, kernel, strides, dilations, begin, out, np.maximum, low)
+    xp = pad_spatial(x, begin, [e + a for e, a in zip(end, extra)], low)
     ip = pad_spatial(_flat_index(x.shape, storage_order), begin,
                      [e + a for e, a in zip(end, extra)], -1)
     y, idx = _argmax_windows(xp, ip, kernel, strides, dilations, out)
     return y, idx
 
 
-def _pool_sum(x, kernel, strides, dilations, begin, end, extra, out, wd):
-    xp = pad_spatial(x.astype(wd, copy=False), begin, [e + a for e, a in zip(end, extra)])
-    return _reduce_windows(xp, kernel, strides, dilations, out, np.add)
+def _pool_sum(x, kernel, strides, dilations, begin, out, wd):
+    return _reduce_windows(x.astype(wd, copy=False), kernel, strides, dilations, begin, out,
+                           np.add, 0)
 
 
-def _counts(shape, kernel, strides, dilations, begin, end, extra, out, include_pad, wd):
+def _counts(shape, kernel, strides, dilations, begin, end, out, include_pad, wd):
     """How many elements each window averages: real ones, plus explicit pads if asked."""
     sp = shape[2:]
     if include_pad:
         ones = np.ones((1, 1) + tuple(n + b + e for n, b, e in zip(sp, begin, end)), wd)
-        mask = pad_spatial(ones, [0] * len(sp), extra)
-    else:
-        mask = pad_spatial(np.ones((1, 1) + tuple(sp), wd), begin,
-                           [e + a for e, a in zip(end, extra)])
-    return _reduce_windows(mask, kernel, strides, dilations, out, np.add)
+        return _reduce_windows(ones, kernel, strides, dilations, [0] * len(sp), out, np.add, 0)
+    ones = np.ones((1, 1) + tuple(sp), wd)
+    return _reduce_windows(ones, kernel, strides, dilations, begin, out, np.add, 0)
 
 
 @op("AveragePool", 1)
@@ -120,12 +145,12 @@ def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dila
     strides, dilations, begin, end, extra, out = _geometry(
         x, kernel, strides, dilations, pads, auto_pad, ceil_mode)
     wd = work_dtype(x.dtype)
-    y = _pool_sum(x, kernel, strides, dilations, begin, end, extra, out, wd)
+    y = _pool_sum(x, kernel, strides, dilations, begin, out, wd)
     if count_include_pad and not any(extra):
         y /= wd.type(math.prod(kernel))
     else:
         with np.errstate(invalid="ignore", divide="ignore"):
-            y /= _counts(x.shape, kernel, strides, dilations, begin, end, extra, out,
+            y /= _counts(x.shape, kernel, strides, dilations, begin, end, out,
                          count_include_pad, wd)
     return y.astype(x.dtype, copy=False)
 
@@ -139,7 +164,7 @@ def lp_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=N
     wd = work_dtype(x.dtype)
     xa = np.abs(x.astype(wd, copy=False))
     y = _pool_sum(xa if p == 1 else xa ** wd.type(p), kernel, strides, dilations, begin,
-                  end, extra, out, wd)
+                  out, wd)
     return (y if p == 1 else y ** wd.type(1.0 / p)).astype(x.dtype, copy=False)
 
 
