@@ -379,3 +379,50 @@ def test_session_optimize_switch():
     proto = _mlp_proto()
     assert ops(kiln.InferenceSession(proto, optimize=False).model)["MatMul"] == 2
     assert ops(kiln.InferenceSession(proto).model)["ai.kiln.FusedGemm"] == 1
+
+
+# ---------------------------------------------------------------- subgraphs, backends, safety
+
+
+def test_passes_reach_into_loop_bodies():
+    body = helper.make_graph(
+        [helper.make_node("Identity", ["cond_in"], ["cond_out"]),
+         helper.make_node("Constant", [], ["two"], value=init("two", np.float32(2))),
+         helper.make_node("Mul", ["two", "two"], ["four"]),
+         helper.make_node("Identity", ["acc_in"], ["a"]),
+         helper.make_node("Mul", ["a", "four"], ["acc_out"])],
+        "body", [vi("i", [], I64), vi("cond_in", [], onnx.TensorProto.BOOL),
+                 vi("acc_in", [3])],
+        [vi("cond_out", [], onnx.TensorProto.BOOL), vi("acc_out", [3])])
+    nodes = [helper.make_node("Loop", ["n", "", "x"], ["y"], body=body)]
+    proto = make_model(nodes, [vi("x", [3]), vi("n", [], I64)], [vi("y", [3])])
+    om, _ = optimized(proto, {"x": rand(3), "n": np.array(3, np.int64)}, level=1)
+    (loop,) = om.graph.nodes
+    inner = [n.op_type for n in loop.attrs["body"].nodes]
+    assert inner == ["Identity", "Mul"]  # cond passthrough stays (input -> output)
+
+
+def test_fusions_are_skipped_for_backends_without_their_kernels():
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["m"]),
+             helper.make_node("Relu", ["m"], ["y"])]
+    proto = make_model(nodes, [vi("x", ["n", 4])], [vi("y", ["n", 3])], [init("w", rand(4, 3))])
+    numpy_ops = ops(kiln.optimize(kiln.load(proto)))
+    assert numpy_ops == {"ai.kiln.FusedMatMul": 1}
+    d = kiln.ops.registry.lookup("ai.kiln", "FusedMatMul", 1)
+    other = ops(kiln.optimize(kiln.load(proto), backend="some_gpu_backend"))
+    assert ("ai.kiln.FusedMatMul" in other) == ("some_gpu_backend" in d.backend_kernels)
+
+
+def test_a_failing_pass_warns_and_the_session_runs_unoptimized(monkeypatch):
+    from kiln.passes.simplify import Simplify
+
+    def boom(self, model, record):
+        raise RuntimeError("simulated bug")
+
+    monkeypatch.setattr(Simplify, "run", boom)
+    proto = _mlp_proto()
+    with pytest.warns(RuntimeWarning, match="simulated bug"):
+        sess = kiln.InferenceSession(proto)
+    x = rand(2, 4)
+    want = kiln.InferenceSession(proto, optimize=False).run(None, {"x": x})[0]
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], want)
