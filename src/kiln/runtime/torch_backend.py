@@ -141,6 +141,8 @@ class TorchBackend(Backend):
         # While the compiled program is traced, kernels must use plain traceable ops.
         self.tracing = False
         self.shared_consts: dict | None = None
+        self.eager_program: Callable | None = None
+        self._main_graph = None
 
     # -- arrays in and out -------------------------------------------------------------
 
@@ -292,7 +294,10 @@ class TorchBackend(Backend):
         to it (returns ``kiln.ops.torch.USE_NUMPY``; ``alt`` and ``fallback`` take ctx
         when ``alt_ctx``). The result takes ctx when either does."""
         cuda_move = self._cuda_mover(node) if self.is_cuda else None
-        nd, ni, use_np = _ND, NotImplemented, torch_ops.USE_NUMPY
+        # Traced for compile=True every value is a tensor (checked before the program
+        # runs): no per-input type test for the tracer to guard on.
+        nd = _NeverMatches if self.tracing else _ND
+        ni, use_np = NotImplemented, torch_ops.USE_NUMPY
 
         if fn_ctx or alt_ctx:
             def run_ctx(ctx, *args):
@@ -391,6 +396,12 @@ class TorchBackend(Backend):
                     st.compiled = True
                     return out
             with torch.inference_mode():
+                prog = self.eager_program
+                if prog is not None and not overrides and plan.graph is self._main_graph:
+                    try:
+                        return prog(*inputs)
+                    except Exception:  # noqa: BLE001 - re-run for the error naming the layer
+                        st.transfers = st.fallback_calls = 0
                 return plan.run(inputs, None, overrides)
         finally:
             self._last = st
@@ -411,6 +422,9 @@ class TorchBackend(Backend):
                 FallbackWarning, stacklevel=4)
         if self.is_cuda:
             self._host_constants(plan)
+        if plan.graph is graph:
+            self.eager_program = eager_program(plan)
+            self._main_graph = graph
         if self.compile:
             self._setup_compile(plan, graph, opsets, functions)
 
@@ -428,26 +442,15 @@ class TorchBackend(Backend):
                 plan.consts[v] = t.cpu()
 
     def _setup_compile(self, plan, graph, opsets, functions) -> None:
-        from kiln.runtime.plan import compile_model
-
-        blockers = sorted({f"{s.node.op_type} ({s.placement})" for s in plan.steps
-                           if s.placement not in ("torch", "torch-generic") or s.wants_ctx})
-        numpy_consts = [v.name for v, t in plan.consts.items() if not isinstance(t, _TENSOR)]
-        if blockers or numpy_consts:
-            why = ", ".join(blockers + [f"constant {n} has a type torch lacks"
-                                        for n in numpy_consts[:3]])
+        why = _compile_blockers(plan)
+        if why:
             self.compile_status = f"no: running eagerly because of {why}"
             warnings.warn(f"compile=True: the model cannot run as one torch program ({why}); "
                           "running eagerly instead", CompileWarning, stacklevel=4)
             return
-        tracer = TorchBackend(self.device, self.precision, compile=False,
-                              channels_last=self.channels_last, warn=False)
-        tracer.tracing = True
-        tracer.shared_consts = plan.consts
-        traced = compile_model(graph, opsets, functions, tracer)
-        self.compiled_program = CompiledProgram(self, traced)
-        self.compile_status = ("yes: one torch.compile program (inductor, frozen weights"
-                               + (", CUDA graphs" if self.is_cuda else "") + ")")
+        self.compiled_program = CompiledProgram(self, graph, opsets, functions)
+        self.compile_status = ("yes: torch.compile programs per input shape (inductor, "
+                               "frozen weights" + (", CUDA graphs" if self.is_cuda else "") + ")")
 
     def last_run_stats(self) -> RunStats | None:
         """Stats of this thread's last run (any thread's, if this one has not run)."""
@@ -459,6 +462,10 @@ class TorchBackend(Backend):
 
 
 # -- helpers -------------------------------------------------------------------------------
+
+class _NeverMatches:
+    """A class no value is an instance of."""
+
 
 def _host_step(node) -> bool:
     outs = [v for v in node.outputs if v is not None]
@@ -514,18 +521,21 @@ def as_torch(x):
 
 
 class CompiledProgram:
-    """The main plan as one straight-line function of its inputs, compiled by
-    ``torch.compile`` (inductor with frozen weights; CUDA graphs on GPU) on first use.
-    A failure to compile turns it off with a warning and the session runs eagerly."""
+    """The main graph as straight-line torch programs compiled by ``torch.compile``
+    (inductor with frozen weights; CUDA graphs on GPU), one per input signature: at the
+    first run with new input shapes the model is re-optimized for exactly those shapes
+    (so all shape arithmetic folds away), traced and compiled. A failure turns that
+    signature over to eager execution with a warning."""
 
-    def __init__(self, backend: TorchBackend, plan):
+    MAX_PROGRAMS = 8
+
+    def __init__(self, backend: TorchBackend, graph, opsets: dict, functions: dict):
         self.backend = backend
-        self.plan = plan
-        self.module = _program_module(plan)
-        self.compiled = torch.compile(self.module)
+        self.graph, self.opsets, self.functions = graph, dict(opsets), functions
+        self.programs: dict[tuple, Any] = {}  # signature -> (compiled module, input order)
         self.failed: str | None = None
-        self.ok_calls = 0
-        self.options = {"freezing": True}
+        self._lock = threading.Lock()
+        self.options: dict[str, Any] = {"freezing": True}
         if backend.is_cuda:
             self.options["triton.cudagraphs"] = True
 
@@ -534,63 +544,151 @@ class CompiledProgram:
 
     def __call__(self, inputs: list) -> list | None:
         import torch._inductor.config as inductor_config
+        key = tuple((tuple(x.shape), x.dtype, x.device) for x in inputs)
+        with self._lock:
+            prog = self.programs.get(key, False)
+            if prog is False:
+                prog = self.programs[key] = self._build(inputs)
+        if prog is None:
+            return None
+        fn, order, ok = prog
         try:
             # Freezing needs no_grad (not inference_mode) to fold and prepack weights.
             with torch.no_grad(), inductor_config.patch(self.options):
-                out = self.compiled(*inputs)
-        except Exception as e:  # noqa: BLE001 - any compile failure means: run eagerly
-            if self.ok_calls == 0:
-                self.failed = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                self.backend.compile_status = f"no: torch.compile failed ({self.failed})"
-                warnings.warn(f"compile=True: torch.compile failed ({self.failed}); "
-                              "running eagerly instead", CompileWarning, stacklevel=5)
+                out = fn(*[inputs[i] for i in order])
+        except Exception as e:  # noqa: BLE001 - a failure to compile means: run eagerly
+            if not ok:
+                self._give_up(key, e)
             return None
-        self.ok_calls += 1
+        if not ok:
+            self.programs[key] = (fn, order, True)
         if self.backend.is_cuda:  # CUDA-graph outputs are overwritten by the next replay
             return [o.clone() if isinstance(o, _TENSOR) else o for o in out]
         return list(out)
+
+    def _build(self, inputs: list):
+        if len(self.programs) > self.MAX_PROGRAMS:
+            self._note(f"more than {self.MAX_PROGRAMS} input signatures; new ones run eagerly")
+            return None
+        from kiln.ir import Model
+        from kiln.optimize import optimize
+        from kiln.runtime.plan import compile_model
+
+        be = self.backend
+        shapes = {v.name: list(x.shape) for v, x in zip(self.graph.inputs, inputs)}
+        try:
+            model = optimize(Model(self.graph, dict(self.opsets), dict(self.functions)),
+                             input_shapes=shapes, backend=be.name)
+            tracer = TorchBackend(be.device, be.precision, compile=False,
+                                  channels_last=be.channels_last, warn=False)
+            tracer.tracing = True
+            plan = compile_model(model.graph, model.opset_imports, model.functions, tracer)
+        except Exception as e:  # noqa: BLE001
+            self._note(f"re-optimizing for shapes {shapes} failed: {type(e).__name__}: {e}")
+            return None
+        why = _compile_blockers(plan)
+        if why:
+            self._note(f"for shapes {shapes} the model has {why}")
+            return None
+        pos = {v.name: i for i, v in enumerate(self.graph.inputs)}
+        order = [pos[v.name] for v in plan.graph.inputs]
+        module = _program_module(plan)
+        return torch.compile(module, dynamic=False), order, False
+
+    def _give_up(self, key, e: Exception) -> None:
+        msg = str(e).strip().splitlines()
+        self.programs[key] = None
+        self._note(f"torch.compile failed ({type(e).__name__}: {msg[0] if msg else ''})")
+
+    def _note(self, why: str) -> None:
+        self.backend.compile_status = f"partly: {why}; running eagerly for these inputs"
+        warnings.warn(f"compile=True: {why}; running eagerly for these inputs",
+                      CompileWarning, stacklevel=6)
+
+
+def _compile_blockers(plan) -> str:
+    """Why ``plan`` cannot be one torch program ("" when it can)."""
+    blockers = sorted({f"{s.node.op_type} ({s.placement})" for s in plan.steps
+                       if s.placement not in ("torch", "torch-generic")
+                       or any(True for _ in s.node.subgraphs())})
+    numpy_consts = [v.name for v, t in plan.consts.items() if not isinstance(t, _TENSOR)]
+    return ", ".join(blockers + [f"constant {n} has a type torch lacks"
+                                 for n in numpy_consts[:3]])
+
+
+def _straight_line(plan, module: bool) -> tuple[str, dict, dict]:
+    """Python source running ``plan``'s steps in order on local variables: no environment
+    dict, no per-step bookkeeping. ``module``: a ``forward(self, ...)`` reading constants
+    from buffers (for torch.compile); else ``run(...)`` with constants as globals, results
+    normalized and intermediates deleted after their last use. Returns (source, globals,
+    constants by name)."""
+    names: dict = {}
+    glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize}
+    lines: list[str] = []
+    for i, v in enumerate(plan.graph.inputs):
+        names[v] = f"x{i}"
+    used = {v for s in plan.steps for v in s.inputs if v is not None} | set(plan.graph.outputs)
+    consts = {}
+    for i, (v, t) in enumerate(plan.consts.items()):
+        if v in used:
+            consts[f"c{i}"] = t
+            names[v] = f"c{i}"
+            if module:
+                lines.append(f"    c{i} = self.c{i}")
+    glb.update({} if module else consts)
+    wrap = "{}" if module else "_n({})"
+    for j, s in enumerate(plan.steps):
+        glb[f"f{j}"] = s.fn
+        args = ", ".join("None" if v is None else names[v] for v in s.inputs)
+        if s.wants_ctx:  # facts only (no subgraphs here): one context per step, made now
+            glb[f"k{j}"] = KernelContext(len(s.outputs), s.opset, {}, plan, s.node,
+                                         plan.backend)
+            args = f"k{j}, {args}" if args else f"k{j}"
+        if s.attrs:
+            glb[f"a{j}"] = s.attrs
+            args += f", **a{j}"
+        outs = list(s.outputs)
+        if len(outs) == 1:
+            names[outs[0]] = f"v{j}_0"
+            lines.append(f"    v{j}_0 = " + wrap.format(f"_one(f{j}({args}))"))
+        else:
+            lines.append(f"    r{j} = f{j}({args})")
+            for k, v in enumerate(outs):
+                if v is not None:
+                    names[v] = f"v{j}_{k}"
+                    lines.append(f"    v{j}_{k} = " + wrap.format(f"r{j}[{k}]"))
+        if not module:
+            dead = [names[v] for v in s.frees if v in names and not v.is_const]
+            if dead:
+                lines.append(f"    del {', '.join(dead)}")
+    ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs])
+    outs = ", ".join(names[v] for v in plan.graph.outputs)
+    head = "forward" if module else "run"
+    src = f"def {head}({ins}):\n" + "\n".join(lines) + f"\n    return [{outs}]\n"
+    exec(compile(src, f"<kiln {'compiled' if module else 'eager'} plan>", "exec"), glb)
+    return src, glb, consts
 
 
 def _program_module(plan) -> torch.nn.Module:
     """An nn.Module whose forward runs ``plan``'s steps in order, its constants buffers
     (so that inductor's freezing can fold them)."""
-    names: dict = {}
-    glb: dict[str, Any] = {"_one": _one}
-    lines = []
-    for i, v in enumerate(plan.graph.inputs):
-        names[v] = f"x{i}"
-    used = {v for s in plan.steps for v in s.inputs if v is not None} | set(plan.graph.outputs)
-    buffers = {}
-    for i, (v, t) in enumerate(plan.consts.items()):
-        if v in used:
-            buffers[f"c{i}"] = t
-            names[v] = f"c{i}"
-            lines.append(f"    c{i} = self.c{i}")
-    for j, s in enumerate(plan.steps):
-        glb[f"f{j}"] = s.fn
-        args = ", ".join("None" if v is None else names[v] for v in s.inputs)
-        if s.attrs:
-            glb[f"a{j}"] = s.attrs
-            args += f", **a{j}"
-        outs = [v for v in s.outputs]
-        if len(outs) == 1:
-            names[outs[0]] = f"v{j}_0"
-            lines.append(f"    v{j}_0 = _one(f{j}({args}))")
-            continue
-        lines.append(f"    r{j} = f{j}({args})")
-        for k, v in enumerate(outs):
-            if v is not None:
-                names[v] = f"v{j}_{k}"
-                lines.append(f"    v{j}_{k} = r{j}[{k}]")
-    ins = ", ".join(["self"] + [names[v] for v in plan.graph.inputs])
-    outs = ", ".join(names[v] for v in plan.graph.outputs)
-    src = f"def forward({ins}):\n" + "\n".join(lines) + f"\n    return ({outs},)\n"
-    exec(compile(src, "<kiln compiled plan>", "exec"), glb)
+    src, glb, consts = _straight_line(plan, module=True)
     mod = type("KilnProgram", (torch.nn.Module,), {"forward": glb["forward"]})()
-    for k, t in buffers.items():
+    for k, t in consts.items():
         mod.register_buffer(k, t, persistent=False)
     mod.kiln_source = src
     return mod.eval()
+
+
+def eager_program(plan) -> Callable | None:
+    """The main plan as one straight-line function (see :func:`_straight_line`), or None
+    when a step runs subgraphs (If, Loop, Scan need the environment)."""
+    if any(s.fn is None or any(True for _ in s.node.subgraphs()) for s in plan.steps):
+        return None
+    src, glb, _ = _straight_line(plan, module=False)
+    fn = glb["run"]
+    fn.kiln_source = src
+    return fn
 
 
 def _one(r):

@@ -120,7 +120,9 @@ def fused_conv(site):
             y = y + z
         return act(y) if act is not None else y
 
-    def run(x, w, b=None, z=None):
+    def run(x, w, b=None, z=None, *more):
+        if more:
+            return NI
         if not fast or x.dtype != torch.float32 or x.dim() != 4 or w.dtype != x.dtype \
                 or (b is not None and b.dtype != x.dtype):
             return generic(x, w, b, z)
@@ -169,7 +171,9 @@ def fused_gemm(site):
         return None
     site.notes.extend(sub.notes)
 
-    def run(a, b, c=None):
+    def run(a, b, c=None, *more):
+        if more:
+            return NI
         y = plain(a, b, c)
         if y is NI or act is None:
             return y
@@ -197,7 +201,9 @@ def fused_matmul(site):
         lin = (site.backend.from_numpy(wc.T.copy()),
                None if bc is None else site.backend.from_numpy(bc))
 
-    def run(a, b, bias=None):
+    def run(a, b, bias=None, z=None, *more):
+        if more:
+            return NI
         if lin is not None and a.dtype == torch.float32 and a.dim() >= 2 \
                 and (bias is None) == (lin[1] is None):
             y = F.linear(a, lin[0], lin[1])
@@ -207,6 +213,8 @@ def fused_matmul(site):
                 return NI
             if bias is not None:
                 y = y + bias
+        if z is not None:
+            y = y + z
         return act(y) if act is not None else y
     return run
 

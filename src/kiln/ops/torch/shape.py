@@ -161,11 +161,14 @@ def gather(x, indices, *, axis=0):
     if indices.dtype not in (torch.int32, torch.int64):
         return NI
     a = axis + x.dim() if axis < 0 else axis
-    if indices.dim() == 1 and a == 0 and indices.numel():
-        if indices.device != x.device:
-            indices = indices.to(x.device)
-        return x.index_select(0, torch.where(indices < 0, indices + x.shape[0], indices))
-    return x[(slice(None),) * a + (indices,)]
+    if indices.device != x.device:
+        indices = indices.to(x.device)
+    # index_select on the flattened indices: any index rank, and traceable (a 0-d tensor
+    # index would read its value on the host)
+    flat = indices.reshape(-1)
+    flat = torch.where(flat < 0, flat + x.shape[a], flat)
+    y = x.index_select(a, flat)
+    return y.reshape(tuple(x.shape[:a]) + tuple(indices.shape) + tuple(x.shape[a + 1:]))
 
 
 @kernel("GatherElements", 11)
