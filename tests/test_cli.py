@@ -445,3 +445,19 @@ def test_report_layout_rows():
     assert all(0 < b.x < w and 0 < b.y < h for b in boxes)
     cells = {(round(b.x), b.row) for b in boxes}
     assert len(cells) == len(boxes)  # no two boxes on top of each other
+
+
+def test_report_layout_puts_constants_by_their_reader():
+    from kiln.tools.html_report import layout
+
+    c = helper.make_tensor("cv", TensorProto.FLOAT, [1], [2.0])
+    nodes = [helper.make_node("Constant", [], ["c"], name="const", value=c),
+             helper.make_node("Relu", ["x"], ["a"], name="r1"),
+             helper.make_node("Relu", ["a"], ["b"], name="r2"),
+             helper.make_node("Relu", ["b"], ["d"], name="r3"),
+             helper.make_node("Add", ["d", "c"], ["y"], name="add")]
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2]) for n in "xy"]
+    m = kiln.load(make_model(nodes, vi[:1], vi[1:]))
+    boxes = layout(m.graph)[0]
+    row = {n.name: b.row for n, b in zip(m.graph.nodes, boxes)}
+    assert row["add"] == 4 and row["const"] == 3

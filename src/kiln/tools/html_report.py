@@ -66,8 +66,9 @@ class Box:
 def layout(graph: Graph) -> tuple[list[Box], list[tuple[int, int, str]], dict[str, Box],
                                   dict[str, Box], float, float]:
     """A layered drawing of ``graph``: a node's row is the longest path to it from the
-    graph inputs (nodes with no inputs, like Constant, sit just above their first reader);
-    within a row, nodes go under the mean x of what they read, pushed right to not overlap.
+    graph inputs, and within a row nodes go under the mean x of what they read, pushed
+    right so as not to overlap. Nodes that depend on no input (Constant, weights made by
+    ConstantOfShape...) sit just above their first reader, over their readers.
 
     Returns (node boxes in run order, edges (src, dst, value name) between node indexes;
     src -1 stands for a graph input, dst -1 for a graph output), input boxes, output
@@ -102,8 +103,13 @@ def layout(graph: Graph) -> tuple[list[Box], list[tuple[int, int, str]], dict[st
         for i in ps:
             consumers[i].append(j)
     reads_input = {j for js in input_reads.values() for j in js}
+    # Nodes that depend on no graph input (Constant, weights built by ConstantOfShape...)
+    # go as low as they can: just above their first reader, not in a pile at the top.
+    live = [False] * len(nodes)
+    for j in range(len(nodes)):
+        live[j] = j in reads_input or any(live[i] for i in preds[j])
     for j in reversed(range(len(nodes))):
-        if not preds[j] and j not in reads_input and consumers[j]:
+        if not live[j] and consumers[j]:
             row[j] = max(1, min(row[c] for c in consumers[j]) - 1)
     step_x = BOX_W + GAP_X
     xs: dict[str, float] = {}
@@ -114,21 +120,30 @@ def layout(graph: Graph) -> tuple[list[Box], list[tuple[int, int, str]], dict[st
     for j, r in enumerate(row):
         by_row.setdefault(r, []).append(j)
     reads_of = {j: [xs[nm] for nm, js in input_reads.items() if j in js] for j in reads_input}
-    # Two sweeps: the second puts source nodes (Constant...) over the readers the first
-    # placed, instead of in a pile at the left.
-    for sweep in range(2):
+    hint = [0.0] * len(nodes)  # where a node that depends on no input would like to be
+
+    def place(everything: bool) -> None:
         for r in sorted(by_row):
             want = []
             for j in by_row[r]:
-                src = [x[i] for i in preds[j]] or reads_of.get(j, [])
-                if not src and sweep:
-                    src = [x[c] for c in consumers[j]]
-                want.append((sum(src) / len(src) if src else 0.0, j))
+                if live[j]:
+                    src = [x[i] for i in preds[j] if live[i]] or reads_of.get(j, [])
+                    want.append((sum(src) / len(src) if src else 0.0, j))
+                elif everything:
+                    want.append((hint[j], j))
             want.sort()
             last = None
             for w, j in want:
                 x[j] = w if last is None else max(w, last + step_x)
                 last = x[j]
+
+    # First the data path, then the constant-producing nodes over their readers.
+    place(False)
+    for j in reversed(range(len(nodes))):
+        if not live[j] and consumers[j]:
+            cs = [x[c] if live[c] else hint[c] for c in consumers[j]]
+            hint[j] = sum(cs) / len(cs)
+    place(True)
     n_rows = max(row, default=0) + 2
     out_boxes: dict[str, Box] = {}
     for v in graph.outputs:

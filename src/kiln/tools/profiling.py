@@ -7,8 +7,8 @@ import contextlib
 import json
 import os
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
-from statistics import mean
 from time import perf_counter
 from typing import Any
 
@@ -28,7 +28,7 @@ class LayerTime:
 
     @property
     def mean_ms(self) -> float:
-        return mean(self.times_ms) if self.times_ms else 0.0
+        return sum(self.times_ms) / len(self.times_ms) if self.times_ms else 0.0
 
 
 @dataclass
@@ -60,14 +60,14 @@ class Profile:
     events: list[tuple[int, int, float, float]] = field(default_factory=list)
     """(run, layer index, start, end): perf_counter seconds of every measured step."""
 
-    @property
+    @cached_property
     def layer_total_ms(self) -> float:
         """Sum of the layers' mean times: one run's time spent inside kernels."""
         return sum(x.mean_ms for x in self.layers)
 
     @property
     def wall_mean_ms(self) -> float:
-        return mean(self.wall_ms) if self.wall_ms else 0.0
+        return sum(self.wall_ms) / len(self.wall_ms) if self.wall_ms else 0.0
 
     def share(self, layer: LayerTime) -> float:
         total = self.layer_total_ms
