@@ -133,6 +133,8 @@ class _Fuser:
 
     # -- pieces of the chain
     def _other(self, ch: _Chain, m: Node) -> Value | None:
+        if "axis" in m.attrs:
+            return None  # opset < 7 Add broadcasting from a given axis: not a plain add
         a, b = m.inputs[0], m.inputs[1] if len(m.inputs) > 1 else None
         if a is ch.out and b is not ch.out:
             return b

@@ -141,13 +141,13 @@ class _LayerNormFuser:
         y = div.outputs[0]
         gamma = beta = None
         mul = self._one(y, "Mul")
-        if mul is not None:
+        if mul is not None and "axis" not in mul.attrs:
             other = mul.inputs[1] if mul.inputs[0] is y else mul.inputs[0]
             if self._param(other, k):
                 gamma, y = other, mul.outputs[0]
                 nodes.append(mul)
         addb = self._one(y, "Add")
-        if addb is not None:
+        if addb is not None and "axis" not in addb.attrs:
             other = addb.inputs[1] if addb.inputs[0] is y else addb.inputs[0]
             if self._param(other, k):
                 beta, y = other, addb.outputs[0]

@@ -174,6 +174,11 @@ class _Simplifier:
 
     # -- MatMul + Add -> Gemm; Reshape -> Gemm -> Reshape -> MatMul + Add
     def _add(self, n: Node) -> None:
+        if self.opset < 7 or "axis" in n.attrs:
+            return  # before opset 7, Add and Gemm broadcast only when told, and differently
+        t = tensor_type(n.outputs[0])
+        if t is None or not t.dtype.is_float:
+            return
         for i in (0, 1):
             mm = self._single(n.inputs[i], "MatMul", n)
             c = n.inputs[1 - i]
@@ -195,7 +200,7 @@ class _Simplifier:
 
     def _gemm(self, n: Node) -> None:
         """Reshape(x -> [P, K]) -> Gemm -> Reshape([..., N]) on an x of rank >= 3."""
-        if n.attrs.get("transA", 0) or len(n.inputs) < 2:
+        if n.attrs.get("transA", 0) or len(n.inputs) < 2 or self.opset < 7:
             return
         r1 = self._single(n.inputs[0], "Reshape", n)
         readers = self.uses.consumers(n.outputs[0])
