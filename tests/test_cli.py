@@ -332,10 +332,11 @@ def test_profile_totals_consistent_with_wall_time(runnable):
     p = tools.profile(runnable, {"x": x}, runs=5, warmup=1)
     outer_ms = (time.perf_counter() - t0) * 1e3
     assert len(p.wall_ms) == 5 and all(len(x.times_ms) == 5 for x in p.layers)
-    for r, wall in enumerate(p.wall_ms):
-        inside = sum((b - a) * 1e3 for run, _, a, b in p.events if run == r)
-        assert inside <= wall
-        assert inside >= 0.5 * wall, (inside, wall)
+    inside = [sum((b - a) * 1e3 for run, _, a, b in p.events if run == r) for r in range(5)]
+    for got, wall in zip(inside, p.wall_ms):
+        assert got <= wall
+    # most of a run is kernels (summed over runs: one preempted gap must not fail this)
+    assert sum(inside) >= 0.5 * sum(p.wall_ms), (inside, p.wall_ms)
     assert p.layer_total_ms <= p.wall_mean_ms
     assert sum(p.wall_ms) <= outer_ms
     ops = p.by_op()
