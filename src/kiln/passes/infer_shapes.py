@@ -98,12 +98,14 @@ def node_types(n: Node, opset: int, model: Model) -> list:
     """Output types of one node without subgraphs (None where unknown)."""
     out: list = [None] * len(n.outputs)
     opdef = registry.lookup(n.domain, n.op_type, opset)
-    rule = opdef.infer if opdef is not None and opdef.infer is not None else None
-    if rule is None and n.domain == "":
-        rule = symdim.infer_rule(n.op_type)
+    rules = [opdef.infer] if opdef is not None and opdef.infer is not None else []
+    if n.domain == "":
+        own = symdim.infer_rule(n.op_type)
+        if own is not None and own not in rules:
+            rules.append(own)  # symbolic dims even if the op's own rule knows none
     if n.domain in ("", "ai.onnx.ml", "ai.onnx.preview.training"):
         out = _merge_lists(out, onnx_infer(n, opset, model.opset_imports))
-    if rule is not None:
+    for rule in reversed(rules):  # the op's own rule has the last (deciding) word
         try:
             mine = _call_rule(rule, n, opset, out)
         except Exception as e:  # noqa: BLE001 - inference must never stop a model loading
