@@ -196,27 +196,96 @@ def tile(x, repeats):
     return x.repeat(ints(repeats))
 
 
-@kernel("Pad", 11, build=True)
-def pad(site):
-    if site.attr("mode", "constant") != "constant":
-        return None
+_PAD_MODES = {"constant": "constant", "edge": "replicate", "reflect": "reflect",
+              "wrap": "circular"}
 
-    def run(x, pads, value=None, axes=None):
-        p = ints(pads)
-        r = x.dim()
-        ax = list(range(r)) if axes is None else [axis(a, r) for a in ints(axes)]
-        n = len(ax)
-        begins, ends = [0] * r, [0] * r
-        for i, a in enumerate(ax):
-            begins[a], ends[a] = p[i], p[i + n]
+
+def _pad(x, p, value, mode: str, axes=None):
+    r = x.dim()
+    ax = list(range(r)) if axes is None else [axis(a, r) for a in axes]
+    n = len(ax)
+    begins, ends = [0] * r, [0] * r
+    for i, a in enumerate(ax):
+        begins[a], ends[a] = p[i], p[i + n]
+    if mode == "constant":
+        if x.dtype == torch.bool:
+            return NI
         fp = []
         for a in reversed(range(r)):
             fp += [begins[a], ends[a]]
+        return F.pad(x, fp, value=value)
+    # torch pads the last 1-3 dims of an (N, C, ...) tensor in these modes: fold the
+    # leading dims into C
+    padded = [a for a in range(r) if begins[a] or ends[a]]
+    if not padded:
+        return x
+    k = r - padded[0]
+    if k > 3 or min(begins + ends) < 0 or x.dtype not in FLOATS:
+        return NI
+    if mode == "reflect" and any(max(begins[a], ends[a]) >= x.shape[a] for a in padded):
+        return NI
+    lead = tuple(x.shape[:r - k])
+    y = x.reshape((1, math.prod(lead)) + tuple(x.shape[r - k:]))
+    fp = []
+    for a in reversed(range(r - k, r)):
+        fp += [begins[a], ends[a]]
+    y = F.pad(y, fp, mode=_PAD_MODES[mode])
+    return y.reshape(lead + tuple(y.shape[2:]))
+
+
+@kernel("Pad", 11, build=True)
+def pad(site):
+    mode = site.attr("mode", "constant")
+    if mode not in _PAD_MODES:
+        return None
+
+    def run(x, pads, value=None, axes=None):
         v = 0 if value is None or not value.numel() else scalar(value)
-        if x.dtype == torch.bool:
-            return NI
-        return F.pad(x, fp, value=v)
+        return _pad(x, ints(pads), v, mode, None if axes is None else ints(axes))
     return run
+
+
+@kernel("Pad", 2, until=11)
+def pad2(x, *, mode="constant", pads=None, value=0.0):
+    if mode not in _PAD_MODES or pads is None:
+        return NI
+    return _pad(x, list(pads), value, mode)
+
+
+@kernel("CumSum", 11)
+def cumsum(x, ax, *, exclusive=0, reverse=0):
+    if x.dtype == torch.bool or x.dtype.is_complex:
+        return NI
+    a = axis(ints(ax)[0], x.dim())
+    y = torch.flip(x, (a,)) if reverse else x
+    c = torch.cumsum(y, a, dtype=y.dtype)
+    if exclusive:  # shift by one along the axis, zeros first
+        c = torch.cat([torch.zeros_like(c.narrow(a, 0, 1)), c.narrow(a, 0, c.shape[a] - 1)], a) \
+            if c.shape[a] else c
+    return torch.flip(c, (a,)) if reverse else c
+
+
+@kernel("GatherND", 11)
+def gather_nd(data, indices, *, batch_dims=0):
+    if indices.dtype not in (torch.int32, torch.int64):
+        return NI
+    b = batch_dims
+    k = indices.shape[-1]
+    if b + k > data.dim():
+        return NI
+    bshape = tuple(data.shape[:b])
+    nb = math.prod(bshape)
+    d = data.reshape((nb,) + tuple(data.shape[b:]))
+    idx = indices.to(torch.int64).reshape(nb, -1, k)
+    if idx.device != d.device:
+        idx = idx.to(d.device)
+    cols = []
+    for i in range(k):
+        c = idx[..., i]
+        cols.append(torch.where(c < 0, c + d.shape[1 + i], c))
+    bidx = torch.arange(nb, device=d.device).reshape(nb, 1)
+    y = d[(bidx, *cols)]
+    return y.reshape(tuple(indices.shape[:-1]) + tuple(data.shape[b + k:]))
 
 
 # -- constants ----------------------------------------------------------------------------
