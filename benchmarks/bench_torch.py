@@ -7,7 +7,9 @@
 
 Models come from the zoo (``kiln.zoo.path``), batch 1. Every variant is warmed up, then
 rounds alternate: a block of onnxruntime runs, then a block of each Kiln variant, so that
-a slow-down from other work on the machine hits both. Reported: median and p10/p90 per run
+a slow-down from other work on the machine hits both. Each block starts after a short
+rest and one untimed run, so that the previous engine's spinning worker threads (both
+onnxruntime and OpenMP spin after a parallel region) do not compete for the cores. Reported: median and p10/p90 per run
 in milliseconds, and the ratio to onnxruntime's median (< 1 means Kiln is faster).
 """
 
@@ -104,6 +106,10 @@ def bench_model(name: str, args) -> dict:
     times: dict[str, list[float]] = {k: [] for k in runners}
     for _ in range(args.rounds):
         for k, fn in runners.items():
+            # Let the other engine's worker threads stop spinning, and re-warm this one,
+            # so that neither measures the other's idle threads competing for the cores.
+            time.sleep(args.pause)
+            fn()
             times[k] += timed(fn, args.block)
     base = statistics.median(times["onnxruntime"])
     res = {}
@@ -127,6 +133,8 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=10)
     ap.add_argument("--block", type=int, default=10, help="runs per variant per round")
     ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--pause", type=float, default=0.3,
+                    help="seconds of rest before each block (spinning threads go idle)")
     ap.add_argument("--json", help="write the results here too")
     args = ap.parse_args(argv)
     import torch

@@ -628,9 +628,13 @@ def _straight_line(plan, module: bool) -> tuple[str, dict, dict]:
     for i, v in enumerate(plan.graph.inputs):
         names[v] = f"x{i}"
     used = {v for s in plan.steps for v in s.inputs if v is not None} | set(plan.graph.outputs)
+    params = _param_constants(plan)
     consts = {}
     for i, (v, t) in enumerate(plan.consts.items()):
-        if v in used:
+        if v in params:  # read as ints by torch kernels: plain Python, nothing to trace
+            names[v] = f"p{i}"
+            glb[f"p{i}"] = params[v]
+        elif v in used:
             consts[f"c{i}"] = t
             names[v] = f"c{i}"
             if module:
@@ -667,6 +671,24 @@ def _straight_line(plan, module: bool) -> tuple[str, dict, dict]:
     src = f"def {head}({ins}):\n" + "\n".join(lines) + f"\n    return [{outs}]\n"
     exec(compile(src, f"<kiln {'compiled' if module else 'eager'} plan>", "exec"), glb)
     return src, glb, consts
+
+
+def _param_constants(plan) -> dict:
+    """Constants that only torch kernels read, and only as host parameters (shapes, axes,
+    split sizes, resize scales): as tuples of Python numbers."""
+    readers: dict = {}
+    for s in plan.steps:
+        params = HOST_PARAM_INPUTS.get(s.node.op_type, ())
+        for i, v in enumerate(s.inputs):
+            if v is not None and v in plan.consts:
+                readers.setdefault(v, []).append(s.placement == "torch" and i in params)
+    out = {}
+    for v, ok in readers.items():
+        c = v.const
+        if all(ok) and v not in plan.graph.outputs and c.dtype.kind in "iuf" and c.ndim <= 1:
+            cast = float if c.dtype.kind == "f" else int
+            out[v] = tuple(cast(x) for x in c.reshape(-1))
+    return out
 
 
 def _program_module(plan) -> torch.nn.Module:

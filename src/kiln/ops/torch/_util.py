@@ -27,6 +27,15 @@ def ints(x) -> list[int]:
     return [int(v) for v in np.asarray(x).reshape(-1)]
 
 
+def floats(x) -> list[float]:
+    """A 1-D float tensor/array/list (scales...) as Python floats."""
+    if isinstance(x, torch.Tensor):
+        return [float(v) for v in x.reshape(-1).tolist()]
+    if isinstance(x, (list, tuple)):
+        return [float(v) for v in x]
+    return [float(v) for v in np.asarray(x).reshape(-1)]
+
+
 def scalar(x):
     """A one-element tensor as a Python number."""
     if isinstance(x, torch.Tensor):

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.torch import USE_NUMPY, kernel
-from kiln.ops.torch._util import FLOATS, axis, const_tensor, ints, same_pads
+from kiln.ops.torch._util import FLOATS, axis, const_tensor, floats, ints, same_pads
 
 NI = NotImplemented
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -410,16 +410,16 @@ def resize(site):
             m = _INTERP[n]
         if m == "bicubic" and n != 2:
             return NI
-        if sizes is not None and sizes.numel():
-            sz = ints(sizes)
+        sz = [] if sizes is None else ints(sizes)
+        if sz:
             if sz[:2] != list(x.shape[:2]):
                 return NI
             if ctm == "pytorch_half_pixel" and min(sz[2:]) <= 1:
                 return NI
             return F.interpolate(x, size=sz[2:], mode=m, align_corners=align)
-        if scales is None or not scales.numel():
+        sc = [] if scales is None else floats(scales)
+        if not sc:
             return NI
-        sc = [float(v) for v in scales.reshape(-1).tolist()]
         if sc[:2] != [1.0, 1.0]:
             return NI
         out = [int(math.floor(d * s)) for d, s in zip(x.shape[2:], sc[2:])]

@@ -113,7 +113,7 @@ def split(site):
         if site.opset < 13:
             sizes = site.attr("split")
         else:
-            sizes = None if split is None or not split.numel() else ints(split)
+            sizes = None if split is None else ints(split)
         if sizes:
             if sum(sizes) != x.shape[a]:
                 return NI
