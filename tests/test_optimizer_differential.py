@@ -200,7 +200,7 @@ def test_every_zoo_and_light_model_is_covered():
     assert any(i.startswith("pytorch-converted:") for i in ids)
 
 
-def bench(names: list[str], rounds: int = 10) -> None:
+def bench(names: list[str], rounds: int = 20) -> None:
     """Markdown table of node counts and NumPy-backend latency, unoptimized vs optimized
     (vs optimized with the inputs' shapes fixed), for zoo models; runs interleaved, best
     and median of ``rounds``."""
