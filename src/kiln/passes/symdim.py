@@ -633,9 +633,14 @@ def _register_with_registry() -> None:
     """Attach the rules to the registered standard ops, as their ``OpDef.infer``."""
     from kiln.ops import registry
 
-    for d in registry.registered():
-        if d.domain == "" and d.op_type in RULES and d.infer is None:
-            d.infer = RULES[d.op_type]
+    for op_type, fn in RULES.items():
+        versions = [d for d in registry.registered() if d.domain == "" and d.op_type == op_type]
+        if versions and all(d.infer is None for d in versions):
+            registry.infer(op_type)(fn)
+        else:  # an op module has its own rule for some version: complete, do not replace
+            for d in versions:
+                if d.infer is None:
+                    d.infer = fn
 
 
 _register_with_registry()
