@@ -298,10 +298,6 @@ def dtype_of(v: Value | None) -> DType | None:
     return None if t is None else t.dtype
 
 
-def opset_of(model: Model, node: Node) -> int:
-    return model.opset_imports.get(node.domain, model.opset)
-
-
 # ---------------------------------------------------------------- copying a model
 
 def clone_model(model: Model) -> Model:

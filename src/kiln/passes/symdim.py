@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable, Sequence
-from math import prod
 from typing import Any
 
 import numpy as np
@@ -646,20 +645,9 @@ def _register_with_registry() -> None:
 _register_with_registry()
 
 
-def shape_elements(t: TensorType | None) -> Dim:
-    """Number of elements of a tensor type, symbolic when dims are."""
-    if t is None or t.shape is None:
-        return None
-    return product(t.shape)
-
-
 def static_shape(shape) -> tuple[int, ...] | None:
     """``shape`` when every dim is a known int."""
     if shape is None or not all(isinstance(d, int) for d in shape):
         return None
     return tuple(shape)
 
-
-def numel(shape) -> int | None:
-    s = static_shape(shape)
-    return None if s is None else prod(s)
