@@ -387,8 +387,16 @@ def test_kiln_layernorm_and_gelu_kernels_match_the_spec():
     assert gelu(x).dtype == np.float32 and gelu(x.astype(np.float64)).dtype == np.float64
 
 
-def test_fused_ops_keep_float16():
+@pytest.mark.parametrize("dtype", [np.float16, "bfloat16"])
+def test_fused_ops_keep_narrow_float_dtypes(dtype):
+    import ml_dtypes
+
+    dtype = np.dtype(getattr(ml_dtypes, dtype) if isinstance(dtype, str) else dtype)
     mm = _kernel("FusedMatMul", "ai.kiln", 1)
-    x, w, b = (a.astype(np.float16) for a in (rand(2, 4), rand(4, 3), rand(3)))
+    x, w, b = (a.astype(dtype) for a in (rand(2, 4), rand(4, 3), rand(3)))
     for act in ("Relu", "Gelu", "GeluTanh", "Silu", "HardSwish", "Sigmoid", "LeakyRelu"):
-        assert mm(x, w, b, activation=act).dtype == np.float16, act
+        assert mm(x, w, b, activation=act).dtype == dtype, act
+    att = _kernel("Attention", "ai.kiln", 1)
+    q = rand(1, 2, 3, 4).astype(dtype)
+    assert att(q, q, q, scale=0.5).dtype == dtype
+    assert _kernel("LayerNorm", "ai.kiln", 1)(x).dtype == dtype

@@ -13,6 +13,7 @@ Silu, Gelu, GeluTanh, Tanh. An empty string means none.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -143,6 +144,23 @@ def _add_into(y: np.ndarray, z) -> np.ndarray:
     return np.add(y, z)
 
 
+def _in_float32(kernel):
+    """Run ``kernel`` in float32 for float16/bfloat16/float8 inputs (NumPy has no BLAS
+    for them, and ml_dtypes' matmul answers in float32) and give the result the input's
+    dtype back."""
+
+    @functools.wraps(kernel)
+    def run(*args, **attrs):
+        dtype = args[0].dtype
+        if dtype in (np.float32, np.float64):
+            return kernel(*args, **attrs)
+        args = [a.astype(np.float32) if isinstance(a, np.ndarray) and a.dtype == dtype else a
+                for a in args]
+        return kernel(*args, **attrs).astype(dtype)
+
+    return run
+
+
 def _standard_kernel(op_type: str):
     d = lookup("", op_type, 10**6)
     if d is None:
@@ -181,6 +199,7 @@ def _infer_conv(ctx):
 
 
 @op("FusedConv", 1, domain=KILN_DOMAIN, infer=_infer_conv)
+@_in_float32
 def fused_conv(x, w, b=None, z=None, *, auto_pad="NOTSET", dilations=None, group=1,
                kernel_shape=None, pads=None, strides=None, activation="",
                activation_params=None):
@@ -210,6 +229,7 @@ def _infer_gemm(ctx):
 
 
 @op("FusedGemm", 1, domain=KILN_DOMAIN, infer=_infer_gemm)
+@_in_float32
 def fused_gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, activation="",
                activation_params=None):
     """activation(alpha * A' @ B' + beta * C) with one output buffer."""
@@ -230,6 +250,7 @@ def _infer_matmul(ctx):
 
 
 @op("FusedMatMul", 1, domain=KILN_DOMAIN, infer=_infer_matmul)
+@_in_float32
 def fused_matmul(a, b, bias=None, z=None, *, activation="", activation_params=None):
     """activation(A @ B + bias + z), the adds and activation in place on the product."""
     if a.ndim > 2 and b.ndim == 2 and a.flags.c_contiguous:
@@ -249,6 +270,7 @@ def _same_as_first(x, *rest, **attrs):
 
 
 @op("LayerNorm", 1, domain=KILN_DOMAIN, infer=_same_as_first)
+@_in_float32
 def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     """LayerNormalization (ONNX opset 17's op) for models of older opsets."""
     axis = axis + x.ndim if axis < 0 else axis
@@ -266,6 +288,7 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
 
 
 @op("Gelu", 1, domain=KILN_DOMAIN, infer=_same_as_first)
+@_in_float32
 def gelu(x, *, approximate="none"):
     """GELU (ONNX opset 20's op) for models of older opsets."""
     y = np.array(x, copy=True)
@@ -286,6 +309,7 @@ def _infer_attention(q, k, v, mask=None, **attrs):
 
 
 @op("Attention", 1, domain=KILN_DOMAIN, infer=_infer_attention)
+@_in_float32
 def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0):
     """softmax(scale * Q @ K^T + mask) @ V over the last axis, in one score buffer.
     ``k_transposed=1``: K is given as [..., d, s_k] (already transposed)."""
