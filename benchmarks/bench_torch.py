@@ -9,8 +9,9 @@ Models come from the zoo (``kiln.zoo.path``), batch 1. Every variant is warmed u
 rounds alternate: a block of onnxruntime runs, then a block of each Kiln variant, so that
 a slow-down from other work on the machine hits both. Each block starts after a short
 rest and one untimed run, so that the previous engine's spinning worker threads (both
-onnxruntime and OpenMP spin after a parallel region) do not compete for the cores. Reported: median and p10/p90 per run
-in milliseconds, and the ratio to onnxruntime's median (< 1 means Kiln is faster).
+onnxruntime and OpenMP spin after a parallel region) do not compete for the cores.
+Reported: median and p10/p90 per run in milliseconds, and the ratio to onnxruntime's
+median (< 1 means Kiln is faster).
 """
 
 from __future__ import annotations

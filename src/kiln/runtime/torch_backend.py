@@ -186,8 +186,8 @@ class TorchBackend(Backend):
 
     def accept_feed(self, x, dtype: DType):
         if isinstance(x, _TENSOR):
-            if x.device != self.tdevice:
-                x = x.to(self.tdevice, non_blocking=True)
+            if x.device != self.tdevice:  # a non-blocking copy only towards the device
+                x = x.to(self.tdevice, non_blocking=self.is_cuda and x.device.type == "cpu")
             return x
         if isinstance(x, _ND):
             return self.from_numpy(x)
@@ -554,7 +554,10 @@ class CompiledProgram:
         fn, order, ok = prog
         try:
             # Freezing needs no_grad (not inference_mode) to fold and prepack weights.
-            with torch.no_grad(), inductor_config.patch(self.options):
+            # Programs are keyed by input signature already, so once one has run, dynamo's
+            # guard checks (~0.2 ms over all the weights) are redundant.
+            with torch.no_grad(), inductor_config.patch(self.options), \
+                    torch.compiler.set_stance(skip_guard_eval_unsafe=ok):
                 out = fn(*[inputs[i] for i in order])
         except Exception as e:  # noqa: BLE001 - a failure to compile means: run eagerly
             if not ok:
