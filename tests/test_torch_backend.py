@@ -208,6 +208,18 @@ def test_wrong_feed_dtype_is_an_input_error(mlp_model):
         sess.run(None, {"x": torch.zeros((2, 4), dtype=torch.float64)})
 
 
+def test_concurrent_runs_from_threads(mlp_model):
+    from concurrent.futures import ThreadPoolExecutor
+    sess = kiln.InferenceSession(mlp_model, backend="torch")
+    xs = [np.random.default_rng(i).standard_normal((i + 1, 4)).astype(np.float32)
+          for i in range(8)]
+    want = [ort_run(mlp_model, {"x": x})[0] for x in xs]
+    with ThreadPoolExecutor(4) as pool:
+        got = list(pool.map(lambda x: sess.run(None, {"x": x})[0], xs * 3))
+    for i, g in enumerate(got):
+        np.testing.assert_allclose(g, want[i % len(xs)], rtol=1e-5, atol=1e-6)
+
+
 # -- async ------------------------------------------------------------------------------
 
 def test_async_runs_keep_order_and_several_are_in_flight(mlp_model):
