@@ -94,6 +94,9 @@ class _SimpleBar:
     def __init__(self, total: int, desc: str):
         self.total, self.desc, self.n = total, desc, 0
 
+    def set_description(self, desc: str) -> None:
+        self.desc = desc
+
     def update(self, k: int = 1) -> None:
         self.n += k
         done = int(30 * self.n / max(self.total, 1))

@@ -17,6 +17,7 @@ from kiln.ops.torch import Site, kernel
 from kiln.ops.torch._util import FLOATS
 from kiln.ops.torch.elementwise import gemm as _gemm_builder
 from kiln.ops.torch.elementwise import matmul as _matmul_builder
+from kiln.ops.torch.nn import _PREPACK
 from kiln.ops.torch.nn import conv as _conv_builder
 
 NI = NotImplemented
@@ -100,8 +101,7 @@ def fused_conv(site):
     site.notes.extend(sub.notes)
     group = int(site.attr("group", 1))
     fast = (onednn is not None and be.tdevice.type == "cpu" and not be.tracing and low is None
-            and wc is not None and wc.ndim == 4 and wc.dtype.name == "float32"
-            and hasattr(torch.ops, "mkldnn") and torch.backends.mkldnn.is_available())
+            and wc is not None and wc.ndim == 4 and wc.dtype.name == "float32" and _PREPACK)
     state: dict = {}
 
     def packed(pad, strides, dil):

@@ -25,6 +25,13 @@ _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 _AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn") \
     and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+# Weights packed once for oneDNN pay off only where oneDNN's convolution uses the packed
+# layout: with AVX-512. On AVX2 it picks a kernel wanting another blocking and re-packs the
+# weights on every call (28 ms for a 256x256x3x3 kernel, 20x the convolution itself).
+_PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+# oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere plain
+# F.conv2d computes in bf16 instead.
+_PREPACK_BF16 = _PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _pads(site, x_spatial, kernel_shape, strides, dilations) -> list[int]:
@@ -57,9 +64,9 @@ def conv(site):
     bc = const_tensor(site, 2)
     low = be.compute_dtype
     cl = be.channels_last
-    packable = (_MKLDNN and be.tdevice.type == "cpu" and not be.tracing and wc is not None
+    packable = (_PREPACK and be.tdevice.type == "cpu" and not be.tracing and wc is not None
                 and wc.ndim == 4 and wc.dtype.name == "float32"
-                and low in (None, torch.bfloat16) and group >= 1)
+                and (low is None or (low == torch.bfloat16 and _PREPACK_BF16)) and group >= 1)
     state: dict = {}
 
     def packed(pad, strides, dil):
