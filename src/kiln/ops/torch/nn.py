@@ -107,6 +107,8 @@ def conv(site):
             y = torch.ops.mkldnn._convolution_pointwise(xx, pw, pb, begins, strides, dil,
                                                         group, "none", [], "")
             return y if low is None else y.to(torch.float32)
+        if cl and n == 2:  # NHWC convolutions, and NHWC outputs make the next pooling fast
+            x = x.contiguous(memory_format=torch.channels_last)
         if low is not None and x.dtype == torch.float32:
             y = _CONV[n](x.to(low), w.to(low), None if b is None else b.to(low), strides,
                          begins, dil, group)
