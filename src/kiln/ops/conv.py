@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from kiln.ops import winograd
 from kiln.ops.registry import op
 
 # Keep one im2col buffer under this many elements: larger batches go in chunks.
@@ -194,6 +195,10 @@ def conv_core(x, w, b, group, strides, dilations, begin, end) -> np.ndarray:
     out_shape = (n, m) + tuple(out)
     if group > 1 and w.shape[1] == 1 and group == c:
         return _depthwise(x, w, b, strides, dilations, begin, out)
+    if winograd.applies(x, w, group, strides, dilations, begin, end):
+        u = winograd.cached_weights(w)
+        if u is not None:
+            return winograd.conv3x3(x, u, b, begin, end)
     if all(k == 1 for k in kernel) and not any(begin) and not any(end):
         xs = x[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in strides)]
         xs = xs.reshape(n, group, c // group, -1)
