@@ -66,11 +66,8 @@ def engine_names(requested: list[str]) -> list[str]:
 def make_runner(engine: str, path: str, threads: int):
     """A function feeds -> list of arrays for ``engine``."""
     if engine == "onnxruntime":
-        import onnxruntime as ort
-        so = ort.SessionOptions()
-        so.intra_op_num_threads, so.inter_op_num_threads = threads, 1
-        so.log_severity_level = 3
-        sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+        from kiln.tools.benchmark import _ort_session
+        sess = _ort_session(path, threads, "cpu")
         return lambda feeds: sess.run(None, feeds)
     if engine == "openvino":
         import openvino as ov
@@ -109,9 +106,9 @@ def _status_kb(field: str) -> int:
     raise RuntimeError(f"{field} missing from /proc/self/status")
 
 
-def peak_memory(engine: str, path: str, feeds: dict, threads: int, tmp: str) -> float | None:
-    np.savez(tmp, **feeds)
-    proc = subprocess.run([sys.executable, __file__, "--memory-child", engine, path, tmp,
+def peak_memory(engine: str, path: str, feeds_path: str, threads: int) -> float | None:
+    """MB one load + run of ``path`` on ``engine`` adds, in a fresh child process."""
+    proc = subprocess.run([sys.executable, __file__, "--memory-child", engine, path, feeds_path,
                            str(threads)], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"  memory child for {engine} failed: {proc.stderr.strip()[-300:]}",
@@ -181,9 +178,10 @@ def bench_one(name: str, batch: int, args, engines: list[str]) -> dict:
             runs=len(ts), p50_ms=round(med, 3), p90_ms=round(float(np.percentile(ts, 90)), 3),
             throughput_per_s=round(batch * 1e3 / med, 2), ratio_vs_ort=round(med / base, 3))
     if not args.no_memory:
-        tmp = os.path.join(args.tmp, "feeds.npz")
+        feeds_path = os.path.join(args.tmp, "feeds.npz")
+        np.savez(feeds_path, **feeds)
         for e in times:
-            mb = peak_memory(e, path, feeds, args.threads, tmp)
+            mb = peak_memory(e, path, feeds_path, args.threads)
             rec["engines"][e]["peak_mb"] = None if mb is None else round(mb, 1)
     return rec
 

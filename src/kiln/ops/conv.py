@@ -198,7 +198,7 @@ def conv_core(x, w, b, group, strides, dilations, begin, end) -> np.ndarray:
     if winograd.applies(x, w, group, strides, dilations, begin, end):
         u = winograd.cached_weights(w)
         if u is not None:
-            return winograd.conv3x3(x, u, b, begin, end)
+            return add_bias(winograd.conv3x3(x, u, begin, end), b)
     if all(k == 1 for k in kernel) and not any(begin) and not any(end):
         xs = x[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in strides)]
         xs = xs.reshape(n, group, c // group, -1)

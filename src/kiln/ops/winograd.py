@@ -53,9 +53,9 @@ def cached_weights(w: np.ndarray) -> np.ndarray | None:
     return u
 
 
-def conv3x3(x: np.ndarray, u: np.ndarray, b, begin, end) -> np.ndarray:
-    """Convolution of (N, C, H, W) ``x`` by the weights ``u`` that :func:`cached_weights`
-    made, plus bias ``b``, padded by ``begin``/``end`` (per spatial axis), stride 1."""
+def conv3x3(x: np.ndarray, u: np.ndarray, begin, end) -> np.ndarray:
+    """Convolution (no bias) of (N, C, H, W) ``x`` by the weights ``u`` that
+    :func:`cached_weights` made, padded by ``begin``/``end`` (per spatial axis), stride 1."""
     n, c, h, wd = x.shape
     k = u.shape[1]
     oh, ow = h + begin[0] + end[0] - 2, wd + begin[1] + end[1] - 2
@@ -91,7 +91,4 @@ def conv3x3(x: np.ndarray, u: np.ndarray, b, begin, end) -> np.ndarray:
         q = r[i]
         y[:, :, :, i, :, 0] = (q[0] + q[1] + q[2]).transpose(1, 0, 2, 3)
         y[:, :, :, i, :, 1] = (q[1] - q[2] - q[3]).transpose(1, 0, 2, 3)
-    y = y.reshape(n, k, 2 * th, 2 * tw)[:, :, :oh, :ow]
-    if b is not None:
-        y = y + b.astype(np.float32, copy=False).reshape(1, -1, 1, 1)
-    return np.ascontiguousarray(y)
+    return np.ascontiguousarray(y.reshape(n, k, 2 * th, 2 * tw)[:, :, :oh, :ow])
