@@ -1,6 +1,6 @@
 """Kiln's intermediate representation: the single source of truth every stage works on."""
 
-from kiln.ir.model import AttrRef, Function, Graph, Model, Node, Value
+from kiln.ir.model import AttrRef, Function, Graph, Model, Node, Use, Value, check_uses
 from kiln.ir.types import (
     Dim,
     DType,
@@ -13,4 +13,5 @@ from kiln.ir.types import (
 )
 
 __all__ = ["AttrRef", "DType", "Dim", "Function", "Graph", "MapType", "Model", "Node",
-           "OptionalType", "SequenceType", "Shape", "TensorType", "Value", "ValueType"]
+           "OptionalType", "SequenceType", "Shape", "TensorType", "Use", "Value", "ValueType",
+           "check_uses"]
