@@ -44,6 +44,7 @@ def optimized(proto: onnx.ModelProto, feeds: dict, *, level=2, disable=(), input
     want = ort_run(proto, feeds)
     om, report = optimize_with_report(kiln.load(proto), level=level, disable=disable,
                                       input_shapes=input_shapes)
+    assert om.check_uses() == [], "use-lists out of step with the graph"
     try:
         sess = kiln.InferenceSession(om, optimize=False)
     except kiln.UnsupportedOpError as e:

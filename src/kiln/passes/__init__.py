@@ -1,11 +1,13 @@
-"""Kiln's model optimizer: small passes over the IR, run by a pass manager.
+"""Kiln's model optimizer: small passes over the IR.
 
 Each pass is one module (its docstring says what it does and why), a :class:`Pass`
 subclass with a ``name`` that ``kiln.optimize(..., disable=[name])`` switches off.
-``kiln.optimize`` (src/kiln/optimize.py) assembles them into the default pipeline.
+Rewriting passes are :class:`RulePass` objects: sets of rewrite rules
+(:mod:`kiln.passes.rewrite`) that ``kiln.optimize`` (src/kiln/optimize.py) runs through one
+worklist engine; analyses (shape inference, host pinning) run where needed.
 """
 
-from kiln.passes.base import OptimizeReport, Pass, PassManager, PassRecord, clone_model
+from kiln.passes.base import OptimizeReport, Pass, PassRecord, RulePass, clone_model
 from kiln.passes.cse import CommonSubexpressionElimination
 from kiln.passes.dce import DeadCodeElimination
 from kiln.passes.fix_shapes import FixInputShapes
@@ -18,9 +20,11 @@ from kiln.passes.fuse_gelu import FuseGelu
 from kiln.passes.fuse_layernorm import FuseLayerNorm
 from kiln.passes.infer_shapes import InferShapes
 from kiln.passes.pin_host import PinHost
+from kiln.passes.rewrite import Rewriter, Rule, run_rules
 from kiln.passes.simplify import Simplify
 
 __all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputShapes",
            "FoldConstants", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
            "FuseGelu", "FuseLayerNorm", "InferShapes", "OptimizeReport", "Pass",
-           "PassManager", "PassRecord", "PinHost", "Simplify", "clone_model"]
+           "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass", "Simplify", "clone_model",
+           "run_rules"]

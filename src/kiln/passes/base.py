@@ -1,35 +1,41 @@
-"""The pass framework: a :class:`Pass` takes a Model and returns it with a
-:class:`PassRecord` of what it changed; a :class:`PassManager` runs a pipeline of passes
-again and again until none changes anything (or an iteration bound is hit).
+"""The pass framework: a :class:`Pass` takes a Model and changes it, filling a
+:class:`PassRecord` with what it changed (and, for rule passes, why a rule declined).
+Rewrites are :class:`kiln.passes.rewrite.Rule` objects grouped in a :class:`RulePass`;
+``kiln.optimize`` runs the rules of all enabled passes through one worklist engine.
 
-Also the graph-editing helpers every pass shares: who reads a value, replacing a value
-by another, bypassing a node, adding constants. Passes never edit a list while iterating
-over it: they collect what to remove or insert and rebuild ``graph.nodes`` once.
+Also the graph-editing helpers passes share, on the IR's use-lists: replacing a value by
+another, bypassing a node, adding constants.
 """
 
 from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import numpy as np
 
 from kiln.ir import DType, Graph, Model, Node, TensorType, Value
 
+if TYPE_CHECKING:
+    from kiln.passes.rewrite import Rule
+
 
 @dataclass
 class PassRecord:
-    """What one run of one pass changed: counts per kind of change, plus free notes."""
+    """What one pass changed: counts per kind of change, the reasons its rules declined
+    matches (``declined``, per "rule: reason", counted once per node), plus free notes."""
 
     name: str
     changes: Counter = field(default_factory=Counter)
     notes: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    declined: Counter = field(default_factory=Counter)
 
     def add(self, what: str, n: int = 1) -> None:
+        """Count ``n`` changes of kind ``what``."""
         if n:
             self.changes[what] += n
 
@@ -53,8 +59,7 @@ class Pass:
     creates: ClassVar[tuple[str, ...]] = ()
     """Kiln-domain ops this pass may create (a backend without kernels for them skips it)."""
     analysis: ClassVar[bool] = False
-    """Analyses (shape inference, placement) annotate; their changes alone do not ask the
-    pass manager for another iteration."""
+    """Analyses (shape inference, placement) annotate; they do not rewrite."""
 
     def run(self, model: Model, record: PassRecord) -> None:
         raise NotImplementedError
@@ -67,9 +72,38 @@ class Pass:
         return model, record
 
 
+class RulePass(Pass):
+    """A pass made of rewrite rules. Run alone (``FuseGelu()(model)``) it applies its own
+    rules to a fixed point; ``kiln.optimize`` pools the rules of every enabled pass into
+    one engine run instead."""
+
+    stage: ClassVar[int] = 1
+    """The first engine stage whose rule set includes this pass's rules: 1 cleanup,
+    2 pattern fusions, 3 activation fusion (later stages keep the earlier rules)."""
+
+    def rules(self) -> list[Rule]:
+        """This pass's rules (their ``owner`` is set to the pass's name)."""
+        raise NotImplementedError
+
+    def finish(self, model: Model, record: PassRecord) -> None:
+        """Whole-graph clean-up after the rules ran (linear; e.g. unused initializers)."""
+
+    def owned_rules(self) -> list[Rule]:
+        out = self.rules()
+        for r in out:
+            r.owner = self.name
+        return out
+
+    def run(self, model: Model, record: PassRecord) -> None:
+        from kiln.passes.rewrite import run_rules
+
+        run_rules(model, self.owned_rules(), {self.name: record})
+        self.finish(model, record)
+
+
 @dataclass
 class OptimizeReport:
-    """Everything a pipeline did to a model: per pass and iteration, and the totals."""
+    """Everything a pipeline did to a model: per pass and stage, and the totals."""
 
     nodes_before: int = 0
     nodes_after: int = 0
@@ -77,55 +111,36 @@ class OptimizeReport:
     ops_after: Counter = field(default_factory=Counter)
     records: list[tuple[int, PassRecord]] = field(default_factory=list)
     iterations: int = 0
+    """Engine stages run (each: one sweep plus the neighbourhoods of changes)."""
     seconds: float = 0.0
     converged: bool = True
+    """False when the rewrite budget ran out before the rules stopped applying."""
+    rewrites: int = 0
 
     def by_pass(self) -> dict[str, Counter]:
-        """Changes summed over iterations, per pass."""
+        """Changes summed over stages, per pass."""
         out: dict[str, Counter] = {}
         for _, r in self.records:
             out.setdefault(r.name, Counter()).update(r.changes)
         return out
 
+    def declined(self) -> dict[str, Counter]:
+        """Why rules declined matches, summed over stages, per pass."""
+        out: dict[str, Counter] = {}
+        for _, r in self.records:
+            if r.declined:
+                out.setdefault(r.name, Counter()).update(r.declined)
+        return out
+
     def summary(self) -> str:
         lines = [f"nodes {self.nodes_before} -> {self.nodes_after} in {self.iterations} "
-                 f"iteration(s), {self.seconds * 1e3:.0f} ms"
-                 + ("" if self.converged else " (iteration bound hit)")]
+                 f"stage(s), {self.rewrites} rewrite(s), {self.seconds * 1e3:.0f} ms"
+                 + ("" if self.converged else " (rewrite budget hit)")]
         for name, changes in self.by_pass().items():
             if changes:
                 lines.append(f"  {name}: " + ", ".join(f"{k} x{v}" for k, v in
                                                        sorted(changes.items())))
         return "\n".join(lines)
-
-
-class PassManager:
-    """Runs ``passes`` in order, repeatedly, until an iteration changes nothing or
-    ``max_iterations`` is reached. Passes named in ``disable`` are skipped."""
-
-    def __init__(self, passes: Iterable[Pass], max_iterations: int = 8,
-                 disable: Iterable[str] = ()):
-        self.passes = list(passes)
-        self.max_iterations = max_iterations
-        self.disable = set(disable)
-
-    def run(self, model: Model, report: OptimizeReport | None = None
-            ) -> tuple[Model, OptimizeReport]:
-        report = report if report is not None else OptimizeReport()
-        active = [p for p in self.passes if p.name not in self.disable]
-        t0 = time.perf_counter()
-        report.converged = False
-        for _ in range(self.max_iterations):
-            changed = False
-            for p in active:
-                model, rec = p(model)
-                report.records.append((report.iterations, rec))
-                changed |= bool(rec) and not p.analysis
-            report.iterations += 1
-            if not changed:
-                report.converged = True
-                break
-        report.seconds += time.perf_counter() - t0
-        return model, report
 
 
 # ---------------------------------------------------------------- graph helpers
@@ -146,55 +161,17 @@ def op_histogram(g: Graph) -> Counter:
     return Counter((f"{n.domain}." if n.domain else "") + n.op_type for _, n in g.walk())
 
 
-class Uses:
-    """Who reads each value of a graph: its nodes and those of nested subgraphs, and
-    whether it is an output of the graph (or of a nested one)."""
-
-    def __init__(self, g: Graph):
-        self.readers: dict[Value, list[Node]] = {}
-        self.outputs: Counter = Counter()
-        for sub in graphs(g):
-            for n in sub.nodes:
-                for v in n.inputs:
-                    if v is not None:
-                        self.readers.setdefault(v, []).append(n)
-            self.outputs.update(sub.outputs)
-        self.graph_outputs = set(g.outputs)
-
-    def consumers(self, v: Value) -> list[Node]:
-        return self.readers.get(v, [])
-
-    def count(self, v: Value) -> int:
-        """Number of reads of ``v`` (a node reading it twice counts twice), outputs
-        included."""
-        return len(self.readers.get(v, ())) + self.outputs[v]
-
-    def only_reader(self, v: Value, node: Node) -> bool:
-        """True when ``node`` is the one and only use of ``v`` (it may read it once)."""
-        return self.outputs[v] == 0 and self.readers.get(v, []) == [node]
-
-    def used(self, v: Value) -> bool:
-        return self.count(v) > 0
-
-
 def producers(g: Graph) -> dict[Value, Node]:
-    """Value -> the node of ``g`` (not of nested graphs) that computes it."""
+    """Value -> the node of ``g`` (not of nested graphs) that computes it. Analyses that
+    want a map use this; rewrites read ``Value.producer``."""
     return {v: n for n in g.nodes for v in n.outputs if v is not None}
 
 
 def replace_uses(g: Graph, old: Value, new: Value, outputs: bool = False) -> int:
-    """Make every reader of ``old`` in ``g`` (and nested graphs) read ``new`` instead.
+    """Make every reader of ``old`` read ``new`` instead (through its use-list: O(uses)).
     ``g.outputs`` is changed only when ``outputs`` (output names are the model's interface);
     outputs of nested graphs always are. Returns the number of reads changed."""
-    n_changed = 0
-    for sub in graphs(g):
-        for n in sub.nodes:
-            if any(v is old for v in n.inputs):
-                n.inputs = [new if v is old else v for v in n.inputs]
-                n_changed += 1
-        if (sub is not g or outputs) and any(v is old for v in sub.outputs):
-            sub.outputs = [new if v is old else v for v in sub.outputs]
-    return n_changed
+    return g.replace_all_uses(old, new, outputs=outputs)
 
 
 def bypass(g: Graph, src: Value, dst: Value) -> bool:
@@ -203,15 +180,14 @@ def bypass(g: Graph, src: Value, dst: Value) -> bool:
     Readers of ``dst`` read ``src`` instead. When ``dst`` is an output of ``g`` its name must
     stay, so instead ``src``'s producer (a node of ``g``) is made to compute ``dst``
     directly. Returns False when neither is possible (the node must stay)."""
-    if dst not in g.outputs:
-        replace_uses(g, dst, src)
+    if not dst.is_output_of(g):
+        g.replace_all_uses(dst, src)
         return True
-    prod = producers(g).get(src)
-    if prod is None or src in g.outputs:
+    prod = src.producer
+    if prod is None or prod.graph is not g or src.is_output_of(g):
         return False
     prod.outputs = [dst if v is src else v for v in prod.outputs]
-    dst.producer, src.producer = prod, None
-    replace_uses(g, src, dst)
+    g.replace_all_uses(src, dst)
     if dst.type is None:
         dst.type = src.type
     return True
@@ -265,18 +241,6 @@ def fresh_value(like: Value | None, suffix: str, type=None) -> Value:
     """A new intermediate value named after ``like``."""
     name = f"{like.name}_{suffix}" if like is not None else suffix
     return Value(name, type if type is not None else None)
-
-
-def rebuild(g: Graph, remove: set[Node], insert: dict[Node, list[Node]] | None = None) -> None:
-    """Rebuild ``g.nodes`` without ``remove``, placing ``insert[n]`` where ``n`` was
-    (before ``n`` when ``n`` stays)."""
-    insert = insert or {}
-    out: list[Node] = []
-    for n in g.nodes:
-        out.extend(insert.get(n, ()))
-        if n not in remove:
-            out.append(n)
-    g.nodes = out
 
 
 def tensor_type(v: Value | None) -> TensorType | None:

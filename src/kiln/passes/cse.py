@@ -1,10 +1,12 @@
 """Common-subexpression elimination: two nodes of one graph with the same op, the same
-inputs and the same attributes compute the same thing, so the second one goes and its
-readers read the first one's outputs. Identical constants are merged the same way
+inputs and the same attributes compute the same thing, so the later one goes and its
+readers read the earlier one's outputs. Identical constants are merged the same way
 (exporters often write one weight several times, or wrap it in Identity nodes).
 
-Nodes with subgraphs and random ops are never merged. Runs per graph, in order, so
-merging one node makes its readers candidates too.
+Both are rules: a node is looked up by its key (op, input values, attributes) in a table
+that lives for the engine run, and each constant input by its bytes; merging queues the
+readers, whose keys changed, so chains of duplicates merge in one run. Nodes with
+subgraphs and non-deterministic ops (``OpDef.deterministic``) are never merged.
 """
 
 from __future__ import annotations
@@ -13,23 +15,33 @@ import hashlib
 
 import numpy as np
 
-from kiln.ir import Graph, Model, Node, Value
-from kiln.passes.base import Pass, PassRecord, bypass, graphs, rebuild, replace_uses
-from kiln.passes.fold_constants import NONDETERMINISTIC
+from kiln.ir import Model, Node, Value
+from kiln.ops.registry import lookup
+from kiln.passes.base import PassRecord, RulePass, graphs
+from kiln.passes.rewrite import Rewriter, Rule
 
 _MAX_ATTR_BYTES = 1 << 16
 
 
-class CommonSubexpressionElimination(Pass):
+class CommonSubexpressionElimination(RulePass):
     """Merge duplicate nodes and duplicate constants."""
 
     name = "cse"
     level = 1
 
-    def run(self, model: Model, record: PassRecord) -> None:
+    def rules(self) -> list[Rule]:
+        return [Rule("duplicate constant", None, _match_constant, _merge_constant,
+                     needs_types=False),
+                Rule("duplicate node", None, _match_node, _merge_node, _check_node,
+                     needs_types=False)]
+
+    def finish(self, model: Model, record: PassRecord) -> None:
+        if not record.changes.get("duplicate constants merged"):
+            return
         for g in list(graphs(model.graph)):
-            merge_constants(g, record)
-            merge_nodes(g, record)
+            for k, v in list(g.initializers.items()):
+                if v.meta.pop("cse_merged", False) and not v.is_used():
+                    del g.initializers[k]
 
 
 def _freeze(a):
@@ -52,8 +64,14 @@ def _freeze(a):
     return ("obj", a)
 
 
-def _key(n: Node):
-    if n.op_type in NONDETERMINISTIC or any(True for _ in n.subgraphs()) or not n.outputs:
+def deterministic(n: Node, opset: int) -> bool:
+    """Whether running ``n`` twice gives the same result (unknown ops are assumed so)."""
+    d = lookup(n.domain, n.op_type, opset)
+    return d is None or d.deterministic
+
+
+def _key(n: Node, opset: int):
+    if any(True for _ in n.subgraphs()) or not n.outputs or not deterministic(n, opset):
         return None
     attrs = []
     for k in sorted(n.attrs):
@@ -61,32 +79,48 @@ def _key(n: Node):
         if f is None:
             return None
         attrs.append((k, f))
-    return (n.domain, n.op_type, tuple(id(v) if v is not None else None for v in n.inputs),
-            tuple(attrs), len(n.outputs))
+    return (id(n.graph), n.domain, n.op_type,
+            tuple(id(v) if v is not None else None for v in n.inputs), tuple(attrs),
+            len(n.outputs))
 
 
-def merge_nodes(g: Graph, record: PassRecord) -> None:
-    seen: dict = {}
-    remove: set[Node] = set()
-    for n in g.nodes:
-        key = _key(n)
-        if key is None:
-            continue
-        first = seen.get(key)
-        if first is None:
-            seen[key] = n
-            continue
-        pairs = [(a, b) for a, b in zip(first.outputs, n.outputs) if b is not None]
-        if any(a is None for a, _ in pairs):
-            continue
-        if any(b in g.outputs for _, b in pairs):
-            continue  # output names are the interface; keep it simple and leave these
-        for a, b in pairs:
-            bypass(g, a, b)
-        remove.add(n)
-    if remove:
-        rebuild(g, remove)
-        record.add("duplicate nodes merged", len(remove))
+def _match_node(rw: Rewriter, n: Node):
+    """(kept, merged): an earlier live node with ``n``'s key (the table keeps the earliest
+    node per key; entries whose node changed or went are replaced)."""
+    key = _key(n, rw.opset(n))
+    if key is None:
+        return None
+    table = rw.state.setdefault("cse", {})
+    first = table.get(key)
+    if first is None or first is n or first.graph is None or \
+            _key(first, rw.opset(first)) != key:
+        table[key] = n
+        return None
+    if rw.order[first] > rw.order[n]:
+        table[key] = n
+        first, n = n, first
+    return first, n
+
+
+def _check_node(rw: Rewriter, m) -> str | None:
+    first, n = m
+    if rw.order[first] == rw.order[n]:
+        return "both replace the same node: their order is unknown"
+    pairs = [(a, b) for a, b in zip(first.outputs, n.outputs) if b is not None]
+    if any(a is None for a, _ in pairs):
+        return "the kept node lacks an output the other computes"
+    if any(b.is_output_of(n.graph) for _, b in pairs):
+        return "an output is a graph output (its name is the interface)"
+    return None
+
+
+def _merge_node(rw: Rewriter, m) -> str:
+    first, n = m
+    for a, b in zip(first.outputs, n.outputs):
+        if b is not None:
+            rw.replace_all_uses(b, a, keep_outputs_of=n.graph)
+    rw.remove(n)
+    return "duplicate nodes merged"
 
 
 def _bytes(a: np.ndarray) -> np.ndarray:
@@ -103,31 +137,45 @@ def _fingerprint(a: np.ndarray) -> bytes:
     return hashlib.blake2b(flat).digest()
 
 
-def merge_constants(g: Graph, record: PassRecord) -> None:
-    groups: dict = {}
-    for v in g.initializers.values():
-        if v.meta.get("overridable") or v.const is None or v.const.dtype == object:
-            continue
-        groups.setdefault((v.const.dtype.str, v.const.shape), []).append(v)
-    merged = 0
-    for vals in groups.values():
-        if len(vals) < 2:
-            continue
-        by_hash: dict[bytes, Value] = {}
-        for v in vals:
-            h = _fingerprint(v.const)
-            first = by_hash.get(h)
-            if first is None:
-                by_hash[h] = v
-                continue
-            if v in g.outputs or not np.array_equal(_bytes(first.const), _bytes(v.const)):
-                continue
-            replace_uses(g, v, first)
-            merged += 1
-    if merged:
-        used = {id(x) for sub in graphs(g) for n in sub.nodes for x in n.inputs} | \
-            {id(x) for x in g.outputs}
-        for k in [k for k, v in g.initializers.items() if id(v) not in used and
-                  not v.meta.get("overridable")]:
-            del g.initializers[k]
-        record.add("duplicate constants merged", merged)
+def _mergeable(v: Value | None, n: Node) -> bool:
+    return v is not None and v.const is not None and not v.meta.get("overridable") and \
+        v.const.dtype != object and n.graph.initializers.get(v.name) is v
+
+
+def _canonical(rw: Rewriter, n: Node, v: Value) -> Value:
+    """The first constant of ``n``'s graph with ``v``'s dtype, shape and bytes."""
+    table = rw.state.setdefault("cse_const", {})
+    prints = rw.state.setdefault("cse_print", {})
+    h = prints.get(v)
+    if h is None:
+        h = prints[v] = _fingerprint(v.const)
+    bucket = table.setdefault((id(n.graph), v.const.dtype.str, v.const.shape, h), [])
+    for c in bucket:
+        if c is v:
+            return v
+        if np.array_equal(_bytes(c.const), _bytes(v.const)):
+            return c
+    bucket.append(v)
+    return v
+
+
+def _match_constant(rw: Rewriter, n: Node):
+    for i, v in enumerate(n.inputs):
+        if _mergeable(v, n):
+            c = _canonical(rw, n, v)
+            if c is not v and not v.is_output_of(n.graph):
+                return n, i, v, c
+    return None
+
+
+def _merge_constant(rw: Rewriter, m) -> str:
+    n, _, v, c = m
+    for i, x in enumerate(n.inputs):
+        if x is v:
+            rw.set_input(n, i, c)
+    merged = rw.state.setdefault("cse_merged", set())
+    v.meta["cse_merged"] = True
+    if v in merged:
+        return ""
+    merged.add(v)
+    return "duplicate constants merged"

@@ -18,51 +18,54 @@ from __future__ import annotations
 
 import onnx
 
-from kiln.ir import Graph, Model, Node
+from kiln.ir import Node
 from kiln.passes import symdim
-from kiln.passes.base import (
-    Pass,
-    PassRecord,
-    Uses,
-    bypass,
-    const_value,
-    dtype_of,
-    graphs,
-    rebuild,
-    shape_of,
-)
+from kiln.passes.base import RulePass, const_value, dtype_of, shape_of
 from kiln.passes.infer_shapes import _schema
+from kiln.passes.rewrite import Rewriter, Rule, ops
 
 _VARIADIC_SAME = {"Concat", "Sum", "Max", "Min", "Mean"}
+_UNTYPED = ("Identity", "Dropout")
+_TYPED = ("Cast", "CastLike", "Reshape", "Expand", "Slice", "Tile", "Transpose", "Pad",
+          "Split", *_VARIADIC_SAME)
 
 
-class Freeze(Pass):
+class Freeze(RulePass):
     """Drop inference no-ops and training-only outputs."""
 
     name = "freeze"
     level = 1
 
-    def run(self, model: Model, record: PassRecord) -> None:
-        for g in list(graphs(model.graph)):
-            freeze_graph(g, model, record)
+    def rules(self) -> list[Rule]:
+        return [Rule("passthrough", ops(*_UNTYPED), _match_passthrough, _remove,
+                     _check_passthrough, needs_types=False),
+                Rule("no-op", ops(*_TYPED), _match_passthrough, _remove, _check_passthrough),
+                Rule("unused outputs", None, _match_unused_outputs, _drop_outputs,
+                     needs_types=False)]
 
 
-def freeze_graph(g: Graph, model: Model, record: PassRecord) -> None:
-    uses = Uses(g)
-    for n in g.nodes:
-        record.add(f"unused {n.op_type} outputs dropped", drop_unused_outputs(n, uses, model))
-    remove: set[Node] = set()
-    for n in g.nodes:
-        if n.domain != "":
-            continue
-        src = passthrough(n, model.opset)
-        if src is not None and n.outputs and n.outputs[0] is not None and \
-                all(v is None for v in n.outputs[1:]):
-            if bypass(g, src, n.outputs[0]):
-                remove.add(n)
-                record.add(f"{n.op_type} removed")
-    if remove:
-        rebuild(g, remove)
+def _match_passthrough(rw: Rewriter, n: Node):
+    if not n.outputs or n.outputs[0] is None or any(v is not None for v in n.outputs[1:]):
+        return None
+    src = passthrough(n, rw.opset(n))
+    return None if src is None else (n, src)
+
+
+def _check_passthrough(rw: Rewriter, m) -> str | None:
+    n, src = m
+    dst = n.outputs[0]
+    if dst.is_output_of(n.graph) and (src.producer is None or src.producer.graph is not n.graph
+                                      or src.is_output_of(n.graph)):
+        return "its output is a graph output computed from a graph input"
+    return None
+
+
+def _remove(rw: Rewriter, m) -> str | None:
+    n, src = m
+    if not rw.bypass(src, n.outputs[0]):
+        return None
+    rw.remove(n)
+    return f"{n.op_type} removed"
 
 
 def passthrough(n: Node, opset: int):
@@ -129,28 +132,32 @@ def _same_shape(a, b) -> bool:
     return all(symdim.same(x, y) for x, y in zip(a, b))
 
 
-def drop_unused_outputs(n: Node, uses: Uses, model: Model) -> int:
-    """Set unread optional outputs of ``n`` to None (trailing ones are removed)."""
+def _match_unused_outputs(rw: Rewriter, n: Node):
+    """Indices of unread optional outputs of ``n`` (None if there are none)."""
     if n.domain != "" or len(n.outputs) < 2:
-        return 0
-    schema = _schema(n.op_type, model.opset_imports.get("", model.opset), "")
+        return None
+    if all(v is None or v.is_used() for v in n.outputs[1:]):
+        return None
+    schema = _schema(n.op_type, rw.model.opset_imports.get("", rw.model.opset), "")
     if schema is None:
-        return 0
+        return None
     formal = list(schema.outputs)
     if not formal or formal[-1].option == onnx.defs.OpSchema.FormalParameterOption.Variadic:
-        return 0
-    dropped = 0
-    outs = list(n.outputs)
-    for i in range(1, len(outs)):
-        v = outs[i]
-        if v is None or i >= len(formal) or uses.used(v):
-            continue
-        if formal[i].option != onnx.defs.OpSchema.FormalParameterOption.Optional:
-            continue
-        outs[i] = None
-        dropped += 1
+        return None
+    drop = [i for i, v in enumerate(n.outputs) if i >= 1 and v is not None and
+            i < len(formal) and not v.is_used() and
+            formal[i].option == onnx.defs.OpSchema.FormalParameterOption.Optional]
+    return (n, drop) if drop else None
+
+
+def _drop_outputs(rw: Rewriter, m) -> str | None:
+    """Set unread optional outputs to None (trailing ones are removed), so the kernel may
+    skip computing them."""
+    n, drop = m
+    outs = [None if i in drop else v for i, v in enumerate(n.outputs)]
     while len(outs) > 1 and outs[-1] is None:
         outs.pop()
-    if dropped:
-        n.outputs = outs
-    return dropped
+    n.outputs = outs
+    rw.touch(n)
+    rw.records["freeze"].add(f"unused {n.op_type} outputs dropped", len(drop) - 1)
+    return f"unused {n.op_type} outputs dropped"

@@ -21,40 +21,40 @@ import math
 
 import numpy as np
 
-from kiln.ir import Graph, Model, Node, Value
+from kiln.ir import Node, Value
+from kiln.ops.fused import ACTIVATIONS
 from kiln.ops.registry import KILN_DOMAIN, lookup
 from kiln.passes import symdim
-from kiln.passes.base import (
-    Pass,
-    PassRecord,
-    Uses,
-    add_const,
-    const_value,
-    dtype_of,
-    graphs,
-    rebuild,
-    scalar_value,
-    shape_of,
-)
+from kiln.passes.base import RulePass, const_value, dtype_of, scalar_value, shape_of
+from kiln.passes.rewrite import Rewriter, Rule, ops
 
 _FUSED = {"Conv": "FusedConv", "Gemm": "FusedGemm", "MatMul": "FusedMatMul"}
 _CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 _GEMM_ATTRS = ("alpha", "beta", "transA", "transB")
-_SIMPLE = {"Relu": "Relu", "Sigmoid": "Sigmoid", "Tanh": "Tanh", "HardSwish": "HardSwish"}
 
 
-class FuseActivation(Pass):
+class FuseActivation(RulePass):
     """Conv/Gemm/MatMul + bias + residual + activation -> one fused Kiln op."""
 
     name = "fuse_activation"
     level = 2
+    stage = 3
     creates = ("FusedConv", "FusedGemm", "FusedMatMul")
 
-    def run(self, model: Model, record: PassRecord) -> None:
-        for g in list(graphs(model.graph)):
-            _Fuser(g, model, record).run()
-        if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
-            model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    def rules(self) -> list[Rule]:
+        roots = ops(*_FUSED) | ops(*_FUSED.values(), domain=KILN_DOMAIN)
+        return [Rule("activation", roots, _match, _apply, _check)]
+
+
+class _Const:
+    """A constant the fusion will add (only once it is applied: matching has no effects)."""
+
+    def __init__(self, name: str, array: np.ndarray):
+        self.name, self.array = name, array
+
+
+def _const(x) -> np.ndarray | None:
+    return x.array if isinstance(x, _Const) else const_value(x)
 
 
 class _Chain:
@@ -63,57 +63,71 @@ class _Chain:
     def __init__(self, anchor: Node):
         self.anchor = anchor
         self.kind = anchor.op_type.removeprefix("Fused")
-        self.inputs = list(anchor.inputs)
+        self.inputs: list = list(anchor.inputs)
         self.attrs = dict(anchor.attrs)
         self.absorbed: list[Node] = []
         self.out: Value = anchor.outputs[0]
         self.activation = self.attrs.get("activation", "")
         self.params = list(self.attrs.get("activation_params", []))
 
-    def slot(self, i: int) -> Value | None:
+    def slot(self, i: int):
         return self.inputs[i] if i < len(self.inputs) else None
 
-    def set_slot(self, i: int, v: Value | None) -> None:
+    def set_slot(self, i: int, v) -> None:
         while len(self.inputs) <= i:
             self.inputs.append(None)
         self.inputs[i] = v
 
 
-class _Fuser:
-    def __init__(self, g: Graph, model: Model, record: PassRecord):
-        self.g, self.model, self.record = g, model, record
-        self.uses = Uses(g)
-        self.own = set(g.nodes)
-        self.remove: set[Node] = set()
-        self.insert: dict[Node, list[Node]] = {}
-        self.have_conv = lookup("", "Conv", 10**6) is not None
+def _match(rw: Rewriter, n: Node):
+    if n.domain == KILN_DOMAIN and n.attrs.get("activation"):
+        return None
+    if len(n.outputs) != 1 or n.outputs[0] is None:
+        return None
+    return n
 
-    def run(self) -> None:
-        for n in self.g.nodes:
-            if n in self.remove:
-                continue
-            if (n.domain == "" and n.op_type in _FUSED) or (
-                    n.domain == KILN_DOMAIN and n.op_type in _FUSED.values()
-                    and not n.attrs.get("activation")):
-                self._fuse(n)
-        if self.remove:
-            rebuild(self.g, self.remove, self.insert)
+
+def _check(rw: Rewriter, n: Node) -> str | None:
+    t = dtype_of(n.outputs[0])
+    if t is None or not t.is_float:
+        return "output is not a float tensor (or its type is unknown)"
+    if n.op_type == "Conv" and lookup("", "Conv", 10**6) is None:
+        return "no Conv kernel"
+    return None
+
+
+def _apply(rw: Rewriter, n: Node) -> str | None:
+    ch = _Fuser(rw, n).gather()
+    if not ch.absorbed:
+        return None
+    g = n.graph
+    ch.inputs = [rw.add_const(g, x.name, x.array) if isinstance(x, _Const) else x
+                 for x in ch.inputs]
+    fused = _build(ch)
+    fused.outputs = [ch.out]
+    rw.replace([n] + ch.absorbed, [fused])
+    if fused.domain == KILN_DOMAIN:
+        rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    return f"{n.op_type} + " + " + ".join(x.op_type for x in ch.absorbed) + \
+        f" -> {fused.op_type}"
+
+
+class _Fuser:
+    def __init__(self, rw: Rewriter, anchor: Node):
+        self.rw, self.anchor = rw, anchor
+        self.g = anchor.graph
+        self.taken: set[Node] = set()
 
     def _next(self, v: Value) -> Node | None:
-        """The one node of this graph reading ``v``, if exactly one does."""
-        readers = self.uses.consumers(v)
-        if len(readers) != 1 or self.uses.outputs[v] or readers[0] not in self.own or \
-                readers[0] in self.remove:
+        """The one node of this graph reading ``v``, if exactly one node reads it once."""
+        if v._returned_by or len(v._uses) != 1:
             return None
-        return readers[0]
+        r = next(iter(v._uses))[0]
+        return r if r.graph is self.g and r not in self.taken else None
 
-    def _fuse(self, n: Node) -> None:
-        if dtype_of(n.outputs[0]) is None or not dtype_of(n.outputs[0]).is_float or \
-                len(n.outputs) != 1:
-            return
+    def gather(self) -> _Chain:
+        n = self.anchor
         ch = _Chain(n)
-        if ch.kind == "Conv" and not self.have_conv:
-            return
         m = self._next(ch.out)
         if m is not None and m.domain == "" and m.op_type == "Add" and self._bias(ch, m):
             m = self._next(ch.out)
@@ -121,15 +135,7 @@ class _Fuser:
                 m.op_type == "Add":
             self._residual(ch, m)
         self._activation(ch)
-        if not ch.absorbed:
-            return
-        fused = self._build(ch)
-        fused.outputs = [ch.out]
-        ch.out.producer = fused
-        self.insert[ch.absorbed[-1]] = [fused]
-        self.remove.update(ch.absorbed + [n])
-        self.record.add(f"{n.op_type} + " + " + ".join(x.op_type for x in ch.absorbed)
-                        + f" -> {fused.op_type}")
+        return ch
 
     # -- pieces of the chain
     def _other(self, ch: _Chain, m: Node) -> Value | None:
@@ -163,11 +169,11 @@ class _Fuser:
             return self._gemm_bias(ch, m, c)
         old = ch.slot(slot)
         if old is not None:
-            oc = const_value(old)
+            oc = _const(old)
             if oc is None:
                 return False
             vec = oc + vec
-        ch.set_slot(slot, add_const(self.g, f"{ch.out.name}_bias", np.asarray(vec, c.dtype)))
+        ch.set_slot(slot, _Const(f"{ch.out.name}_bias", np.asarray(vec, c.dtype)))
         return self._take(ch, m)
 
     def _gemm_bias(self, ch: _Chain, m: Node, c: np.ndarray) -> bool:
@@ -180,11 +186,11 @@ class _Fuser:
         old = ch.slot(2)
         beta = ch.attrs.get("beta", 1.0)
         if old is not None:
-            oc = const_value(old)
+            oc = _const(old)
             if oc is None:
                 return False
             c = (oc * beta + c).astype(c.dtype)
-        ch.set_slot(2, add_const(self.g, f"{ch.out.name}_bias", c))
+        ch.set_slot(2, _Const(f"{ch.out.name}_bias", c))
         ch.attrs["beta"] = 1.0
         return self._take(ch, m)
 
@@ -200,24 +206,25 @@ class _Fuser:
 
     def _take(self, ch: _Chain, m: Node) -> bool:
         ch.absorbed.append(m)
+        self.taken.add(m)
         ch.out = m.outputs[0]
         return True
 
     def _activation(self, ch: _Chain) -> None:
         if ch.activation:
             return
-        readers = self.uses.consumers(ch.out)
-        if self.uses.outputs[ch.out] or any(r not in self.own or r in self.remove
-                                           for r in readers):
+        v = ch.out
+        readers = v.consumers()
+        if v._returned_by or any(r.graph is not self.g or r in self.taken for r in readers):
             return
-        if len(readers) == 1:
+        if len(readers) == 1 and len(v._uses) == 1:
             m = readers[0]
-            act = _single_activation(m, self.model.opset)
+            act = _single_activation(m, self.rw.opset(m))
             if act is not None:
                 ch.activation, ch.params = act
                 self._take(ch, m)
             return
-        if len(readers) == 2:
+        if len(readers) == 2 and len(v._uses) == 2:
             self._gated(ch, readers)
 
     def _gated(self, ch: _Chain, readers: list[Node]) -> None:
@@ -240,61 +247,68 @@ class _Fuser:
         ch.absorbed.append(gate)
         self._take(ch, mul)
 
-    # -- the fused node
-    def _build(self, ch: _Chain) -> Node:
-        n = ch.anchor
-        act_attrs = {}
-        if ch.activation:
-            act_attrs["activation"] = ch.activation
-            if ch.params:
-                act_attrs["activation_params"] = [float(p) for p in ch.params]
-        name = n.name or ch.absorbed[-1].name
-        if ch.kind == "Conv":
-            attrs = {k: v for k, v in ch.attrs.items() if k in _CONV_ATTRS}
-            if not ch.activation and ch.slot(3) is None:
-                return Node("Conv", ch.inputs[:3], [None], attrs, name=name)
-            return Node("FusedConv", ch.inputs[:4], [None], {**attrs, **act_attrs},
-                        domain=KILN_DOMAIN, name=name)
-        if ch.kind == "Gemm":
-            attrs = {k: v for k, v in ch.attrs.items() if k in _GEMM_ATTRS}
-            if not ch.activation:
-                return Node("Gemm", ch.inputs[:3], [None], attrs, name=name)
-            return Node("FusedGemm", ch.inputs[:3], [None], {**attrs, **act_attrs},
-                        domain=KILN_DOMAIN, name=name)
-        return Node("FusedMatMul", ch.inputs[:4], [None], act_attrs, domain=KILN_DOMAIN,
-                    name=name)
+
+def _build(ch: _Chain) -> Node:
+    """The fused node (outputs set by the caller)."""
+    n = ch.anchor
+    act_attrs = {}
+    if ch.activation:
+        act_attrs["activation"] = ch.activation
+        if ch.params:
+            act_attrs["activation_params"] = [float(p) for p in ch.params]
+    name = n.name or ch.absorbed[-1].name
+    if ch.kind == "Conv":
+        attrs = {k: v for k, v in ch.attrs.items() if k in _CONV_ATTRS}
+        if not ch.activation and ch.slot(3) is None:
+            return Node("Conv", ch.inputs[:3], [None], attrs, name=name)
+        return Node("FusedConv", ch.inputs[:4], [None], {**attrs, **act_attrs},
+                    domain=KILN_DOMAIN, name=name)
+    if ch.kind == "Gemm":
+        attrs = {k: v for k, v in ch.attrs.items() if k in _GEMM_ATTRS}
+        if not ch.activation:
+            return Node("Gemm", ch.inputs[:3], [None], attrs, name=name)
+        return Node("FusedGemm", ch.inputs[:3], [None], {**attrs, **act_attrs},
+                    domain=KILN_DOMAIN, name=name)
+    return Node("FusedMatMul", ch.inputs[:4], [None], act_attrs, domain=KILN_DOMAIN,
+                name=name)
+
+
+def _params(m: Node, opset: int) -> list[float] | None:
+    """The fused kernel's parameters for activation ``m`` (None: not expressible)."""
+    op = m.op_type
+    if op == "LeakyRelu":
+        return [m.attrs.get("alpha", 0.01)]
+    if op == "HardSigmoid":
+        return [m.attrs.get("alpha", 0.2), m.attrs.get("beta", 0.5)]
+    if op != "Clip":
+        return []
+    if opset < 11:
+        return [m.attrs.get("min", -math.inf), m.attrs.get("max", math.inf)]
+    bounds = []
+    for i, default in ((1, -math.inf), (2, math.inf)):
+        v = m.inputs[i] if len(m.inputs) > i else None
+        if v is None:
+            bounds.append(default)
+            continue
+        s = scalar_value(v)
+        if s is None:
+            return None
+        bounds.append(s)
+    return bounds
 
 
 def _single_activation(m: Node, opset: int) -> tuple[str, list[float]] | None:
-    """The fused-activation name and parameters ``m`` computes, if it is one."""
-    op = m.op_type
-    if m.domain == KILN_DOMAIN and op == "Gelu":
-        return ("GeluTanh" if m.attrs.get("approximate") == "tanh" else "Gelu"), []
-    if m.domain != "":
+    """The fused-activation name and parameters ``m`` computes, if its op definition says
+    fused ops may absorb it (``OpDef.activation``)."""
+    d = lookup(m.domain, m.op_type, opset)
+    if d is None or not getattr(d, "activation", False):
         return None
-    if op in _SIMPLE:
-        return _SIMPLE[op], []
-    if op == "Gelu":
+    if m.op_type == "Gelu":
         return ("GeluTanh" if m.attrs.get("approximate") == "tanh" else "Gelu"), []
-    if op == "LeakyRelu":
-        return "LeakyRelu", [m.attrs.get("alpha", 0.01)]
-    if op == "HardSigmoid":
-        return "HardSigmoid", [m.attrs.get("alpha", 0.2), m.attrs.get("beta", 0.5)]
-    if op == "Clip":
-        if opset < 11:
-            return "Clip", [m.attrs.get("min", -math.inf), m.attrs.get("max", math.inf)]
-        bounds = []
-        for i, default in ((1, -math.inf), (2, math.inf)):
-            v = m.inputs[i] if len(m.inputs) > i else None
-            if v is None:
-                bounds.append(default)
-                continue
-            s = scalar_value(v)
-            if s is None:
-                return None
-            bounds.append(s)
-        return "Clip", bounds
-    return None
+    params = _params(m, opset)
+    if params is None or m.op_type not in ACTIVATIONS:
+        return None  # an activation the fused kernels do not implement (yet)
+    return m.op_type, params
 
 
 def _channel_vector(c: np.ndarray, rank: int) -> np.ndarray | None:

@@ -13,55 +13,56 @@ ops allocate a new array for each step. Every intermediate must have no other re
 
 from __future__ import annotations
 
-from kiln.ir import Graph, Model, Node, Value
+from kiln.ir import Node, Value
 from kiln.ops.registry import KILN_DOMAIN
-from kiln.passes.base import (
-    Pass,
-    PassRecord,
-    Uses,
-    dtype_of,
-    graphs,
-    producers,
-    rank_of,
-    rebuild,
-    scalar_value,
-)
+from kiln.passes.base import RulePass, dtype_of, rank_of, scalar_value
+from kiln.passes.rewrite import Rewriter, Rule, only_consumer, ops, producer
 
 
-class FuseAttention(Pass):
+class FuseAttention(RulePass):
     """MatMul -> scale -> mask -> Softmax -> MatMul  ->  ai.kiln.Attention."""
 
     name = "fuse_attention"
     level = 2
+    stage = 2
     creates = ("Attention",)
 
-    def run(self, model: Model, record: PassRecord) -> None:
-        for g in list(graphs(model.graph)):
-            _AttentionFuser(g, model, record).run()
-        if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
-            model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    def rules(self) -> list[Rule]:
+        return [Rule("attention", ops("Softmax"), _match, _apply, _check)]
 
 
-class _AttentionFuser:
-    def __init__(self, g: Graph, model: Model, record: PassRecord):
-        self.g, self.model, self.record = g, model, record
-        self.uses, self.prod = Uses(g), producers(g)
-        self.remove: set[Node] = set()
-        self.insert: dict[Node, list[Node]] = {}
+def _match(rw: Rewriter, sm: Node):
+    return _AttentionMatcher(rw, sm).match()
 
-    def run(self) -> None:
-        for n in self.g.nodes:
-            if n.domain == "" and n.op_type == "Softmax" and n not in self.remove:
-                self._match(n)
-        if self.remove:
-            rebuild(self.g, self.remove, self.insert)
+
+def _check(rw: Rewriter, m) -> str | None:
+    q, kt, v, mask, scale, nodes, sm, mm2 = m
+    if mask is not None and mask is v:
+        return "the mask is also V"
+    return None
+
+
+def _apply(rw: Rewriter, m) -> str:
+    q, kt, v, mask, scale, nodes, sm, mm2 = m
+    att = Node("Attention", [q, kt, v] + ([mask] if mask is not None else []), [None],
+               {"scale": float(scale), "k_transposed": 1}, domain=KILN_DOMAIN,
+               name=mm2.name or sm.name)
+    att.outputs = [mm2.outputs[0]]
+    rw.replace(nodes, [att])
+    rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    return "attention fused"
+
+
+class _AttentionMatcher:
+    def __init__(self, rw: Rewriter, root: Node):
+        self.model, self.root = rw.model, root
 
     def _p(self, v: Value | None, *ops: str, reader: Node | None = None) -> Node | None:
         """The producer of ``v`` if it is one of ``ops`` and ``reader`` is its only reader."""
-        n = self.prod.get(v) if v is not None else None
-        if n is None or n.domain != "" or n.op_type not in ops or n in self.remove:
+        n = producer(v, self.root, *ops)
+        if n is None:
             return None
-        if reader is not None and not self.uses.only_reader(v, reader):
+        if reader is not None and not v.only_reader(reader):
             return None
         return n
 
@@ -76,24 +77,23 @@ class _AttentionFuser:
                 return n.inputs[i], (c if n.op_type == "Mul" else 1.0 / c), [n]
         return v, 1.0, []
 
-    def _match(self, sm: Node) -> None:
+    def match(self):
+        """(Q, K^T, V, mask, scale, nodes, softmax, last MatMul) or None."""
+        sm = self.root
         scores = sm.inputs[0]
         rank = rank_of(scores)
         axis = sm.attrs.get("axis", -1 if self.model.opset >= 13 else 1)
         if rank is None or axis not in (-1, rank - 1) or rank < 2:
-            return
+            return None
         dtype = dtype_of(scores)
         if dtype is None or not dtype.is_float:
-            return
-        readers = self.uses.consumers(sm.outputs[0])
-        if len(readers) != 1 or self.uses.outputs[sm.outputs[0]]:
-            return
-        mm2 = readers[0]
-        if mm2.domain != "" or mm2.op_type != "MatMul" or mm2.inputs[0] is not sm.outputs[0]:
-            return
-        nodes = [sm, mm2]
+            return None
+        mm2 = only_consumer(sm.outputs[0], "MatMul")
+        if mm2 is None or mm2.inputs[0] is not sm.outputs[0]:
+            return None
         mask = None
         cur, reader = scores, sm
+        extra = []
         add = self._p(cur, "Add", reader=reader)
         if add is not None:
             for i in (0, 1):
@@ -101,24 +101,17 @@ class _AttentionFuser:
                 if base is not None:
                     mask = add.inputs[1 - i]
                     cur, reader = add.inputs[i], add
-                    nodes.append(add)
+                    extra.append(add)
                     break
             else:
-                return
+                return None
         chain = self._qk_chain(cur, reader)
         if chain is None:
-            return
+            return None
         q, kt, scale, chain_nodes = chain
-        nodes += chain_nodes
-        v = mm2.inputs[1]
-        if mask is not None and mask is v:
-            return
-        att = Node("Attention", [q, kt, v] + ([mask] if mask is not None else []),
-                   [mm2.outputs[0]], {"scale": float(scale), "k_transposed": 1},
-                   domain=KILN_DOMAIN, name=mm2.name or sm.name)
-        self.insert[mm2] = [att]
-        self.remove.update(nodes)
-        self.record.add("attention fused")
+        # producers first, the final MatMul last: the fused node takes its place
+        nodes = list(reversed(chain_nodes)) + extra[::-1] + [sm, mm2]
+        return q, kt, mm2.inputs[1], mask, scale, nodes, sm, mm2
 
     def _qk_chain(self, v: Value, reader: Node):
         """(Q, K^T, scale, nodes) when ``v`` is an optionally scaled MatMul(Q, K^T)."""

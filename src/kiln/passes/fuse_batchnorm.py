@@ -12,59 +12,46 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.ir import Graph, Model, Node
-from kiln.passes.base import (
-    Pass,
-    PassRecord,
-    Uses,
-    add_const,
-    const_value,
-    graphs,
-    producers,
-    rebuild,
-)
+from kiln.ir import Graph, Node
+from kiln.passes.base import RulePass, add_const, const_value
+from kiln.passes.rewrite import Rewriter, Rule, ops, single_reader
 
 
-class FuseBatchNorm(Pass):
+class FuseBatchNorm(RulePass):
     """Fold BatchNormalization into the preceding Conv/ConvTranspose/Gemm."""
 
     name = "fuse_batchnorm"
     level = 1
 
-    def run(self, model: Model, record: PassRecord) -> None:
-        for g in list(graphs(model.graph)):
-            fuse_graph(g, record)
+    def rules(self) -> list[Rule]:
+        return [Rule("batchnorm", ops("BatchNormalization"), _match, _apply, _check)]
 
 
-def fuse_graph(g: Graph, record: PassRecord) -> None:
-    uses, prod = Uses(g), producers(g)
-    remove: set[Node] = set()
-    insert: dict[Node, list[Node]] = {}
-    for bn in g.nodes:
-        if bn.op_type != "BatchNormalization" or bn.domain != "" or bn in remove:
-            continue
-        if bn.attrs.get("training_mode", 0) or any(v is not None for v in bn.outputs[1:]):
-            continue
-        if len(bn.inputs) < 5 or bn.inputs[0] is None:
-            continue
-        base = prod.get(bn.inputs[0])
-        if base is None or base in remove or base.domain != "" or \
-                base.op_type not in ("Conv", "ConvTranspose", "Gemm") or \
-                not uses.only_reader(bn.inputs[0], bn):
-            continue
-        params = [const_value(v) for v in bn.inputs[1:5]]
-        if any(p is None for p in params):
-            continue
-        new = _fold(g, base, params, bn.attrs.get("epsilon", 1e-5))
-        if new is None:
-            continue
-        new.outputs = [bn.outputs[0]]
-        bn.outputs[0].producer = new
-        insert[bn] = [new]
-        remove.update({base, bn})
-        record.add(f"BatchNormalization folded into {base.op_type}")
-    if remove:
-        rebuild(g, remove, insert)
+def _match(rw: Rewriter, bn: Node):
+    if len(bn.inputs) < 5 or bn.inputs[0] is None:
+        return None
+    base = single_reader(bn.inputs[0], bn, "Conv", "ConvTranspose", "Gemm")
+    return None if base is None else (bn, base)
+
+
+def _check(rw: Rewriter, m) -> str | None:
+    bn, base = m
+    if bn.attrs.get("training_mode", 0) or any(v is not None for v in bn.outputs[1:]):
+        return "training mode (running statistics in use)"
+    if any(const_value(v) is None for v in bn.inputs[1:5]):
+        return "BatchNormalization parameters are not constant"
+    return None
+
+
+def _apply(rw: Rewriter, m) -> str | None:
+    bn, base = m
+    params = [const_value(v) for v in bn.inputs[1:5]]
+    new = _fold(bn.graph, base, params, bn.attrs.get("epsilon", 1e-5))
+    if new is None:
+        return None
+    new.outputs = [bn.outputs[0]]
+    rw.replace([base, bn], [new])
+    return f"BatchNormalization folded into {base.op_type}"
 
 
 def _fold(g: Graph, base: Node, params, eps: float) -> Node | None:

@@ -13,69 +13,67 @@ from __future__ import annotations
 
 import math
 
-from kiln.ir import Graph, Model, Node, Value
+from kiln.ir import Node, Value
 from kiln.ops.registry import KILN_DOMAIN, lookup
-from kiln.passes.base import (
-    Pass,
-    PassRecord,
-    Uses,
-    dtype_of,
-    graphs,
-    producers,
-    rebuild,
-    scalar_value,
-)
+from kiln.passes.base import RulePass, dtype_of, scalar_value
+from kiln.passes.rewrite import Rewriter, Rule, only_consumer, ops, producer
 
 
-class FuseGelu(Pass):
+class FuseGelu(RulePass):
     """Decomposed GELU (erf or tanh form) -> one Gelu op."""
 
     name = "fuse_gelu"
     level = 2
+    stage = 2
     creates = ("Gelu",)
 
-    def run(self, model: Model, record: PassRecord) -> None:
-        for g in list(graphs(model.graph)):
-            _GeluFuser(g, model, record).run()
-        if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
-            model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    def rules(self) -> list[Rule]:
+        return [Rule("gelu", ops("Erf", "Tanh"), _match, _apply, _check)]
 
 
 def _close(v: float | None, want: float, tol: float = 1e-3) -> bool:
     return v is not None and math.isclose(v, want, rel_tol=tol)
 
 
-class _GeluFuser:
-    def __init__(self, g: Graph, model: Model, record: PassRecord):
-        self.g, self.record = g, record
-        self.uses, self.prod = Uses(g), producers(g)
-        self.remove: set[Node] = set()
-        self.insert: dict[Node, list[Node]] = {}
-        self.onnx_gelu = model.opset >= 20 and lookup("", "Gelu", model.opset) is not None
+def _match(rw: Rewriter, core: Node):
+    return _GeluMatcher(core).match()
 
-    def run(self) -> None:
-        for n in self.g.nodes:
-            if n.domain == "" and n.op_type in ("Erf", "Tanh") and n not in self.remove:
-                self._match(n)
-        if self.remove:
-            rebuild(self.g, self.remove, self.insert)
+
+def _check(rw: Rewriter, m) -> str | None:
+    x = m[0]
+    if dtype_of(x) is None or not dtype_of(x).is_float:
+        return "input is not a float tensor (or its type is unknown)"
+    return None
+
+
+def _apply(rw: Rewriter, m) -> str:
+    x, out, nodes, approximate, core = m
+    model = rw.model
+    onnx_gelu = model.opset >= 20 and lookup("", "Gelu", model.opset) is not None
+    gelu = Node("Gelu", [x], [None], {"approximate": approximate},
+                domain="" if onnx_gelu else KILN_DOMAIN, name=core.name)
+    gelu.outputs = [out]
+    rw.replace(nodes, [gelu])
+    if not onnx_gelu:
+        model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    return f"GELU ({'erf' if approximate == 'none' else 'tanh'} form) fused"
+
+
+class _GeluMatcher:
+    """Walks the use-lists around one Erf/Tanh node."""
+
+    def __init__(self, core: Node):
+        self.core = core
 
     # -- small matchers; each returns None when the shape is wrong
     def _p(self, v: Value | None, op: str) -> Node | None:
-        n = self.prod.get(v) if v is not None else None
-        if n is None or n.domain != "" or n.op_type != op or n in self.remove:
-            return None
-        return n
+        return producer(v, self.core, op)
 
     def _only(self, v: Value, reader: Node) -> bool:
-        return self.uses.only_reader(v, reader)
+        return v.only_reader(reader)
 
     def _reader(self, v: Value, op: str) -> Node | None:
-        readers = self.uses.consumers(v)
-        if len(readers) != 1 or self.uses.outputs[v] or readers[0] in self.remove:
-            return None
-        r = readers[0]
-        return r if r.domain == "" and r.op_type == op else None
+        return only_consumer(v, op)
 
     @staticmethod
     def _split(n: Node, v: Value) -> Value | None:
@@ -94,38 +92,34 @@ class _GeluFuser:
         return None
 
     # -- the patterns
-    def _match(self, core: Node) -> None:
-        arg = core.inputs[0]
+    def match(self):
+        """(x, output, nodes in order, approximate, core) or None."""
+        core = self.core
+        arg = core.inputs[0] if core.inputs else None
+        if arg is None:
+            return None
         if core.op_type == "Erf":
             x, inner = self._erf_arg(arg)
             approximate = "none"
         else:
             x, inner = self._tanh_arg(arg)
             approximate = "tanh"
-        if x is None or dtype_of(x) is None or not dtype_of(x).is_float:
-            return
+        if x is None:
+            return None
         add = self._reader(core.outputs[0], "Add")
         if add is None or not _close(scalar_value(self._split(add, core.outputs[0])), 1.0):
-            return
+            return None
         tail = self._outer(x, add.outputs[0])
         if tail is None:
-            return
+            return None
         out, outer_nodes = tail
-        nodes = inner + [core, add] + outer_nodes
-        if self.onnx_gelu:
-            gelu = Node("Gelu", [x], [out], {"approximate": approximate}, name=core.name)
-        else:
-            gelu = Node("Gelu", [x], [out], {"approximate": approximate}, domain=KILN_DOMAIN,
-                        name=core.name)
-        self.insert[outer_nodes[-1]] = [gelu]
-        self.remove.update(nodes)
-        self.record.add(f"GELU ({'erf' if approximate == 'none' else 'tanh'} form) fused")
+        return x, out, inner + [core, add] + outer_nodes, approximate, core
 
     def _erf_arg(self, v: Value):
         """Erf's argument is x / sqrt(2) or x * (1/sqrt(2))."""
         for op, want in (("Div", math.sqrt(2)), ("Mul", 1 / math.sqrt(2))):
             n = self._p(v, op)
-            if n is None or not self._only(v, self.uses.consumers(v)[0]):
+            if n is None or not v.only_reader(self.core):
                 continue
             got = self._const_operand(n)
             if got is None or (op == "Div" and n.inputs[1] is got[0]):
@@ -137,7 +131,7 @@ class _GeluFuser:
     def _tanh_arg(self, v: Value):
         """Tanh's argument is sqrt(2/pi) * (x + 0.044715 * x^3)."""
         scale = self._p(v, "Mul")
-        if scale is None or len(self.uses.consumers(v)) != 1:
+        if scale is None or len(v.consumers()) != 1:
             return None, []
         got = self._const_operand(scale)
         if got is None or not _close(got[1], math.sqrt(2 / math.pi)):

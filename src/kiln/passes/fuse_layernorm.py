@@ -17,59 +17,64 @@ from kiln.ir import Graph, Model, Node, Value
 from kiln.ops.registry import KILN_DOMAIN, lookup
 from kiln.passes import symdim
 from kiln.passes.base import (
-    Pass,
-    PassRecord,
-    Uses,
+    RulePass,
     add_const,
     const_value,
     dtype_of,
-    graphs,
-    producers,
     rank_of,
-    rebuild,
     scalar_value,
     shape_of,
 )
+from kiln.passes.rewrite import Rewriter, Rule, ops
 
 
-class FuseLayerNorm(Pass):
+class FuseLayerNorm(RulePass):
     """Decomposed LayerNorm -> LayerNormalization (or Kiln's LayerNorm)."""
 
     name = "fuse_layernorm"
     level = 2
+    stage = 2
     creates = ("LayerNorm",)
 
-    def run(self, model: Model, record: PassRecord) -> None:
-        for g in list(graphs(model.graph)):
-            _LayerNormFuser(g, model, record).run()
-        if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
-            model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    def rules(self) -> list[Rule]:
+        return [Rule("layernorm", ops("ReduceMean"), _match, _apply, _check)]
+
+
+def _match(rw: Rewriter, n: Node):
+    return _LayerNormFuser(n.graph, rw.model).match(n)
+
+
+def _check(rw: Rewriter, m) -> str | None:
+    x = m[0]
+    if not dtype_of(x) or not dtype_of(x).is_float:
+        return "input is not a float tensor (or its type is unknown)"
+    return None
+
+
+def _apply(rw: Rewriter, m) -> str:
+    x, gamma, beta, y, nodes, axis, eps = m
+    node = _LayerNormFuser(nodes[0].graph, rw.model).emit(x, gamma, beta, y, axis, eps)
+    node.name = nodes[0].name
+    rw.replace(nodes, [node])
+    if node.domain == KILN_DOMAIN:
+        rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    return "LayerNorm pattern fused"
 
 
 class _LayerNormFuser:
-    def __init__(self, g: Graph, model: Model, record: PassRecord):
-        self.g, self.model, self.record = g, model, record
-        self.uses, self.prod = Uses(g), producers(g)
-        self.remove: set[Node] = set()
-        self.insert: dict[Node, list[Node]] = {}
+    def __init__(self, g: Graph, model: Model):
+        self.g, self.model = g, model
         self.onnx_ln = model.opset >= 17 and \
             lookup("", "LayerNormalization", model.opset) is not None
 
-    def run(self) -> None:
-        for n in self.g.nodes:
-            if n.domain == "" and n.op_type == "ReduceMean" and n not in self.remove:
-                self._match(n)
-        if self.remove:
-            rebuild(self.g, self.remove, self.insert)
-
     def _readers(self, v: Value) -> list[Node]:
-        if self.uses.outputs[v]:
+        if v._returned_by:
             return []
-        return [r for r in self.uses.consumers(v) if r not in self.remove]
+        return [r for r, _ in v._uses if r.graph is self.g]
 
     def _one(self, v: Value, *ops: str) -> Node | None:
         r = self._readers(v)
-        if len(r) != 1 or len(self.uses.consumers(v)) != 1:
+        if len(r) != 1 or len(v._uses) != 1:
             return None
         return r[0] if r[0].domain == "" and r[0].op_type in ops else None
 
@@ -82,62 +87,62 @@ class _LayerNormFuser:
             return symdim.known_ints(symdim.sym_of(n.inputs[1]))
         return n.attrs.get("axes")
 
-    def _match(self, mean_node: Node) -> None:
+    def match(self, mean_node: Node):
+        """(x, gamma, beta, y, nodes, axis, eps) or None."""
         x = mean_node.inputs[0]
         axes = self._axes(mean_node)
         rank = rank_of(x)
-        if axes is None or not axes or x is None or not dtype_of(x) or \
-                not dtype_of(x).is_float:
-            return
+        if axes is None or not axes or x is None:
+            return None
         k = len(axes)
         if rank is not None:
             if sorted(a % rank for a in axes) != list(range(rank - k, rank)):
-                return
+                return None
         elif sorted(axes) != list(range(-k, 0)):
-            return
+            return None
         mean = mean_node.outputs[0]
         sub = self._one(mean, "Sub")
         if sub is None or sub.inputs[0] is not x or sub.inputs[1] is not mean:
-            return
+            return None
         d = sub.outputs[0]
         readers = list(dict.fromkeys(self._readers(d)))  # Mul(d, d) reads d twice
-        if len(readers) != 2 or set(self.uses.consumers(d)) != set(readers):
-            return
+        if len(readers) != 2 or {r for r, _ in d._uses} != set(readers):
+            return None
         sq = next((r for r in readers if r.op_type in ("Pow", "Mul") and r.domain == ""
                    and r.inputs[0] is d), None)
         div = next((r for r in readers if r is not sq), None)
         if sq is None or div is None or div.domain != "":
-            return
+            return None
         if sq.op_type == "Pow" and scalar_value(sq.inputs[1]) != 2.0:
-            return
+            return None
         if sq.op_type == "Mul" and sq.inputs[1] is not d:
-            return
+            return None
         var_node = self._one(sq.outputs[0], "ReduceMean")
         if var_node is None or sorted(self._axes(var_node) or []) != sorted(axes):
-            return
+            return None
         add = self._one(var_node.outputs[0], "Add")
         if add is None:
-            return
+            return None
         eps_v = add.inputs[1] if add.inputs[0] is var_node.outputs[0] else add.inputs[0]
         eps = scalar_value(eps_v)
         if eps is None:
-            return
+            return None
         sqrt = self._one(add.outputs[0], "Sqrt")
         if sqrt is None:
-            return
+            return None
         nodes = [mean_node, sub, sq, var_node, add, sqrt]
         if div.op_type == "Div" and div.inputs[0] is d and div.inputs[1] is sqrt.outputs[0]:
             if self._one(sqrt.outputs[0], "Div") is not div:
-                return
+                return None
             nodes.append(div)
         elif div.op_type == "Mul":
             rec = self._one(sqrt.outputs[0], "Reciprocal")
             if rec is None or set(div.inputs) != {d, rec.outputs[0]} or \
                     self._one(rec.outputs[0], "Mul") is not div:
-                return
+                return None
             nodes += [rec, div]
         else:
-            return
+            return None
         y = div.outputs[0]
         gamma = beta = None
         mul = self._one(y, "Mul")
@@ -152,14 +157,14 @@ class _LayerNormFuser:
             if self._param(other, k):
                 beta, y = other, addb.outputs[0]
                 nodes.append(addb)
-        self._emit(x, gamma, beta, y, nodes, -k, eps)
+        return x, gamma, beta, y, nodes, -k, eps
 
     def _param(self, v: Value | None, k: int) -> bool:
         """A constant scale/shift that broadcasts over the normalized axes only."""
         c = const_value(v)
         return c is not None and c.ndim <= k and c.dtype.kind == "f"
 
-    def _emit(self, x, gamma, beta, y, nodes, axis, eps) -> None:
+    def emit(self, x, gamma, beta, y, axis, eps) -> Node:
         dtype = dtype_of(x).numpy
         norm_shape = shape_of(x)[axis:] if shape_of(x) is not None else None
         static = symdim.static_shape(norm_shape)
@@ -168,13 +173,12 @@ class _LayerNormFuser:
             gamma = self._full(gamma, static, 1.0, dtype, y)
             beta = self._full(beta, static, 0.0, dtype, y) if beta is not None else None
             node = Node("LayerNormalization", [x, gamma, beta] if beta is not None else
-                        [x, gamma], [y], {"axis": axis, "epsilon": eps}, name=nodes[0].name)
+                        [x, gamma], [None], {"axis": axis, "epsilon": eps})
         else:
-            node = Node("LayerNorm", [x, gamma, beta], [y], {"axis": axis, "epsilon": eps},
-                        domain=KILN_DOMAIN, name=nodes[0].name)
-        self.insert[nodes[-1]] = [node]
-        self.remove.update(nodes)
-        self.record.add("LayerNorm pattern fused")
+            node = Node("LayerNorm", [x, gamma, beta], [None], {"axis": axis, "epsilon": eps},
+                        domain=KILN_DOMAIN)
+        node.outputs = [y]
+        return node
 
     def _full(self, v, shape, fill, dtype, y) -> Value:
         """``v`` broadcast to the normalized shape (LayerNormalization wants it so)."""

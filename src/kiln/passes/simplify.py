@@ -17,241 +17,227 @@ from __future__ import annotations
 
 import numpy as np
 
-from kiln.ir import Graph, Model, Node, Value
+from kiln.ir import Node, Value
 from kiln.passes import symdim
 from kiln.passes.base import (
-    Pass,
-    PassRecord,
-    Uses,
-    add_const,
-    bypass,
+    RulePass,
     const_value,
     fresh_value,
-    graphs,
-    producers,
     rank_of,
-    rebuild,
     shape_of,
     tensor_type,
 )
+from kiln.passes.rewrite import Rewriter, Rule, apply_plan, ops, producer, single_reader
 
 
-class Simplify(Pass):
+class Simplify(RulePass):
     """Collapse transpose/reshape chains, constant-ize shape targets, MatMul+Add -> Gemm."""
 
     name = "simplify"
     level = 1
 
-    def run(self, model: Model, record: PassRecord) -> None:
-        for g in list(graphs(model.graph)):
-            _Simplifier(g, model, record).run()
+    def rules(self) -> list[Rule]:
+        return [Rule("transpose chain", ops("Transpose"), _transpose, apply_plan),
+                Rule("reshape chain", ops("Reshape"), _merge_reshape, apply_plan),
+                Rule("constant target", ops("Reshape", "Expand"), _constant_target,
+                     apply_plan),
+                Rule("squeeze pair", ops("Squeeze", "Unsqueeze"), _cancel, apply_plan),
+                Rule("matmul + add", ops("Add"), _add, apply_plan),
+                Rule("linear layer", ops("Gemm"), _gemm, apply_plan)]
 
 
-class _Simplifier:
-    def __init__(self, g: Graph, model: Model, record: PassRecord):
-        self.g, self.model, self.record = g, model, record
-        self.opset = model.opset
-        self.uses = Uses(g)
-        self.prod = producers(g)
-        self.remove: set[Node] = set()
-        self.insert: dict[Node, list[Node]] = {}
+# -- Transpose chains
+def _transpose(rw: Rewriter, n: Node):
+    inner = producer(n.inputs[0], n, "Transpose")
+    if inner is None:
+        return None
+    rank = rank_of(inner.inputs[0])
+    p1 = inner.attrs.get("perm") or (list(range(rank))[::-1] if rank else None)
+    p2 = n.attrs.get("perm") or (list(range(len(p1)))[::-1] if p1 else None)
+    if p1 is None or p2 is None or len(p1) != len(p2):
+        return None
+    perm = [p1[j] for j in p2]
+    src = inner.inputs[0]
+    if perm == list(range(len(perm))) and _can_bypass(src, n):
+        def cancel(rw: Rewriter) -> bool:
+            if not rw.bypass(src, n.outputs[0]):
+                return False
+            rw.remove(n)
+            return True
+        return "Transpose pairs cancelled", cancel
 
-    def run(self) -> None:
-        for n in self.g.nodes:
-            if n in self.remove or n.domain != "":
-                continue
-            fn = getattr(self, f"_{n.op_type.lower()}", None)
-            if fn is not None:
-                fn(n)
-        if self.remove or self.insert:
-            rebuild(self.g, self.remove, self.insert)
-
-    # -- helpers
-    def _single(self, v: Value | None, op_type: str, reader: Node) -> Node | None:
-        """The producer of ``v`` if it is an ``op_type`` node read only by ``reader``."""
-        if v is None:
-            return None
-        p = self.prod.get(v)
-        if p is None or p.op_type != op_type or p.domain != "" or p in self.remove:
-            return None
-        return p if self.uses.only_reader(v, reader) else None
-
-    def _producer(self, v: Value | None, *op_types: str) -> Node | None:
-        p = self.prod.get(v) if v is not None else None
-        if p is None or p.domain != "" or p.op_type not in op_types or p in self.remove:
-            return None
-        return p
-
-    def _replace_input(self, n: Node, i: int, v: Value) -> None:
-        n.inputs = [v if k == i else x for k, x in enumerate(n.inputs)]
-
-    # -- Transpose chains
-    def _transpose(self, n: Node) -> None:
-        inner = self._producer(n.inputs[0], "Transpose")
-        if inner is None:
-            return
-        rank = rank_of(inner.inputs[0])
-        p1 = inner.attrs.get("perm") or (list(range(rank))[::-1] if rank else None)
-        p2 = n.attrs.get("perm") or (list(range(len(p1)))[::-1] if p1 else None)
-        if p1 is None or p2 is None or len(p1) != len(p2):
-            return
-        perm = [p1[j] for j in p2]
-        src = inner.inputs[0]
-        if perm == list(range(len(perm))) and bypass(self.g, src, n.outputs[0]):
-            self.remove.add(n)
-            self.record.add("Transpose pairs cancelled")
-            return
-        self._replace_input(n, 0, src)
+    def merge(rw: Rewriter) -> None:
         n.attrs["perm"] = perm
-        self.record.add("Transpose chains merged")
+        rw.set_input(n, 0, src)
+    return "Transpose chains merged", merge
 
-    # -- Reshape chains and constant targets
-    def _reshape(self, n: Node) -> None:
-        if self._merge_reshape(n):
-            return
-        self._constant_target(n, "Reshape")
 
-    def _merge_reshape(self, n: Node) -> bool:
-        target = const_value(n.inputs[1]) if len(n.inputs) > 1 else None
-        if target is None:
+# -- Reshape chains and constant targets
+def _merge_reshape(rw: Rewriter, n: Node):
+    target = const_value(n.inputs[1]) if len(n.inputs) > 1 else None
+    if target is None:
+        return None
+    if not n.attrs.get("allowzero", 0) and (target == 0).any():
+        return None  # 0 copies a dim of the intermediate: not ours to drop
+    inner = producer(n.inputs[0], n, "Reshape", "Flatten", "Squeeze", "Unsqueeze")
+    if inner is None or inner.inputs[0] is None:
+        return None
+    return f"{inner.op_type} + Reshape merged", lambda rw: rw.set_input(n, 0, inner.inputs[0])
+
+
+def _constant_target(rw: Rewriter, n: Node):
+    op = n.op_type
+    if len(n.inputs) < 2 or const_value(n.inputs[1]) is not None:
+        return None
+    if op == "Reshape" and n.attrs.get("allowzero", 0):
+        return None
+    src, out = shape_of(n.inputs[0]), shape_of(n.outputs[0])
+    if src is None or out is None:
+        return None
+    target = _reshape_target(src, out) if op == "Reshape" else _expand_target(src, out)
+    if target is None:
+        return None
+
+    def do(rw: Rewriter) -> None:
+        c = rw.add_const(n.graph, f"{n.outputs[0].name}_shape", np.array(target, np.int64))
+        rw.set_input(n, 1, c)
+    return f"{op} target made constant", do
+
+
+# -- Squeeze / Unsqueeze pairs
+def _axes(rw: Rewriter, n: Node) -> list[int] | None:
+    if rw.model.opset < 13:
+        return n.attrs.get("axes")
+    if len(n.inputs) < 2 or n.inputs[1] is None:
+        return None
+    return symdim.known_ints(symdim.sym_of(n.inputs[1]))
+
+
+def _cancel(rw: Rewriter, n: Node):
+    inverse = "Unsqueeze" if n.op_type == "Squeeze" else "Squeeze"
+    inner = producer(n.inputs[0], n, inverse)
+    if inner is None:
+        return None
+    # Normalize both against the rank of the unsqueezed side.
+    wide = n.outputs[0] if n.op_type == "Unsqueeze" else n.inputs[0]
+    rank = rank_of(wide)
+    a, b = _axes(rw, inner), _axes(rw, n)
+    if rank is None or a is None or b is None:
+        return None
+    if sorted(x % rank for x in a) != sorted(x % rank for x in b):
+        return None
+
+    def do(rw: Rewriter) -> bool:
+        if not rw.bypass(inner.inputs[0], n.outputs[0]):
             return False
-        if not n.attrs.get("allowzero", 0) and (target == 0).any():
-            return False  # 0 copies a dim of the intermediate: not ours to drop
-        inner = self._producer(n.inputs[0], "Reshape", "Flatten", "Squeeze", "Unsqueeze")
-        if inner is None or inner.inputs[0] is None:
-            return False
-        self._replace_input(n, 0, inner.inputs[0])
-        self.record.add(f"{inner.op_type} + Reshape merged")
+        rw.remove(n)
         return True
+    return f"{inverse} + {n.op_type} cancelled", do
 
-    def _constant_target(self, n: Node, op: str) -> None:
-        if len(n.inputs) < 2 or const_value(n.inputs[1]) is not None:
-            return
-        if op == "Reshape" and n.attrs.get("allowzero", 0):
-            return
-        src, out = shape_of(n.inputs[0]), shape_of(n.outputs[0])
-        if src is None or out is None:
-            return
-        target = _reshape_target(src, out) if op == "Reshape" else _expand_target(src, out)
+
+# -- MatMul + Add -> Gemm; Reshape -> Gemm -> Reshape -> MatMul + Add
+def _add(rw: Rewriter, n: Node):
+    if rw.model.opset < 7 or "axis" in n.attrs:
+        return None  # before opset 7, Add and Gemm broadcast only when told, and differently
+    t = tensor_type(n.outputs[0])
+    if t is None or not t.dtype.is_float:
+        return None
+    for i in (0, 1):
+        mm = single_reader(n.inputs[i], n, "MatMul")
+        c = n.inputs[1 - i]
+        if mm is None or const_value(c) is None or mm.inputs[1] is None:
+            continue
+        if rank_of(mm.inputs[0]) != 2 or rank_of(mm.inputs[1]) != 2:
+            continue
+        out = shape_of(mm.outputs[0])
+        if out is None or len(out) != 2 or not _gemm_bias_ok(const_value(c).shape, out):
+            continue
+        if not _same(shape_of(n.outputs[0]), out):
+            continue
+        gemm = Node("Gemm", [mm.inputs[0], mm.inputs[1], c], [None], name=n.name or mm.name)
+
+        def do(rw: Rewriter, gemm=gemm, mm=mm) -> None:
+            gemm.outputs = [n.outputs[0]]
+            rw.replace([mm, n], [gemm])
+        return "MatMul + Add -> Gemm", do
+    return None
+
+
+def _gemm(rw: Rewriter, n: Node):
+    """Reshape(x -> [P, K]) -> Gemm -> Reshape([..., N]) on an x of rank >= 3."""
+    if n.attrs.get("transA", 0) or len(n.inputs) < 2 or rw.model.opset < 7:
+        return None
+    r1 = single_reader(n.inputs[0], n, "Reshape")
+    r2 = _only_reader(n.outputs[0], n)
+    if r1 is None or r2 is None:
+        return None
+    if r2.op_type != "Reshape" or r2.domain != "" or r2.inputs[0] is not n.outputs[0]:
+        return None
+    x = r1.inputs[0]
+    xs, ys, flat = shape_of(x), shape_of(r2.outputs[0]), shape_of(r1.outputs[0])
+    b = const_value(n.inputs[1])
+    if xs is None or ys is None or flat is None or len(ys) < 3 or b is None or \
+            b.ndim != 2 or len(flat) != 2:
+        return None
+    k, nn = (b.shape[1], b.shape[0]) if n.attrs.get("transB", 0) else b.shape
+    lead = tuple(ys[:-1])
+    if not symdim.same(ys[-1], nn) or not symdim.same(flat[1], k) or \
+            not symdim.same(symdim.product(lead), flat[0]):
+        return None
+    target = None
+    if not _same(xs, lead + (k,)):
+        # x is not [lead..., K] (e.g. [b, s, heads, d]): one Reshape gets it there
+        target = _reshape_target(xs, lead + (k,))
         if target is None:
-            return
-        c = add_const(self.g, f"{n.outputs[0].name}_shape", np.array(target, np.int64))
-        self._replace_input(n, 1, c)
-        self.record.add(f"{op} target made constant")
-
-    def _expand(self, n: Node) -> None:
-        self._constant_target(n, "Expand")
-
-    # -- Squeeze / Unsqueeze pairs
-    def _axes(self, n: Node) -> list[int] | None:
-        if self.opset < 13:
-            return n.attrs.get("axes")
-        if len(n.inputs) < 2 or n.inputs[1] is None:
             return None
-        return symdim.known_ints(symdim.sym_of(n.inputs[1]))
+    c = n.inputs[2] if len(n.inputs) > 2 else None
+    cv = const_value(c) if c is not None else None
+    if c is not None and (cv is None or cv.size not in (1, nn) or
+                          (cv.ndim == 2 and cv.shape[0] != 1)):
+        return None
 
-    def _squeeze(self, n: Node) -> None:
-        self._cancel(n, "Unsqueeze")
-
-    def _unsqueeze(self, n: Node) -> None:
-        self._cancel(n, "Squeeze")
-
-    def _cancel(self, n: Node, inverse: str) -> None:
-        inner = self._producer(n.inputs[0], inverse)
-        if inner is None:
-            return
-        # Normalize both against the rank of the unsqueezed side.
-        wide = n.outputs[0] if n.op_type == "Unsqueeze" else n.inputs[0]
-        rank = rank_of(wide)
-        a, b = self._axes(inner), self._axes(n)
-        if rank is None or a is None or b is None:
-            return
-        if sorted(x % rank for x in a) != sorted(x % rank for x in b):
-            return
-        if bypass(self.g, inner.inputs[0], n.outputs[0]):
-            self.remove.add(n)
-            self.record.add(f"{inverse} + {n.op_type} cancelled")
-
-    # -- MatMul + Add -> Gemm; Reshape -> Gemm -> Reshape -> MatMul + Add
-    def _add(self, n: Node) -> None:
-        if self.opset < 7 or "axis" in n.attrs:
-            return  # before opset 7, Add and Gemm broadcast only when told, and differently
-        t = tensor_type(n.outputs[0])
-        if t is None or not t.dtype.is_float:
-            return
-        for i in (0, 1):
-            mm = self._single(n.inputs[i], "MatMul", n)
-            c = n.inputs[1 - i]
-            if mm is None or const_value(c) is None or mm.inputs[1] is None:
-                continue
-            if rank_of(mm.inputs[0]) != 2 or rank_of(mm.inputs[1]) != 2:
-                continue
-            out = shape_of(mm.outputs[0])
-            if out is None or len(out) != 2 or not _gemm_bias_ok(const_value(c).shape, out):
-                continue
-            if not _same(shape_of(n.outputs[0]), out):
-                continue
-            gemm = Node("Gemm", [mm.inputs[0], mm.inputs[1], c], [n.outputs[0]],
-                        name=n.name or mm.name)
-            self.insert[n] = [gemm]
-            self.remove.update({n, mm})
-            self.record.add("MatMul + Add -> Gemm")
-            return
-
-    def _gemm(self, n: Node) -> None:
-        """Reshape(x -> [P, K]) -> Gemm -> Reshape([..., N]) on an x of rank >= 3."""
-        if n.attrs.get("transA", 0) or len(n.inputs) < 2 or self.opset < 7:
-            return
-        r1 = self._single(n.inputs[0], "Reshape", n)
-        readers = self.uses.consumers(n.outputs[0])
-        if r1 is None or len(readers) != 1 or self.uses.outputs[n.outputs[0]]:
-            return
-        r2 = readers[0]
-        if r2.op_type != "Reshape" or r2.domain != "" or r2.inputs[0] is not n.outputs[0]:
-            return
-        x = r1.inputs[0]
-        xs, ys, flat = shape_of(x), shape_of(r2.outputs[0]), shape_of(r1.outputs[0])
-        b = const_value(n.inputs[1])
-        if xs is None or ys is None or flat is None or len(ys) < 3 or b is None or \
-                b.ndim != 2 or len(flat) != 2:
-            return
-        k, nn = (b.shape[1], b.shape[0]) if n.attrs.get("transB", 0) else b.shape
-        lead = tuple(ys[:-1])
-        if not symdim.same(ys[-1], nn) or not symdim.same(flat[1], k) or \
-                not symdim.same(symdim.product(lead), flat[0]):
-            return
-        pre = None
-        if not _same(xs, lead + (k,)):
-            # x is not [lead..., K] (e.g. [b, s, heads, d]): one Reshape gets it there
-            target = _reshape_target(xs, lead + (k,))
-            if target is None:
-                return
-            tv = add_const(self.g, f"{x.name}_lead", np.array(target, np.int64))
-            pre = Node("Reshape", [x, tv], [fresh_value(x, "lead")], name=r1.name)
-            x = pre.outputs[0]
-        c = n.inputs[2] if len(n.inputs) > 2 else None
-        cv = const_value(c) if c is not None else None
-        if c is not None and (cv is None or cv.size not in (1, nn) or
-                              (cv.ndim == 2 and cv.shape[0] != 1)):
-            return
+    def do(rw: Rewriter) -> None:
+        g, src = n.graph, x
+        nodes = []
+        if target is not None:
+            tv = rw.add_const(g, f"{x.name}_lead", np.array(target, np.int64))
+            nodes.append(Node("Reshape", [x, tv], [fresh_value(x, "lead")], name=r1.name))
+            src = nodes[0].outputs[0]
         alpha, beta = n.attrs.get("alpha", 1.0), n.attrs.get("beta", 1.0)
         w = b.T if n.attrs.get("transB", 0) else b
         if alpha != 1.0:
             w = (w * alpha).astype(b.dtype)
-        wv = add_const(self.g, f"{n.inputs[1].name}_mm", np.ascontiguousarray(w))
+        wv = rw.add_const(g, f"{n.inputs[1].name}_mm", np.ascontiguousarray(w))
         out = r2.outputs[0]
-        nodes = [pre] if pre is not None else []
         if cv is None:
-            nodes.append(Node("MatMul", [x, wv], [out], name=n.name))
+            nodes.append(Node("MatMul", [src, wv], [None], name=n.name))
+            nodes[-1].outputs = [out]
         else:
             bias = (cv.reshape(-1) * beta).astype(cv.dtype) if beta != 1.0 else cv.reshape(-1)
-            bv = add_const(self.g, f"{c.name}_bias", bias)
+            bv = rw.add_const(g, f"{c.name}_bias", bias)
             mid = fresh_value(out, "matmul", tensor_type(out))
-            nodes.append(Node("MatMul", [x, wv], [mid], name=n.name))
-            nodes.append(Node("Add", [mid, bv], [out], name=f"{n.name}_bias"))
-        self.insert[r2] = nodes
-        self.remove.update({r1, n, r2})
-        self.record.add("Reshape + Gemm + Reshape -> MatMul + Add")
+            nodes.append(Node("MatMul", [src, wv], [mid], name=n.name))
+            nodes.append(Node("Add", [mid, bv], [None], name=f"{n.name}_bias"))
+            nodes[-1].outputs = [out]
+        rw.replace([r1, n, r2], nodes)
+    return "Reshape + Gemm + Reshape -> MatMul + Add", do
+
+
+def _can_bypass(src: Value, n: Node) -> bool:
+    """Whether ``n``'s output can be replaced by ``src`` (see ``Rewriter.bypass``)."""
+    dst, g = n.outputs[0], n.graph
+    if not dst.is_output_of(g):
+        return True
+    p = src.producer
+    return p is not None and p.graph is g and not src.is_output_of(g)
+
+
+def _only_reader(v: Value, n: Node) -> Node | None:
+    """The one node of ``n``'s graph reading ``v``, when nothing else uses it."""
+    readers = v.consumers()
+    if len(readers) != 1 or v._returned_by or readers[0].graph is not n.graph:
+        return None
+    return readers[0]
 
 
 def _same(a, b) -> bool:
