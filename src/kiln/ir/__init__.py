@@ -1,6 +1,7 @@
 """Kiln's intermediate representation: the single source of truth every stage works on."""
 
 from kiln.ir.model import AttrRef, Function, Graph, Model, Node, Use, Value, check_uses
+from kiln.ir.symbolic import SymDim, Undecidable, as_dim, broadcast, parse_dim, plain_shape
 from kiln.ir.types import (
     Dim,
     DType,
@@ -13,5 +14,6 @@ from kiln.ir.types import (
 )
 
 __all__ = ["AttrRef", "DType", "Dim", "Function", "Graph", "MapType", "Model", "Node",
-           "OptionalType", "SequenceType", "Shape", "TensorType", "Use", "Value", "ValueType",
-           "check_uses"]
+           "OptionalType", "SequenceType", "Shape", "SymDim", "TensorType", "Undecidable",
+           "Use", "Value", "ValueType", "as_dim", "broadcast", "check_uses", "parse_dim",
+           "plain_shape"]

@@ -9,6 +9,11 @@ from dataclasses import dataclass
 import ml_dtypes
 import numpy as np
 
+from kiln.ir.symbolic import Dim, SymDim
+
+__all__ = ["DType", "Dim", "MapType", "OptionalType", "SequenceType", "Shape", "SymDim",
+           "TensorType", "ValueType"]
+
 
 class DType(enum.IntEnum):
     """Element types, numbered as ONNX's ``TensorProto.DataType``."""
@@ -89,9 +94,6 @@ _TO_NUMPY: dict[DType, np.dtype] = {
 _FROM_NUMPY = {v: k for k, v in _TO_NUMPY.items() if k != DType.STRING}
 _ONNX_NAMES = {DType.FLOAT: "float", DType.DOUBLE: "double", DType.FLOAT16: "float16",
                DType.BOOL: "bool", DType.STRING: "string"}
-
-Dim = int | str | None
-"""One dimension: a fixed size, a named symbol such as ``"batch"``, or unknown (None)."""
 
 Shape = tuple[Dim, ...]
 
