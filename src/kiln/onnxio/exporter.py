@@ -52,8 +52,9 @@ def type_proto(t: ValueType | None) -> onnx.TypeProto:
     return tp
 
 
-class _Names:
-    """Gives every Value one unique name across the whole model (passes may create clashes)."""
+class Names:
+    """Gives every Value one unique name across the whole model (passes may create clashes):
+    call it with a Value for its name in the proto."""
 
     def __init__(self):
         self.by_value: dict[Value, str] = {}
@@ -75,7 +76,7 @@ class _Names:
 
 def to_proto(model: Model) -> onnx.ModelProto:
     """The ModelProto for ``model`` (all tensors inline)."""
-    names = _Names()
+    names = Names()
     graph = _graph(model.graph, names, top=True)
     opsets = [helper.make_opsetid(d, v) for d, v in sorted(model.opset_imports.items())]
     proto = helper.make_model(graph, opset_imports=opsets, producer_name=model.producer_name
@@ -90,7 +91,7 @@ def to_proto(model: Model) -> onnx.ModelProto:
     return proto
 
 
-def _graph(g: Graph, names: _Names, top: bool = False) -> onnx.GraphProto:
+def _graph(g: Graph, names: Names, top: bool = False) -> onnx.GraphProto:
     gp = onnx.GraphProto(name=g.name or "graph", doc_string=g.doc)
     for v in g.initializers.values():
         gp.initializer.append(from_array(v.const, names(v)))
@@ -111,16 +112,18 @@ def _graph(g: Graph, names: _Names, top: bool = False) -> onnx.GraphProto:
     return gp
 
 
-def _node(n: Node, names: _Names) -> onnx.NodeProto:
+def _node(n: Node, names: Names) -> onnx.NodeProto:
     np_ = onnx.NodeProto(op_type=n.op_type, domain=n.domain, name=n.name, doc_string=n.doc)
     np_.input.extend(names(v) for v in n.inputs)
     np_.output.extend(names(v) for v in n.outputs)
     for key, val in n.attrs.items():
-        np_.attribute.append(_attr(key, val, names, n))
+        np_.attribute.append(attr(key, val, names, n))
     return np_
 
 
-def _attr(key: str, val: Any, names: _Names, node: Node | None = None) -> onnx.AttributeProto:
+def attr(key: str, val: Any, names: Names, node: Node | None = None) -> onnx.AttributeProto:
+    """The AttributeProto of attribute ``key`` of ``node`` (value ``val``); subgraphs name
+    their values with ``names``."""
     if isinstance(val, AttrRef):
         a = onnx.AttributeProto(name=key, ref_attr_name=val.name)
         a.type = _schema_attr_type(node, key) or A.INT
@@ -168,7 +171,7 @@ def _sparse(dense: np.ndarray) -> onnx.SparseTensorProto:
 
 
 def _function(f: Function) -> onnx.FunctionProto:
-    names = _Names()
+    names = Names()
     for v in f.graph.inputs:
         names(v)
     nodes = [_node(n, names) for n in f.graph.nodes]
@@ -178,7 +181,7 @@ def _function(f: Function) -> onnx.FunctionProto:
         attributes=[a for a in f.attr_names if a not in f.attr_defaults],
         doc_string=f.doc)
     for k, v in f.attr_defaults.items():
-        fp.attribute_proto.append(_attr(k, v, names))
+        fp.attribute_proto.append(attr(k, v, names))
     return fp
 
 

@@ -9,7 +9,7 @@ import functools
 import onnx
 
 from kiln.ir import Function, Node, TensorType
-from kiln.onnxio.exporter import _attr, _Names, type_proto
+from kiln.onnxio.exporter import Names, attr, type_proto
 from kiln.onnxio.importer import ModelImporter
 
 
@@ -28,11 +28,11 @@ def spec_function(node: Node, opset: int) -> Function | None:
                zip(node.inputs, types)):
             return None
         np_ = onnx.NodeProto(op_type=node.op_type, domain=node.domain)
-        names = _Names()
+        names = Names()
         np_.input.extend(names(v) for v in node.inputs)
         np_.output.extend(names(v) for v in node.outputs)
         for k, val in node.attrs.items():
-            np_.attribute.append(_attr(k, val, names, node))
+            np_.attribute.append(attr(k, val, names, node))
         tps = [type_proto(t) for t in types]
         try:
             raw = schema.get_context_dependent_function(

@@ -24,7 +24,7 @@ import onnx
 from onnx import numpy_helper
 
 from kiln.ir import DType, Graph, Model, Node, SequenceType, TensorType, Value
-from kiln.onnxio.exporter import _attr, _Names, type_proto
+from kiln.onnxio.exporter import Names, attr, type_proto
 from kiln.onnxio.importer import value_type
 from kiln.ops import registry
 from kiln.passes import symdim
@@ -171,7 +171,7 @@ def onnx_infer(n: Node, opset: int, opset_imports: dict[str, int]) -> list:
     proto.output.extend(f"out{i}" if v is not None else "" for i, v in enumerate(n.outputs))
     try:
         for key, val in n.attrs.items():
-            proto.attribute.append(_attr(key, val, _Names(), n))
+            proto.attribute.append(attr(key, val, Names(), n))
         res = onnx.shape_inference.infer_node_outputs(
             schema, proto, types, data,
             opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opset_imports.items()])
