@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import kiln
+from kiln.ir import Node
 from kiln.ops import registry
 from test_passes_helpers import helper, init, make_model, ops, optimized, rand, vi
 
@@ -318,10 +319,20 @@ def _faster(fast, slow) -> tuple[float, float]:
 
 
 def _kernel(op, domain="", opset=21):
+    """The op's reference kernel as ``fn(*inputs, **attrs)``, prepared once per set of
+    attributes (as a session prepares it once per node)."""
     d = registry.lookup(domain, op, opset)
     if d is None:
         pytest.skip(f"no {op} kernel yet")
-    return d.kernel
+    prepared = {}
+
+    def call(*args, **attrs):
+        key = repr(sorted(attrs.items()))
+        if key not in prepared:
+            node = Node(op, [None] * len(args), [None], attrs, domain)
+            prepared[key] = d.reference.bind(registry.Site(node, opset, attrs))[0]
+        return prepared[key](*args)
+    return call
 
 
 def test_fused_conv_relu_is_faster_than_conv_then_relu():

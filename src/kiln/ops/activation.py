@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 
+from kiln.ops import cost
 from kiln.ops._array import namespace
 from kiln.ops._numeric import erf, keep_dtype
 from kiln.ops.registry import op
@@ -36,13 +37,13 @@ def _pos_part(xp, x):
     return xp.maximum(x, 0)
 
 
-@op("Relu", 1, generic=True)
+@op("Relu", 1, generic=True, activation=True, cost=cost.elementwise)
 @keep_dtype
 def relu(x):
     return _pos_part(namespace(x), x)
 
 
-@op("LeakyRelu", 1, generic=True)
+@op("LeakyRelu", 1, generic=True, activation=True, cost=cost.elementwise)
 @keep_dtype
 def leaky_relu(x, *, alpha=0.01):
     # For alpha <= 1 the larger of x and alpha*x is the right branch; else the smaller.
@@ -50,7 +51,7 @@ def leaky_relu(x, *, alpha=0.01):
     return xp.maximum(x, x * alpha) if alpha <= 1 else xp.minimum(x, x * alpha)
 
 
-@op("PRelu", 1, generic=True)
+@op("PRelu", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def prelu_legacy(x, slope):
     """Opsets < 7: a 1-D slope holds one value per channel (axis 1)."""
@@ -59,99 +60,99 @@ def prelu_legacy(x, slope):
     return prelu(x, slope)
 
 
-@op("PRelu", 7, generic=True)
+@op("PRelu", 7, generic=True, cost=cost.elementwise)
 @keep_dtype
 def prelu(x, slope):
     xp = namespace(x, slope)
     return _pos_part(xp, x) + _neg_part(xp, x) * slope
 
 
-@op("ThresholdedRelu", 10, generic=True)
+@op("ThresholdedRelu", 10, generic=True, cost=cost.elementwise)
 def thresholded_relu(x, *, alpha=1.0):
     xp = namespace(x)
     return x * xp.astype(x > alpha, x.dtype)
 
 
-@op("Elu", 1, generic=True)
+@op("Elu", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def elu(x, *, alpha=1.0):
     xp = namespace(x)
     return _pos_part(xp, x) + (xp.exp(_neg_part(xp, x)) - 1.0) * alpha
 
 
-@op("Celu", 12, generic=True)
+@op("Celu", 12, generic=True, cost=cost.elementwise)
 @keep_dtype
 def celu(x, *, alpha=1.0):
     xp = namespace(x)
     return _pos_part(xp, x) + (xp.exp(_neg_part(xp, x) / alpha) - 1.0) * alpha
 
 
-@op("Selu", 1, generic=True)
+@op("Selu", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def selu(x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
     xp = namespace(x)
     return (_pos_part(xp, x) + (xp.exp(_neg_part(xp, x)) - 1.0) * alpha) * gamma
 
 
-@op("Sigmoid", 1, generic=True)
+@op("Sigmoid", 1, generic=True, activation=True, cost=cost.elementwise)
 @keep_dtype
 def sigmoid(x):
     return _sigmoid(namespace(x), x)
 
 
-@op("HardSigmoid", 1, generic=True)
+@op("HardSigmoid", 1, generic=True, activation=True, cost=cost.elementwise)
 @keep_dtype
 def hard_sigmoid(x, *, alpha=0.2, beta=0.5):
     xp = namespace(x)
     return xp.minimum(xp.maximum(x * alpha + beta, 0.0), 1.0)
 
 
-@op("HardSwish", 14, generic=True)
+@op("HardSwish", 14, generic=True, activation=True, cost=cost.elementwise)
 @keep_dtype
 def hard_swish(x):
     xp = namespace(x)
     return x * xp.minimum(xp.maximum(x * (1.0 / 6.0) + 0.5, 0.0), 1.0)
 
 
-@op("Softplus", 1, generic=True)
+@op("Softplus", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def softplus(x):
     return _softplus(namespace(x), x)
 
 
-@op("Softsign", 1, generic=True)
+@op("Softsign", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def softsign(x):
     return x / (namespace(x).abs(x) + 1.0)
 
 
-@op("Mish", 18, generic=True)
+@op("Mish", 18, generic=True, cost=cost.elementwise)
 @keep_dtype
 def mish(x):
     xp = namespace(x)
     return x * xp.tanh(_softplus(xp, x))
 
 
-@op("Swish", 24, generic=True)
+@op("Swish", 24, generic=True, cost=cost.elementwise)
 @keep_dtype
 def swish(x, *, alpha=1.0):
     return x * _sigmoid(namespace(x), x * alpha)
 
 
-@op("SwiGLU", 28, generic=True)
+@op("SwiGLU", 28, generic=True, cost=cost.per_element(4))
 @keep_dtype
 def swiglu(a, b, *, alpha=1.0):
     return a * _sigmoid(namespace(a), a * alpha) * b
 
 
-@op("Shrink", 9, generic=True)
+@op("Shrink", 9, generic=True, cost=cost.elementwise)
 @keep_dtype
 def shrink(x, *, bias=0.0, lambd=0.5):
     xp = namespace(x)
     return xp.where(x < -lambd, x + bias, xp.where(x > lambd, x - bias, x * 0))
 
 
-@op("Gelu", 20)
+@op("Gelu", 20, activation=True, cost=cost.elementwise)
 @keep_dtype
 def gelu(x, *, approximate="none"):
     xp = namespace(x)
@@ -214,5 +215,7 @@ def _per_axis(fn):
 
 
 for _name, _fn in [("Softmax", _softmax), ("LogSoftmax", _log_softmax), ("Hardmax", _hardmax)]:
-    op(_name, 1, generic=True)(keep_dtype(_coerced_2d(_fn)))
-    op(_name, 13, generic=True)(keep_dtype(_per_axis(_fn)))
+    _facts = dict(generic=True, differentiable=_name != "Hardmax",
+                  cost=cost.per_element(3) if _name != "Hardmax" else None)
+    op(_name, 1, **_facts)(keep_dtype(_coerced_2d(_fn)))
+    op(_name, 13, **_facts)(keep_dtype(_per_axis(_fn)))

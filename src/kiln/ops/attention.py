@@ -9,6 +9,7 @@ import math
 import numpy as np
 from onnx import helper
 
+from kiln.ops import cost
 from kiln.ops.conv import work_dtype
 from kiln.ops.registry import op
 
@@ -55,7 +56,7 @@ def _allowed(b, hq, sq, total, offset, is_causal, left, right, nonpad):
     return ok
 
 
-@op("Attention", 23)
+@op("Attention", 23, cost=cost.attention)
 def attention(ctx, q, k, v, attn_mask=None, past_key=None, past_value=None,
               nonpad_kv_seqlen=None, *, is_causal=0, kv_num_heads=None,
               left_window_size=-1, q_num_heads=None, qk_matmul_output_mode=0,

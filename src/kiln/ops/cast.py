@@ -8,6 +8,7 @@ import ml_dtypes
 import numpy as np
 
 from kiln.ir import DType
+from kiln.ops import cost
 from kiln.ops.registry import op
 
 _F8 = {np.dtype(t) for t in (ml_dtypes.float8_e4m3fn, ml_dtypes.float8_e4m3fnuz,
@@ -123,7 +124,7 @@ def cast(x: np.ndarray, to: np.dtype, saturate: int = 1, round_mode: str = "up"
         return _plain(x).astype(to) if to.kind != "V" else x.astype(to)
 
 
-@op("Cast", 1)
+@op("Cast", 1, cost=cost.elementwise)
 def cast_(input, *, to=None, saturate=1, round_mode="up"):
     # Opset 1 names the type as a string ("FLOAT"); later opsets use the enum value.
     code = DType[to.upper()] if isinstance(to, str) else DType(to)

@@ -14,7 +14,7 @@ import threading
 
 import numpy as np
 
-from kiln.ops import winograd
+from kiln.ops import cost, winograd
 from kiln.ops.registry import op
 
 # Keep one im2col buffer under this many elements: larger batches go in chunks.
@@ -185,8 +185,9 @@ def _finish(y_full, ph, y, b):
     return y
 
 
-def conv_core(x, w, b, group, strides, dilations, begin, end) -> np.ndarray:
-    """Convolution plus bias of float ``x`` by ``w`` (both in the working dtype)."""
+def conv_core(x, w, b, group, strides, dilations, begin, end, wino=None) -> np.ndarray:
+    """Convolution plus bias of float ``x`` by ``w`` (both in the working dtype);
+    ``wino``: ``w`` already transformed for Winograd (:func:`winograd.transform`)."""
     kernel = w.shape[2:]
     out = [out_size(n, k, s, d, bg, e) for n, k, s, d, bg, e in
            zip(x.shape[2:], kernel, strides, dilations, begin, end)]
@@ -195,10 +196,8 @@ def conv_core(x, w, b, group, strides, dilations, begin, end) -> np.ndarray:
     out_shape = (n, m) + tuple(out)
     if group > 1 and w.shape[1] == 1 and group == c:
         return _depthwise(x, w, b, strides, dilations, begin, out)
-    if winograd.applies(x, w, group, strides, dilations, begin, end):
-        u = winograd.cached_weights(w)
-        if u is not None:
-            return add_bias(winograd.conv3x3(x, u, begin, end), b)
+    if wino is not None and winograd.applies(x, w, group, strides, dilations, begin, end):
+        return add_bias(winograd.conv3x3(x, wino, begin, end), b)
     if all(k == 1 for k in kernel) and not any(begin) and not any(end):
         xs = x[(slice(None), slice(None)) + tuple(slice(None, None, s) for s in strides)]
         xs = xs.reshape(n, group, c // group, -1)
@@ -258,13 +257,39 @@ def add_bias(y: np.ndarray, b) -> np.ndarray:
     return y
 
 
-@op("Conv", 1)
-def conv(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
-         pads=None, strides=None):
+CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+
+
+def convolve(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
+             pads=None, strides=None, wino=None) -> np.ndarray:
+    """ONNX Conv of ``x`` by ``w`` plus ``b``, computed in float32/64, in ``x``'s dtype."""
     nd = x.ndim - 2
     strides, dilations = spatial_attrs(nd, strides, dilations)
     begin, end = conv_pads(x.shape[2:], w.shape[2:], strides, dilations, auto_pad, pads)
     wd = work_dtype(x.dtype)
     y = conv_core(x.astype(wd, copy=False), w.astype(wd, copy=False), b, group, strides,
-                  dilations, begin, end)
+                  dilations, begin, end, wino)
     return y.astype(x.dtype, copy=False)
+
+
+def prepare_winograd(site) -> tuple[np.ndarray | None, np.ndarray | None]:
+    """(constant weights, their Winograd transform) for a Conv-like node, or Nones."""
+    w = site.const(1)
+    if w is None:
+        return None, None
+    nd = w.ndim - 2
+    strides, dilations = spatial_attrs(nd, site.attr("strides"), site.attr("dilations"))
+    u = winograd.transform(w, int(site.attr("group", 1)), strides, dilations)
+    return (w, u) if u is not None else (None, None)
+
+
+@op("Conv", 1, prepare=True, cost=cost.conv())
+def conv(site):
+    """Prepared once per node: constant 3x3 weights wide enough for Winograd are
+    transformed here, not on every run."""
+    attrs = {k: site.attrs[k] for k in CONV_ATTRS if k in site.attrs}
+    wc, u = prepare_winograd(site)
+
+    def run(x, w, b=None):
+        return convolve(x, w, b, wino=u if w is wc else None, **attrs)
+    return run

@@ -7,6 +7,7 @@ import math
 
 import numpy as np
 
+from kiln.ops import cost
 from kiln.ops.conv import (
     add_bias,
     conv_pads,
@@ -47,7 +48,7 @@ def _transpose_pads(in_shape, kernel, strides, dilations, out_pad, auto_pad, pad
     return begin, end
 
 
-@op("ConvTranspose", 1)
+@op("ConvTranspose", 1, cost=cost.conv_transpose)
 def conv_transpose(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1,
                    kernel_shape=None, output_padding=None, output_shape=None, pads=None,
                    strides=None):

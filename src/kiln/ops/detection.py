@@ -46,7 +46,7 @@ def _nms_one(corners, scores, limit, iou_threshold, score_threshold):
     return keep
 
 
-@op("NonMaxSuppression", 10)
+@op("NonMaxSuppression", 10, host_inputs=(2, 3, 4), differentiable=False)
 def non_max_suppression(boxes, scores, max_output_boxes_per_class=None, iou_threshold=None,
                         score_threshold=None, *, center_point_box=0):
     limit = int(_scalar(max_output_boxes_per_class, 0))
@@ -123,7 +123,7 @@ def _roi_align(x, rois, batch_indices, coordinate_transformation_mode, mode, out
     return y.astype(x.dtype, copy=False)
 
 
-@op("RoiAlign", 10)
+@op("RoiAlign", 10, host_inputs=(2,))
 def roi_align_10(x, rois, batch_indices, *, mode="avg", output_height=1, output_width=1,
                  sampling_ratio=0, spatial_scale=1.0):
     """Opset 10: coordinates without the half-pixel shift."""
@@ -131,7 +131,7 @@ def roi_align_10(x, rois, batch_indices, *, mode="avg", output_height=1, output_
                       output_width, sampling_ratio, spatial_scale)
 
 
-@op("RoiAlign", 16)
+@op("RoiAlign", 16, host_inputs=(2,))
 def roi_align(x, rois, batch_indices, *, coordinate_transformation_mode="half_pixel",
               mode="avg", output_height=1, output_width=1, sampling_ratio=0,
               spatial_scale=1.0):

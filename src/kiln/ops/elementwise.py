@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import operator
 
+from kiln.ops import cost
 from kiln.ops._array import namespace
 from kiln.ops._numeric import erf, is_float, is_int, keep_dtype, legacy_broadcast
 from kiln.ops.registry import op
@@ -28,51 +29,51 @@ def _div(a, b):
     return a / b
 
 
-@op("Add", 1, generic=True)
-@op("Add", 6, generic=True)
+@op("Add", 1, generic=True, cost=cost.elementwise)
+@op("Add", 6, generic=True, cost=cost.elementwise)
 def add_legacy(a, b, *, broadcast=0, axis=None):
     return a + legacy_broadcast(b, a.ndim, broadcast, axis)
 
 
-@op("Sub", 1, generic=True)
-@op("Sub", 6, generic=True)
+@op("Sub", 1, generic=True, cost=cost.elementwise)
+@op("Sub", 6, generic=True, cost=cost.elementwise)
 def sub_legacy(a, b, *, broadcast=0, axis=None):
     return a - legacy_broadcast(b, a.ndim, broadcast, axis)
 
 
-@op("Mul", 1, generic=True)
-@op("Mul", 6, generic=True)
+@op("Mul", 1, generic=True, cost=cost.elementwise)
+@op("Mul", 6, generic=True, cost=cost.elementwise)
 def mul_legacy(a, b, *, broadcast=0, axis=None):
     return a * legacy_broadcast(b, a.ndim, broadcast, axis)
 
 
-@op("Div", 1, generic=True)
-@op("Div", 6, generic=True)
+@op("Div", 1, generic=True, cost=cost.elementwise)
+@op("Div", 6, generic=True, cost=cost.elementwise)
 def div_legacy(a, b, *, broadcast=0, axis=None):
     return _div(a, legacy_broadcast(b, a.ndim, broadcast, axis))
 
 
-@op("Add", 7, generic=True)
+@op("Add", 7, generic=True, cost=cost.elementwise)
 def add(a, b):
     return a + b
 
 
-@op("Sub", 7, generic=True)
+@op("Sub", 7, generic=True, cost=cost.elementwise)
 def sub(a, b):
     return a - b
 
 
-@op("Mul", 7, generic=True)
+@op("Mul", 7, generic=True, cost=cost.elementwise)
 def mul(a, b):
     return a * b
 
 
-@op("Div", 7, generic=True)
+@op("Div", 7, generic=True, cost=cost.elementwise)
 def div(a, b):
     return _div(a, b)
 
 
-@op("Mod", 10, generic=True)
+@op("Mod", 10, generic=True, cost=cost.elementwise)
 def mod(a, b, *, fmod=0):
     """fmod=0: result takes the divisor's sign (Python %); fmod=1: the dividend's (C fmod)."""
     xp = namespace(a, b)
@@ -82,7 +83,7 @@ def mod(a, b, *, fmod=0):
     return xp.where(a < 0, -r, r)
 
 
-@op("Pow", 1, generic=True)
+@op("Pow", 1, generic=True, cost=cost.elementwise)
 def pow_(x, y, *, broadcast=0, axis=None):
     """The result has the base's type. An integer base with a float or negative exponent
     is computed in float64 and truncated back (2 ** -1 == 0, as in C)."""
@@ -101,7 +102,9 @@ def _unary(op_type: str, since: int, name: str) -> None:
         return getattr(namespace(x), name)(x)
 
     kernel.__name__ = kernel.__qualname__ = op_type.lower()
-    op(op_type, since, generic=True)(kernel)
+    discrete = op_type in ("Ceil", "Floor", "Round", "Sign", "IsNaN")
+    op(op_type, since, generic=True, differentiable=not discrete,
+       activation=op_type == "Tanh", cost=cost.elementwise)(kernel)
 
 
 for _op_type, _since, _name in [
@@ -115,13 +118,13 @@ for _op_type, _since, _name in [
     _unary(_op_type, _since, _name)
 
 
-@op("Reciprocal", 1, generic=True)
+@op("Reciprocal", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def reciprocal(x):
     return 1.0 / x
 
 
-@op("IsInf", 10, generic=True)
+@op("IsInf", 10, generic=True, differentiable=False, cost=cost.elementwise)
 def isinf(x, *, detect_negative=1, detect_positive=1):
     xp = namespace(x)
     inf = xp.isinf(x)
@@ -134,7 +137,7 @@ def isinf(x, *, detect_negative=1, detect_positive=1):
     return xp.zeros_like(inf)
 
 
-@op("Erf", 9)
+@op("Erf", 9, cost=cost.elementwise)
 def erf_(x):
     return erf(x)
 
@@ -142,8 +145,8 @@ def erf_(x):
 # -- clip and the variadic ops ----------------------------------------------------------
 
 
-@op("Clip", 1, generic=True)
-@op("Clip", 6, generic=True)
+@op("Clip", 1, generic=True, activation=True, cost=cost.elementwise)
+@op("Clip", 6, generic=True, activation=True, cost=cost.elementwise)
 def clip_attrs(x, *, min=None, max=None):
     # Bounds at or beyond float32's range are "no bound" (opset 6's defaults are +-FLT_MAX).
     lo = None if min is None or abs(min) >= 3.4e38 else min
@@ -154,7 +157,7 @@ def clip_attrs(x, *, min=None, max=None):
     return x if hi is None else xp.minimum(x, hi)
 
 
-@op("Clip", 11, generic=True)
+@op("Clip", 11, generic=True, activation=True, cost=cost.elementwise)
 def clip(x, min=None, max=None):
     """min > max clips everything to max, as the spec asks (max applied last)."""
     xp = namespace(x)
@@ -165,24 +168,24 @@ def clip(x, min=None, max=None):
     return x
 
 
-@op("Max", 1, generic=True)
+@op("Max", 1, generic=True, cost=cost.elementwise)
 def max_(*xs):
     xp = namespace(*xs)
     return functools.reduce(xp.maximum, xs)
 
 
-@op("Min", 1, generic=True)
+@op("Min", 1, generic=True, cost=cost.elementwise)
 def min_(*xs):
     xp = namespace(*xs)
     return functools.reduce(xp.minimum, xs)
 
 
-@op("Sum", 1, generic=True)
+@op("Sum", 1, generic=True, cost=cost.elementwise)
 def sum_(*xs):
     return functools.reduce(operator.add, xs)
 
 
-@op("Mean", 1, generic=True)
+@op("Mean", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def mean(*xs):
     return functools.reduce(operator.add, xs) / len(xs)

@@ -19,6 +19,8 @@ import math
 import numpy as np
 
 from kiln.ir import TensorType
+from kiln.ops import cost
+from kiln.ops.conv import CONV_ATTRS, convolve, prepare_winograd
 from kiln.ops.registry import KILN_DOMAIN, lookup, op
 
 ACTIVATIONS = ("Relu", "LeakyRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Silu",
@@ -198,28 +200,32 @@ def _infer_conv(ctx):
     return _infer_as(ctx, "Conv", 3, _ACT_ATTRS)
 
 
-@op("FusedConv", 1, domain=KILN_DOMAIN, infer=_infer_conv)
-@_in_float32
-def fused_conv(x, w, b=None, z=None, *, auto_pad="NOTSET", dilations=None, group=1,
-               kernel_shape=None, pads=None, strides=None, activation="",
-               activation_params=None):
+@op("FusedConv", 1, domain=KILN_DOMAIN, infer=_infer_conv, prepare=True, cost=cost.conv())
+def fused_conv(site):
     """activation(Conv(x, w, b) + z): the bias, residual add and activation are applied
-    in place on the convolution's output."""
-    if _pointwise(x, w, group, auto_pad, dilations, pads, strides):
-        # A 1x1 convolution is one matrix product whose output already has the NCHW
-        # layout: no im2col, no copy into a fresh output.
-        n, c = x.shape[:2]
-        y = np.matmul(w.reshape(w.shape[0], c), x.reshape(n, c, -1))
-        y = y.reshape((n, w.shape[0]) + x.shape[2:])
-        if b is not None:
-            y += b.reshape((1, -1) + (1,) * (x.ndim - 2))
-    else:
-        conv = _standard_kernel("Conv")
-        y = conv(x, w, b, auto_pad=auto_pad, dilations=dilations, group=group,
-                 kernel_shape=kernel_shape, pads=pads, strides=strides)
-    y = owned(y, x, w, b, z)
-    y = _add_into(y, z)
-    return apply_activation(y, activation, activation_params)
+    in place on the convolution's output; Winograd weights prepared as for Conv."""
+    attrs = {k: site.attrs[k] for k in CONV_ATTRS if k in site.attrs}
+    activation = site.attr("activation", "")
+    params = site.attr("activation_params")
+    wc, u = prepare_winograd(site)
+
+    @_in_float32
+    def run(x, w, b=None, z=None):
+        if _pointwise(x, w, attrs.get("group", 1), attrs.get("auto_pad", "NOTSET"),
+                      attrs.get("dilations"), attrs.get("pads"), attrs.get("strides")):
+            # A 1x1 convolution is one matrix product whose output already has the NCHW
+            # layout: no im2col, no copy into a fresh output.
+            n, c = x.shape[:2]
+            y = np.matmul(w.reshape(w.shape[0], c), x.reshape(n, c, -1))
+            y = y.reshape((n, w.shape[0]) + x.shape[2:])
+            if b is not None:
+                y += b.reshape((1, -1) + (1,) * (x.ndim - 2))
+        else:
+            y = convolve(x, w, b, wino=u if w is wc else None, **attrs)
+        y = owned(y, x, w, b, z)
+        y = _add_into(y, z)
+        return apply_activation(y, activation, params)
+    return run
 
 
 # ---------------------------------------------------------------- FusedGemm / FusedMatMul
@@ -228,7 +234,7 @@ def _infer_gemm(ctx):
     return _infer_as(ctx, "Gemm", 3, _ACT_ATTRS)
 
 
-@op("FusedGemm", 1, domain=KILN_DOMAIN, infer=_infer_gemm)
+@op("FusedGemm", 1, domain=KILN_DOMAIN, infer=_infer_gemm, cost=cost.gemm)
 @_in_float32
 def fused_gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, activation="",
                activation_params=None):
@@ -249,7 +255,7 @@ def _infer_matmul(ctx):
     return _infer_as(ctx, "MatMul", 2, _ACT_ATTRS)
 
 
-@op("FusedMatMul", 1, domain=KILN_DOMAIN, infer=_infer_matmul)
+@op("FusedMatMul", 1, domain=KILN_DOMAIN, infer=_infer_matmul, cost=cost.matmul)
 @_in_float32
 def fused_matmul(a, b, bias=None, z=None, *, activation="", activation_params=None):
     """activation(A @ B + bias + z), the adds and activation in place on the product."""
@@ -269,7 +275,7 @@ def _same_as_first(x, *rest, **attrs):
     return x if isinstance(x, TensorType) else None
 
 
-@op("LayerNorm", 1, domain=KILN_DOMAIN, infer=_same_as_first)
+@op("LayerNorm", 1, domain=KILN_DOMAIN, infer=_same_as_first, cost=cost.per_element(5))
 @_in_float32
 def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     """LayerNormalization (ONNX opset 17's op) for models of older opsets."""
@@ -287,7 +293,7 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     return d
 
 
-@op("Gelu", 1, domain=KILN_DOMAIN, infer=_same_as_first)
+@op("Gelu", 1, domain=KILN_DOMAIN, infer=_same_as_first, activation=True, cost=cost.elementwise)
 @_in_float32
 def gelu(x, *, approximate="none"):
     """GELU (ONNX opset 20's op) for models of older opsets."""
@@ -308,7 +314,7 @@ def _infer_attention(q, k, v, mask=None, **attrs):
     return TensorType(q.dtype, tuple(batch) + (q.shape[-2], v.shape[-1]))
 
 
-@op("Attention", 1, domain=KILN_DOMAIN, infer=_infer_attention)
+@op("Attention", 1, domain=KILN_DOMAIN, infer=_infer_attention, cost=cost.attention)
 @_in_float32
 def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0):
     """softmax(scale * Q @ K^T + mask) @ V over the last axis, in one score buffer.

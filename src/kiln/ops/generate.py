@@ -9,6 +9,7 @@ import ml_dtypes
 import numpy as np
 
 from kiln.ir import DType
+from kiln.ops import cost
 from kiln.ops._array import axis as norm_axis
 from kiln.ops._numeric import int_list
 from kiln.ops.registry import op
@@ -37,7 +38,7 @@ def constant(*, value=None, value_float=None, value_floats=None, value_int=None,
     raise ValueError("Constant: no value attribute")
 
 
-@op("ConstantOfShape", 9)
+@op("ConstantOfShape", 9, host_inputs=(0,), differentiable=False)
 def constant_of_shape(shape, *, value=None):
     fill = np.zeros(1, np.float32) if value is None else np.asarray(value)
     return np.full(tuple(int_list(shape)), fill.reshape(-1)[0], dtype=fill.dtype)
@@ -49,7 +50,7 @@ def _range_count(start, limit, delta) -> int:
     return max(math.ceil((limit - start) / delta), 0)
 
 
-@op("Range", 11)
+@op("Range", 11, host_inputs=(0, 1, 2), differentiable=False)
 def range_(start, limit, delta):
     """start + i * delta, computed in float64/int64 and cast to the input type."""
     dtype = np.asarray(start).dtype
@@ -59,7 +60,7 @@ def range_(start, limit, delta):
     return (s + np.arange(n, dtype=wide) * d).astype(dtype)
 
 
-@op("Range", 27)
+@op("Range", 27, host_inputs=(0, 1, 2), differentiable=False)
 def range27(start, limit, delta, *, stash_type=1):
     """Opset 27: with stash_type 0, float16/bfloat16 values follow the type's own
     rounding (each element rounded from start + i * delta in that type)."""
@@ -71,14 +72,14 @@ def range27(start, limit, delta, *, stash_type=1):
     return (s + np.arange(n).astype(dtype) * d).astype(dtype)
 
 
-@op("EyeLike", 9)
+@op("EyeLike", 9, differentiable=False)
 def eye_like(x, *, dtype=None, k=0):
     out = DType(dtype).numpy if dtype is not None else x.dtype
     rows, cols = x.shape
     return np.eye(rows, cols, k=k, dtype=out)
 
 
-@op("OneHot", 9)
+@op("OneHot", 9, host_inputs=(1,), differentiable=False)
 def one_hot(indices, depth, values, *, axis=-1):
     d = int(np.asarray(depth).reshape(-1)[0])
     idx = np.asarray(indices).astype(np.int64)
@@ -92,8 +93,8 @@ def one_hot(indices, depth, values, *, axis=-1):
 # -- Dropout ----------------------------------------------------------------------------
 
 
-@op("Dropout", 1)
-@op("Dropout", 7)
+@op("Dropout", 1, cost=cost.elementwise)
+@op("Dropout", 7, cost=cost.elementwise)
 def dropout_legacy(ctx, x, *, ratio=0.5, is_test=0):
     """Opsets < 10 are run as inference: identity, mask of ones in x's type."""
     if ctx.num_outputs < 2:
@@ -101,14 +102,14 @@ def dropout_legacy(ctx, x, *, ratio=0.5, is_test=0):
     return x, np.ones(x.shape, dtype=x.dtype)
 
 
-@op("Dropout", 10)
+@op("Dropout", 10, cost=cost.elementwise)
 def dropout10(ctx, x, *, ratio=0.5):
     if ctx.num_outputs < 2:
         return x
     return x, np.ones(x.shape, dtype=bool)
 
 
-@op("Dropout", 12)
+@op("Dropout", 12, cost=cost.elementwise)
 def dropout(ctx, x, ratio=None, training_mode=None, *, seed=None):
     """Training mode drops with a NumPy RandomState seeded by ``seed`` (uniform draws
     >= ratio are kept), scaling kept values by 1 / (1 - ratio)."""

@@ -54,13 +54,13 @@ def pad2(x, *, pads=None, mode="constant", value=0.0):
     return _pad(x, list(pads), mode, value)
 
 
-@op("Pad", 11)
+@op("Pad", 11, host_inputs=(1, 3))
 def pad(x, pads, constant_value=None, axes=None, *, mode="constant"):
     return _pad(x, int_list(pads), mode, constant_value,
                 None if axes is None else int_list(axes))
 
 
-@op("CenterCropPad", 18)
+@op("CenterCropPad", 18, host_inputs=(1,))
 def center_crop_pad(x, shape, *, axes=None):
     """Crop windows start rounded down; odd padding puts the extra element at the end."""
     rank = x.ndim
@@ -80,7 +80,7 @@ def center_crop_pad(x, shape, *, axes=None):
 # -- Col2Im -----------------------------------------------------------------------------
 
 
-@op("Col2Im", 18)
+@op("Col2Im", 18, host_inputs=(1, 2))
 def col2im(x, image_shape, block_shape, *, dilations=None, pads=None, strides=None):
     """Sum column blocks back into an image: one strided slice-add per kernel position
     (the positions one kernel offset reaches never overlap)."""

@@ -20,7 +20,7 @@ class _Unsupported(Exception):
     """A format (or a variant of one) only Pillow can decode."""
 
 
-@op("ImageDecoder", 20)
+@op("ImageDecoder", 20, differentiable=False)
 def image_decoder(encoded_stream, *, pixel_format="RGB"):
     """Decodes to uint8 [H, W, 3] (RGB or BGR) or [H, W, 1] (Grayscale); a stream that
     cannot be decoded gives an empty [0, 0, C] tensor, as the spec asks."""

@@ -115,7 +115,7 @@ def compress(x, condition, *, axis=None):
     return np.compress(cond, x, axis=norm_axis(axis, x.ndim))
 
 
-@op("NonZero", 9)
+@op("NonZero", 9, differentiable=False)
 def nonzero(x):
     """Indices of non-zero elements, shape (rank, count); a scalar gives (0, count)."""
     x = np.asarray(x)
@@ -164,12 +164,12 @@ def topk1(x, *, k=None, axis=-1):
     return _topk(x, k, axis, 1)
 
 
-@op("TopK", 10)
+@op("TopK", 10, host_inputs=(1,))
 def topk(x, k, *, axis=-1, largest=1, sorted=1):
     return _topk(x, int_list(k)[0], axis, largest)
 
 
-@op("Unique", 11)
+@op("Unique", 11, differentiable=False)
 def unique(ctx, x, *, axis=None, sorted=1):
     """np.unique, reordered by first occurrence when ``sorted`` is 0."""
     src = x.reshape(-1) if axis is None else x

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.ops import cost
 from kiln.ops._array import namespace
 from kiln.ops._numeric import int_scalar, is_float
 from kiln.ops.registry import op
@@ -33,7 +34,7 @@ def matmul(xp, a, b):
     return xp.astype(_matmul(xp, xp.astype(a, work), xp.astype(b, work)), a.dtype)
 
 
-@op("MatMul", 1, generic=True)
+@op("MatMul", 1, generic=True, cost=cost.matmul)
 def matmul_(a, b):
     return matmul(namespace(a, b), a, b)
 
@@ -52,18 +53,18 @@ def _gemm(a, b, c, alpha, beta, trans_a, trans_b):
     return y if y.dtype == a.dtype else xp.astype(y, a.dtype)
 
 
-@op("Gemm", 1, generic=True)
+@op("Gemm", 1, generic=True, cost=cost.gemm)
 def gemm_legacy(a, b, c, *, alpha=1.0, beta=1.0, transA=0, transB=0, broadcast=0):
     return _gemm(a, b, c, alpha, beta, transA, transB)
 
 
-@op("Gemm", 7, generic=True)
+@op("Gemm", 7, generic=True, cost=cost.gemm)
 def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     """Y = alpha * A' B' + beta * C, C broadcast to Y."""
     return _gemm(a, b, c, alpha, beta, transA, transB)
 
 
-@op("MatMulInteger", 10)
+@op("MatMulInteger", 10, differentiable=False, cost=cost.matmul)
 def matmul_integer(a, b, a_zero_point=None, b_zero_point=None):
     """Integer matmul with zero points, as exact int32. float64 BLAS is exact here: int8
     products summed over any realistic K stay far below 2**53."""
@@ -96,7 +97,7 @@ def det(x):
     return np.asarray(np.linalg.det(x.astype(work, copy=False))).astype(x.dtype, copy=False)
 
 
-@op("Trilu", 14, generic=True)
+@op("Trilu", 14, generic=True, host_inputs=(1,))
 def trilu(x, k=None, *, upper=1):
     """Keep the upper (col - row >= k) or lower (col - row <= k) triangle of each matrix."""
     xp = namespace(x)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from onnx import helper
 
+from kiln.ops import cost
 from kiln.ops._array import axis as norm_axis
 from kiln.ops.conv import work_dtype
 from kiln.ops.registry import op
@@ -48,7 +49,7 @@ def _batch_stats(x, wd):
     return mean, var
 
 
-@op("BatchNormalization", 1)
+@op("BatchNormalization", 1, cost=cost.per_element(2))
 def batch_norm_legacy(ctx, x, scale, b, mean, var, *, epsilon=1e-5, is_test=0, momentum=0.9,
                       spatial=1):
     """Opsets 1-13: inference, or batch statistics when the training outputs are used."""
@@ -63,7 +64,7 @@ def batch_norm_legacy(ctx, x, scale, b, mean, var, *, epsilon=1e-5, is_test=0, m
     return outs[:ctx.num_outputs]
 
 
-@op("BatchNormalization", 14)
+@op("BatchNormalization", 14, cost=cost.per_element(2))
 def batch_norm(ctx, x, scale, b, input_mean, input_var, *, epsilon=1e-5, momentum=0.9,
                training_mode=0):
     if not training_mode:
@@ -89,7 +90,7 @@ def _standardize(x, axes, epsilon, wd):
     return xw, mean, inv
 
 
-@op("InstanceNormalization", 1)
+@op("InstanceNormalization", 1, cost=cost.per_element(5))
 def instance_norm(x, scale, b, *, epsilon=1e-5):
     wd = work_dtype(x.dtype)
     y, _, _ = _standardize(x, tuple(range(2, x.ndim)), epsilon, wd)
@@ -98,7 +99,7 @@ def instance_norm(x, scale, b, *, epsilon=1e-5):
     return y.astype(x.dtype, copy=False)
 
 
-@op("LayerNormalization", 17)
+@op("LayerNormalization", 17, cost=cost.per_element(5))
 def layer_norm(ctx, x, scale, b=None, *, axis=-1, epsilon=1e-5, stash_type=1):
     ax = norm_axis(axis, x.ndim)
     wd = _stash(stash_type, x)
@@ -125,18 +126,18 @@ def _group_norm(x, scale, bias, num_groups, epsilon, wd, per_channel):
     return y
 
 
-@op("GroupNormalization", 18)
+@op("GroupNormalization", 18, cost=cost.per_element(5))
 def group_norm_18(x, scale, bias, *, epsilon=1e-5, num_groups=None):
     """Opset 18: ``scale`` and ``bias`` hold one value per group."""
     return _group_norm(x, scale, bias, num_groups, epsilon, work_dtype(x.dtype), False)
 
 
-@op("GroupNormalization", 21)
+@op("GroupNormalization", 21, cost=cost.per_element(5))
 def group_norm(x, scale, bias, *, epsilon=1e-5, num_groups=None, stash_type=1):
     return _group_norm(x, scale, bias, num_groups, epsilon, _stash(stash_type, x), True)
 
 
-@op("RMSNormalization", 23)
+@op("RMSNormalization", 23, cost=cost.per_element(4))
 def rms_norm(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
     ax = norm_axis(axis, x.ndim)
     wd = _stash(stash_type, x)
@@ -148,7 +149,7 @@ def rms_norm(x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
     return y
 
 
-@op("LRN", 1)
+@op("LRN", 1, cost=cost.per_element(5))
 def lrn(x, *, alpha=1e-4, beta=0.75, bias=1.0, size=None):
     wd = work_dtype(x.dtype)
     sq = np.square(x.astype(wd))

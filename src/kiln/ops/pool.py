@@ -11,6 +11,7 @@ import math
 
 import numpy as np
 
+from kiln.ops import cost
 from kiln.ops._array import ints
 from kiln.ops.conv import conv_pads, out_size, pad_spatial, scratch, spatial_attrs, work_dtype
 from kiln.ops.registry import op
@@ -107,7 +108,7 @@ def _argmax_windows(xp, ip, kernel, strides, dilations, out):
     return y, idx
 
 
-@op("MaxPool", 1)
+@op("MaxPool", 1, cost=cost.pool)
 def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None,
              pads=None, storage_order=0, strides=None):
     kernel = list(kernel_shape)
@@ -138,7 +139,7 @@ def _counts(shape, kernel, strides, dilations, begin, end, out, include_pad, wd)
     return _reduce_windows(ones, kernel, strides, dilations, begin, out, np.add, 0)
 
 
-@op("AveragePool", 1)
+@op("AveragePool", 1, cost=cost.pool)
 def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dilations=None,
                  kernel_shape=None, pads=None, strides=None):
     kernel = list(kernel_shape)
@@ -155,7 +156,7 @@ def average_pool(x, *, auto_pad="NOTSET", ceil_mode=0, count_include_pad=0, dila
     return y.astype(x.dtype, copy=False)
 
 
-@op("LpPool", 1)
+@op("LpPool", 1, cost=cost.pool)
 def lp_pool(x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_shape=None, p=2,
             pads=None, strides=None):
     kernel = list(kernel_shape)
@@ -172,19 +173,19 @@ def _spatial_axes(x):
     return tuple(range(2, x.ndim))
 
 
-@op("GlobalAveragePool", 1)
+@op("GlobalAveragePool", 1, cost=cost.reduce)
 def global_average_pool(x):
     wd = work_dtype(x.dtype)
     y = x.astype(wd, copy=False).mean(axis=_spatial_axes(x), keepdims=True)
     return y.astype(x.dtype, copy=False)
 
 
-@op("GlobalMaxPool", 1)
+@op("GlobalMaxPool", 1, cost=cost.reduce)
 def global_max_pool(x):
     return x.max(axis=_spatial_axes(x), keepdims=True)
 
 
-@op("GlobalLpPool", 1)
+@op("GlobalLpPool", 1, cost=cost.reduce)
 def global_lp_pool(x, *, p=2):
     wd = work_dtype(x.dtype)
     xa = np.abs(x.astype(wd, copy=False))
@@ -192,7 +193,7 @@ def global_lp_pool(x, *, p=2):
     return y.astype(x.dtype, copy=False)
 
 
-@op("MaxUnpool", 9)
+@op("MaxUnpool", 9, host_inputs=(2,))
 def max_unpool(x, indices, output_shape=None, *, kernel_shape=None, pads=None,
                strides=None):
     """Scatter ``x`` to the flat positions ``indices`` of a zero tensor. The indices

@@ -12,6 +12,7 @@ import ml_dtypes
 import numpy as np
 
 from kiln.ir.types import DType
+from kiln.ops import cost
 from kiln.ops.conv import conv_core, conv_pads, spatial_attrs
 from kiln.ops.registry import op
 
@@ -49,7 +50,7 @@ def saturate_cast(v: np.ndarray, dtype: np.dtype, saturate: bool = True) -> np.n
     return np.clip(np.rint(v), info.min, info.max).astype(dtype)
 
 
-@op("QuantizeLinear", 10)
+@op("QuantizeLinear", 10, differentiable=False, cost=cost.elementwise)
 def quantize_linear(x, y_scale, y_zero_point=None, *, axis=1, block_size=0, output_dtype=0,
                     precision=0, saturate=1):
     if y_zero_point is not None:
@@ -68,7 +69,7 @@ def quantize_linear(x, y_scale, y_zero_point=None, *, axis=1, block_size=0, outp
     return saturate_cast(v, out, bool(saturate))
 
 
-@op("DequantizeLinear", 10)
+@op("DequantizeLinear", 10, cost=cost.elementwise)
 def dequantize_linear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0,
                       output_dtype=0):
     out = _onnx_dtype(output_dtype) if output_dtype else x_scale.dtype
@@ -83,7 +84,7 @@ def dequantize_linear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0,
     return (v.astype(np.float32) * scale).astype(out)
 
 
-@op("DynamicQuantizeLinear", 11)
+@op("DynamicQuantizeLinear", 11, differentiable=False)
 def dynamic_quantize_linear(x):
     """uint8 quantization with a scale and zero point covering [min(x, 0), max(x, 0)]."""
     lo = min(float(x.min(initial=0.0)), 0.0)
@@ -109,7 +110,7 @@ def _row_vector(p, a):
     return p
 
 
-@op("QLinearMatMul", 10)
+@op("QLinearMatMul", 10, differentiable=False, cost=cost.matmul)
 def qlinear_matmul(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale,
                    y_zero_point):
     a_scale, a_zero_point = _row_vector(a_scale, a), _row_vector(a_zero_point, a)
@@ -136,7 +137,7 @@ def _per_channel(p, ndim):
     return p.reshape((-1,) + (1,) * (ndim - 1))
 
 
-@op("ConvInteger", 10)
+@op("ConvInteger", 10, differentiable=False, cost=cost.conv())
 def conv_integer(x, w, x_zero_point=None, w_zero_point=None, *, auto_pad="NOTSET",
                  dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
     y = _int_conv(_minus(x, x_zero_point), _minus(w, _per_channel(w_zero_point, w.ndim)),
@@ -144,7 +145,7 @@ def conv_integer(x, w, x_zero_point=None, w_zero_point=None, *, auto_pad="NOTSET
     return np.rint(y).astype(np.int32)
 
 
-@op("QLinearConv", 10)
+@op("QLinearConv", 10, differentiable=False, cost=cost.conv(3))
 def qlinear_conv(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point,
                  b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
                  pads=None, strides=None):

@@ -33,35 +33,35 @@ def _dtype(dtype, like=None) -> np.dtype:
     return DType(dtype).numpy
 
 
-@op("RandomNormal", 1)
+@op("RandomNormal", 1, deterministic=False, differentiable=False)
 def random_normal(ctx, *, shape=None, dtype=1, mean=0.0, scale=1.0, seed=None):
     return _rng(ctx, seed).normal(mean, scale, tuple(shape)).astype(_dtype(dtype))
 
 
-@op("RandomUniform", 1)
+@op("RandomUniform", 1, deterministic=False, differentiable=False)
 def random_uniform(ctx, *, shape=None, dtype=1, low=0.0, high=1.0, seed=None):
     return _rng(ctx, seed).uniform(low, high, tuple(shape)).astype(_dtype(dtype))
 
 
-@op("RandomNormalLike", 1)
+@op("RandomNormalLike", 1, deterministic=False, differentiable=False)
 def random_normal_like(ctx, x, *, dtype=None, mean=0.0, scale=1.0, seed=None):
     x = np.asarray(x)
     return _rng(ctx, seed).normal(mean, scale, x.shape).astype(_dtype(dtype, x))
 
 
-@op("RandomUniformLike", 1)
+@op("RandomUniformLike", 1, deterministic=False, differentiable=False)
 def random_uniform_like(ctx, x, *, dtype=None, low=0.0, high=1.0, seed=None):
     x = np.asarray(x)
     return _rng(ctx, seed).uniform(low, high, x.shape).astype(_dtype(dtype, x))
 
 
-@op("Bernoulli", 15)
+@op("Bernoulli", 15, deterministic=False, differentiable=False)
 def bernoulli(ctx, x, *, dtype=None, seed=None):
     x = np.asarray(x)
     return (_rng(ctx, seed).random(x.shape) < x).astype(_dtype(dtype, x))
 
 
-@op("Multinomial", 7)
+@op("Multinomial", 7, deterministic=False, differentiable=False)
 def multinomial(ctx, x, *, dtype=6, sample_size=1, seed=None):
     """Draws ``sample_size`` class indices per row of unnormalized log-probabilities."""
     logits = np.asarray(x, dtype=np.float64)

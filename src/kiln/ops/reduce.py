@@ -9,6 +9,7 @@ import math
 
 import numpy as np
 
+from kiln.ops import cost
 from kiln.ops._array import namespace
 from kiln.ops._numeric import int_list, int_scalar, is_float, is_int
 from kiln.ops.registry import op
@@ -121,8 +122,8 @@ def _register(name: str, input_since: int) -> None:
     base = name[len("Reduce"):].lower()
     with_attr.__name__ = with_attr.__qualname__ = f"reduce_{base}_attr"
     with_input.__name__ = with_input.__qualname__ = f"reduce_{base}"
-    op(name, 1, generic=True)(with_attr)
-    op(name, input_since, generic=True)(with_input)
+    op(name, 1, generic=True, cost=cost.reduce)(with_attr)
+    op(name, input_since, generic=True, host_inputs=(1,), cost=cost.reduce)(with_input)
 
 
 for _name in _REDUCTIONS:
@@ -143,12 +144,12 @@ def _arg(fn, x, axis, keepdims, select_last_index):
     return xp.astype(idx, xp.int64)
 
 
-@op("ArgMax", 1, generic=True)
+@op("ArgMax", 1, generic=True, differentiable=False, cost=cost.reduce)
 def argmax(data, *, axis=0, keepdims=1, select_last_index=0):
     return _arg(namespace(data).argmax, data, axis, keepdims, select_last_index)
 
 
-@op("ArgMin", 1, generic=True)
+@op("ArgMin", 1, generic=True, differentiable=False, cost=cost.reduce)
 def argmin(data, *, axis=0, keepdims=1, select_last_index=0):
     return _arg(namespace(data).argmin, data, axis, keepdims, select_last_index)
 
@@ -169,7 +170,7 @@ def _cumulative(fn, identity, x, axis, exclusive, reverse):
     return np.ascontiguousarray(np.flip(y, axis)) if reverse else y
 
 
-@op("CumSum", 11)
+@op("CumSum", 11, host_inputs=(1,))
 def cumsum(x, axis, *, exclusive=0, reverse=0):
     return _cumulative(np.cumsum, 0, x, axis, exclusive, reverse)
 

@@ -1,53 +1,141 @@
 """The op registry: one definition per operator version, keyed by (domain, op type) and
-the opset range it covers. A definition holds the kernel and the shape/type inference.
+the opset range it covers. A definition (:class:`OpDef`) holds everything Kiln knows about
+the op: its kernels for every backend, shape/type inference, which inputs are read on the
+host, whether it is deterministic and differentiable, whether fused ops may absorb it as
+an activation, and its cost. Every table elsewhere (host-read inputs, folding rules, FLOP
+counts, backend capabilities) is derived from these definitions.
 
-Kernels are plain functions. Positional parameters are the op's inputs (missing optional
-inputs arrive as None; ``*args`` takes variadic ones), keyword-only parameters are its
-attributes with their ONNX defaults, and a first parameter named ``ctx`` asks for the
-:class:`KernelContext` (number of outputs, opset, subgraph execution).
+The kernel protocol is the same for every backend. A kernel is either
+
+* plain: ``fn(*inputs, **attrs)`` — inputs positional (missing optional ones arrive as
+  None, ``*args`` takes variadic ones), attributes keyword-only with their ONNX defaults,
+  and a first parameter named ``ctx`` asks for the :class:`KernelContext`; or
+* prepared: ``prepare(site) -> run | None`` (registered with ``prepare=True``), called once
+  per node when a session is created with a :class:`Site` (attributes, constant inputs,
+  backend options); it returns ``run(*inputs)`` with everything precomputable (packed or
+  transformed weights, layouts, geometry) already computed, or None to decline the node.
+
+A plain kernel is prepared by binding its attributes. At run time a kernel may return
+``NotImplemented`` for inputs it does not handle (a dtype, say): the next kernel in the
+backend's order runs that call instead (see ``kiln.runtime.plan``).
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 KILN_DOMAIN = "ai.kiln"
+REFERENCE = "numpy"
+"""The backend whose kernel every op has: NumPy, on the CPU."""
+
+# Where a backend's own kernels are defined. Importing these registers them on the op
+# definitions; it happens on first use (see :func:`load_backend`), so ``import kiln`` does
+# not import torch, and what a backend supports is known without constructing it.
+BACKEND_MODULES: dict[str, tuple[str, ...]] = {
+    "torch": tuple(f"kiln.ops.torch.{m}" for m in ("elementwise", "nn", "shape", "fused",
+                                                    "control")),
+}
+_loaded: set[str] = set()
+
+
+@dataclass
+class Kernel:
+    """One backend's kernel for one op version (plain or prepared, see the module doc)."""
+
+    fn: Callable
+    prepare: bool = False
+    wants_ctx: bool = False
+    attr_names: frozenset[str] = frozenset()
+
+    def __post_init__(self):
+        if self.prepare:
+            return
+        params = list(inspect.signature(self.fn).parameters.values())
+        self.wants_ctx = bool(params) and params[0].name == "ctx"
+        self.attr_names = frozenset(p.name for p in params if p.kind == p.KEYWORD_ONLY)
+        if any(p.kind == p.VAR_KEYWORD for p in params):
+            self.attr_names = frozenset({"*"})
+
+    def call_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
+        """The node's attributes a plain kernel accepts (unknown ones, often deprecated
+        hints like ``consumed_inputs``, are dropped)."""
+        if "*" in self.attr_names:
+            return dict(attrs)
+        return {k: v for k, v in attrs.items() if k in self.attr_names}
+
+    def bind(self, site: Site) -> tuple[Callable, bool] | None:
+        """``(run, wants_ctx)`` for the node ``site`` describes, or None if declined."""
+        if self.prepare:
+            site.wants_ctx = False
+            run = self.fn(site)
+            return None if run is None else (run, site.wants_ctx)
+        attrs = self.call_attrs(site.attrs)
+        fn = self.fn
+        if not attrs:
+            return fn, self.wants_ctx
+        return (lambda *args: fn(*args, **attrs)), self.wants_ctx
 
 
 @dataclass
 class OpDef:
-    """One version of one operator: its kernel, and what the plan needs to call it."""
+    """One version of one operator: everything Kiln knows about it."""
 
     domain: str
     op_type: str
     since: int
     until: int | None
     kernel: Callable
+    """The reference (NumPy) kernel, or its prepare function when ``prepare``."""
     infer: Callable | None = None
     generic: bool = False
-    backend_kernels: dict[str, Callable] = field(default_factory=dict)
-    wants_ctx: bool = False
-    attr_names: frozenset[str] = frozenset()
+    """The reference kernel only uses the array-API namespace of its inputs, so every
+    backend can run it on its own arrays."""
+    prepare: bool = False
+    host_inputs: frozenset[int] = frozenset()
+    """Inputs read on the host as parameters (shapes, axes, pads, sizes), not as data."""
+    deterministic: bool = True
+    """False for random ops: never folded into constants, never merged by CSE."""
+    differentiable: bool = True
+    """Whether gradients flow through the op (False for integer, boolean and index ops)."""
+    activation: bool = False
+    """An elementwise activation fused ops may absorb (FusedConv/FusedGemm/FusedMatMul)."""
+    cost: Callable | None = None
+    """``cost(node, input_shapes, output_shapes) -> FLOPs`` with concrete shapes (None
+    where unknown); a multiply-add counts 2."""
+    kernels: dict[str, Kernel] = field(default_factory=dict)
+    """Kernel per backend name; ``kernels["numpy"]`` is the reference kernel."""
 
     def __post_init__(self):
-        params = list(inspect.signature(self.kernel).parameters.values())
-        self.wants_ctx = bool(params) and params[0].name == "ctx"
-        self.attr_names = frozenset(p.name for p in params if p.kind == p.KEYWORD_ONLY)
-        if any(p.kind == p.VAR_KEYWORD for p in params):
-            self.attr_names = frozenset({"*"})
+        self.kernels.setdefault(REFERENCE, Kernel(self.kernel, self.prepare))
+
+    @property
+    def reference(self) -> Kernel:
+        return self.kernels[REFERENCE]
+
+    @property
+    def wants_ctx(self) -> bool:
+        return self.reference.wants_ctx
 
     def covers(self, opset: int) -> bool:
         return self.since <= opset and (self.until is None or opset < self.until)
 
     def call_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        """The node's attributes this kernel accepts (unknown ones, often deprecated
-        hints like ``consumed_inputs``, are dropped)."""
-        if "*" in self.attr_names:
-            return dict(attrs)
-        return {k: v for k, v in attrs.items() if k in self.attr_names}
+        return self.reference.call_attrs(attrs)
+
+    def runs_on(self, backend: str) -> bool:
+        """Whether ``backend`` has a kernel of its own for this op or can run the shared
+        one (known statically: the backend's kernel modules are loaded, nothing built)."""
+        load_backend(backend)
+        return backend == REFERENCE or self.generic or backend in self.kernels
+
+    def differentiable_on(self, backend: str) -> bool:
+        """Whether gradients flow through this op when it runs on ``backend``: only through
+        kernels made of the backend's own differentiable ops (not NumPy fallbacks)."""
+        return self.differentiable and backend != REFERENCE and self.runs_on(backend)
 
 
 _OPS: dict[tuple[str, str], list[OpDef]] = {}
@@ -58,15 +146,18 @@ def _norm_domain(domain: str) -> str:
 
 
 def op(op_type: str, since: int = 1, *, domain: str = "", until: int | None = None,
-       generic: bool = False, infer: Callable | None = None) -> Callable[[Callable], Callable]:
-    """Decorator registering a kernel for ``op_type`` from opset ``since`` (up to ``until``).
-
-    ``generic=True`` promises the kernel uses only the array-API namespace of its inputs
-    (``xp = namespace(x)``), so every backend can run it as it is.
-    """
+       generic: bool = False, infer: Callable | None = None, prepare: bool = False,
+       host_inputs: tuple[int, ...] = (), deterministic: bool = True,
+       differentiable: bool = True, activation: bool = False,
+       cost: Callable | None = None) -> Callable[[Callable], Callable]:
+    """Decorator registering the reference kernel of ``op_type`` from opset ``since`` (up
+    to ``until``) with the op's facts (see :class:`OpDef`)."""
 
     def register(fn: Callable) -> Callable:
-        add(OpDef(_norm_domain(domain), op_type, since, until, fn, infer=infer, generic=generic))
+        add(OpDef(_norm_domain(domain), op_type, since, until, fn, infer=infer,
+                  generic=generic, prepare=prepare, host_inputs=frozenset(host_inputs),
+                  deterministic=deterministic, differentiable=differentiable,
+                  activation=activation, cost=cost))
         return fn
 
     return register
@@ -81,18 +172,54 @@ def add(opdef: OpDef) -> OpDef:
     return opdef
 
 
-def backend_kernel(backend: str, op_type: str, since: int = 1, *, domain: str = ""
-                   ) -> Callable[[Callable], Callable]:
-    """Decorator attaching a backend-specific kernel to an already registered op version."""
+def kernel(backend: str, op_type: str, since: int = 1, *, until: int | None = None,
+           domain: str = "", prepare: bool = False) -> Callable[[Callable], Callable]:
+    """Decorator attaching ``backend``'s kernel to the versions of ``op_type`` from opset
+    ``since`` up to ``until``. A version that ``since`` or ``until`` falls inside is split
+    there (reference kernel and facts shared), so a kernel never covers part of a version."""
 
     def register(fn: Callable) -> Callable:
-        d = lookup(_norm_domain(domain), op_type, since)
-        if d is None:
-            raise KeyError(f"register {op_type} (opset {since}) before its {backend} kernel")
-        d.backend_kernels[backend] = fn
+        key = (_norm_domain(domain), op_type)
+        if not _OPS.get(key):
+            raise KeyError(f"{backend} kernel for {op_type}: register the op first")
+        for at in (since, until):
+            if at is not None:
+                _split(key, at)
+        k = Kernel(fn, prepare)
+        for d in _OPS[key]:
+            if d.since >= since and (until is None or d.since < until):
+                d.kernels[backend] = k
         return fn
 
     return register
+
+
+def _split(key: tuple[str, str], at: int) -> None:
+    """Make opset ``at`` the start of a version of the op, if a version covers it."""
+    versions = _OPS[key]
+    for i, d in enumerate(versions):
+        if d.since < at and (d.until is None or at < d.until):
+            later = replace(d, since=at, kernels=dict(d.kernels))
+            d.until = at
+            versions.insert(i + 1, later)
+            return
+
+
+def backend_kernel(backend: str, op_type: str, since: int = 1, *, domain: str = ""
+                   ) -> Callable[[Callable], Callable]:
+    """Public API: attach your own ``backend`` kernel (plain convention) to ``op_type``'s
+    version registered at ``since`` and the later ones; it replaces Kiln's."""
+    load_backend(backend)
+    return kernel(backend, op_type, since, domain=domain)
+
+
+def load_backend(backend: str) -> None:
+    """Register ``backend``'s own kernels (imports their modules once)."""
+    if backend in _loaded:
+        return
+    for m in BACKEND_MODULES.get(backend, ()):
+        importlib.import_module(m)
+    _loaded.add(backend)
 
 
 def infer(op_type: str, since: int = 1, *, domain: str = "") -> Callable[[Callable], Callable]:
@@ -132,6 +259,45 @@ def register_op(domain: str, op_type: str, kernel: Callable, shape_fn: Callable 
     return add(OpDef(_norm_domain(domain), op_type, since, None, kernel, infer=shape_fn))
 
 
+@dataclass
+class Site:
+    """What a kernel's ``prepare`` sees about one node while a session is created."""
+
+    node: Any
+    opset: int
+    attrs: dict[str, Any]
+    backend: Any = None
+    """The backend object (its options: device, precision, layouts); None for NumPy."""
+    wants_ctx: bool = False
+    """A prepare function sets this when its ``run`` takes a KernelContext first."""
+    notes: list[str] = field(default_factory=list)
+    """Shown in the placement report."""
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self.node.outputs)
+
+    def output_used(self, i: int) -> bool:
+        outs = self.node.outputs
+        return i < len(outs) and outs[i] is not None
+
+    def attr(self, name: str, default: Any = None) -> Any:
+        return self.attrs.get(name, default)
+
+    def has_input(self, i: int) -> bool:
+        ins = self.node.inputs
+        return i < len(ins) and ins[i] is not None
+
+    def const(self, i: int):
+        """Input ``i`` as a NumPy array when it is a constant no feed can replace, else None."""
+        if not self.has_input(i):
+            return None
+        v = self.node.inputs[i]
+        if v.const is None or v.meta.get("overridable"):
+            return None
+        return v.const
+
+
 class KernelContext:
     """What a ``ctx`` kernel sees: node facts plus a way to run its subgraphs."""
 
@@ -149,3 +315,23 @@ class KernelContext:
         """Run a subgraph attribute (given to the kernel already compiled) on ``inputs``,
         with this node's enclosing values visible to it."""
         return subgraph.run(inputs, outer=self.env)
+
+
+def evaluate(node, opset: int, inputs: list) -> list:
+    """The node's outputs computed by its reference kernel from NumPy ``inputs`` (for
+    constant folding). Raises KeyError when no op definition covers it and ValueError for
+    nodes holding subgraphs (those need a plan, see ``kiln.runtime``)."""
+    opdef = lookup(node.domain, node.op_type, opset)
+    if opdef is None:
+        raise KeyError(f"no kernel for {node.op_type} (opset {opset})")
+    if any(True for _ in node.subgraphs()):
+        raise ValueError(f"{node.op_type} holds subgraphs; it needs a plan to run")
+    bound = opdef.reference.bind(Site(node, opset, dict(node.attrs)))
+    if bound is None:
+        raise ValueError(f"{node.op_type}: the reference kernel declined this node")
+    fn, wants_ctx = bound
+    if wants_ctx:
+        r = fn(KernelContext(len(node.outputs), opset, {}, None, node, None), *inputs)
+    else:
+        r = fn(*inputs)
+    return list(r) if isinstance(r, tuple) else [r]

@@ -155,7 +155,7 @@ def _given(v):
     return v is not None and np.asarray(v).size > 0
 
 
-@op("Resize", 10)
+@op("Resize", 10, host_inputs=(1,))
 def resize10(x, scales, *, mode="nearest"):
     s = [float(v) for v in np.asarray(scales).reshape(-1)]
     outs = [int(math.floor(d * f)) for d, f in zip(x.shape, s)]
@@ -164,7 +164,7 @@ def resize10(x, scales, *, mode="nearest"):
     return resize_nd(x, list(range(x.ndim)), outs, s, opts)
 
 
-@op("Resize", 11)
+@op("Resize", 11, host_inputs=(1, 2, 3))
 def resize(x, roi=None, scales=None, sizes=None, *, antialias=0, axes=None,
            coordinate_transformation_mode="half_pixel", cubic_coeff_a=-0.75,
            exclude_outside=0, extrapolation_value=0.0, keep_aspect_ratio_policy="stretch",
@@ -211,6 +211,6 @@ def upsample7(x, *, scales=None, mode="nearest"):
     return _upsample(x, [float(s) for s in scales], mode)
 
 
-@op("Upsample", 9)
+@op("Upsample", 9, host_inputs=(1,))
 def upsample(x, scales, *, mode="nearest"):
     return _upsample(x, [float(s) for s in np.asarray(scales).reshape(-1)], mode)

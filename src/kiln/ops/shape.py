@@ -32,7 +32,7 @@ def reshape1(x, *, shape=None):
     return namespace(x).reshape(x, _target_shape(tuple(x.shape), list(shape or []), 0))
 
 
-@op("Reshape", 5, generic=True)
+@op("Reshape", 5, generic=True, host_inputs=(1,))
 def reshape(x, shape, *, allowzero=0):
     target = _target_shape(tuple(x.shape), int_list(shape), allowzero)
     return namespace(x).reshape(x, target)
@@ -67,7 +67,7 @@ def squeeze1(x, *, axes=None):
     return _squeeze(x, axes)
 
 
-@op("Squeeze", 13, generic=True)
+@op("Squeeze", 13, generic=True, host_inputs=(1,))
 def squeeze(x, axes=None):
     return _squeeze(x, None if axes is None else int_list(axes))
 
@@ -85,7 +85,7 @@ def unsqueeze1(x, *, axes=None):
     return _unsqueeze(x, list(axes or []))
 
 
-@op("Unsqueeze", 13, generic=True)
+@op("Unsqueeze", 13, generic=True, host_inputs=(1,))
 def unsqueeze(x, axes):
     return _unsqueeze(x, int_list(axes))
 
@@ -125,7 +125,7 @@ def _even_sizes(dim: int, parts: int, ceil: bool) -> list[int]:
     return [max(0, min(chunk, dim - i * chunk)) for i in range(parts)]
 
 
-@op("Split", 1, generic=True)
+@op("Split", 1, generic=True, host_inputs=(1,))
 def split1(ctx, x, split_input=None, *, axis=0, split=None):
     sizes = int_list(split_input) if split_input is not None else split
     return _split(x, axis, sizes or _even_sizes(x.shape[norm_axis(axis, x.ndim)],
@@ -140,8 +140,8 @@ def split2(ctx, x, *, axis=0, split=None):
                                        False))
 
 
-@op("Split", 13, generic=True)
-@op("Split", 18, generic=True)
+@op("Split", 13, generic=True, host_inputs=(1,))
+@op("Split", 18, generic=True, host_inputs=(1,))
 def split(ctx, x, split=None, *, axis=0, num_outputs=None):
     if split is not None and tuple(split.shape) != (0,):
         return _split(x, axis, int_list(split))
@@ -191,7 +191,7 @@ def slice1(x, *, starts=None, ends=None, axes=None):
     return _slice(x, starts, ends, axes, None)
 
 
-@op("Slice", 10, generic=True)
+@op("Slice", 10, generic=True, host_inputs=(1, 2, 3, 4))
 def slice_(x, starts, ends, axes=None, steps=None):
     return _slice(x, int_list(starts), int_list(ends),
                   None if axes is None else int_list(axes),
@@ -201,20 +201,20 @@ def slice_(x, starts, ends, axes=None, steps=None):
 # -- broadcasting and repetition --------------------------------------------------------
 
 
-@op("Expand", 8, generic=True)
+@op("Expand", 8, generic=True, host_inputs=(1,))
 def expand(x, shape):
     target = np.broadcast_shapes(tuple(x.shape), tuple(int_list(shape)))
     return namespace(x).broadcast_to(x, target)
 
 
-@op("Tile", 1, generic=True)
+@op("Tile", 1, generic=True, host_inputs=(1,))
 def tile1(x, tiles, axis):
     reps = [1] * x.ndim
     reps[norm_axis(int_list(axis)[0], x.ndim)] = int_list(tiles)[0]
     return namespace(x).tile(x, tuple(reps))
 
 
-@op("Tile", 6, generic=True)
+@op("Tile", 6, generic=True, host_inputs=(1,))
 def tile(x, repeats):
     return namespace(x).tile(x, tuple(int_list(repeats)))
 
@@ -222,13 +222,13 @@ def tile(x, repeats):
 # -- metadata and pass-through ----------------------------------------------------------
 
 
-@op("Shape", 1)
-@op("Shape", 15)
+@op("Shape", 1, differentiable=False)
+@op("Shape", 15, differentiable=False)
 def shape(x, *, start=0, end=None):
     return np.array(tuple(x.shape)[slice(start, end)], dtype=np.int64)
 
 
-@op("Size", 1)
+@op("Size", 1, differentiable=False)
 def size(x):
     return np.array(math.prod(x.shape), dtype=np.int64)
 

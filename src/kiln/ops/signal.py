@@ -45,17 +45,17 @@ def _dft(x, dft_length, axis: int, inverse: int, onesided: int):
     return _from_complex(y, x.dtype)
 
 
-@op("DFT", 17)
+@op("DFT", 17, host_inputs=(1,))
 def dft_v17(x, dft_length=None, *, axis=1, inverse=0, onesided=0):
     return _dft(x, dft_length, axis, inverse, onesided)
 
 
-@op("DFT", 20)
+@op("DFT", 20, host_inputs=(1, 2))
 def dft(x, dft_length=None, axis=None, *, inverse=0, onesided=0):
     return _dft(x, dft_length, -2 if axis is None else _scalar_int(axis), inverse, onesided)
 
 
-@op("STFT", 17)
+@op("STFT", 17, host_inputs=(1, 3))
 def stft(signal, frame_step, window=None, frame_length=None, *, onesided=1):
     """Frames [batch, frames, frame_length] of the signal, windowed, then DFT'd."""
     x = np.asarray(signal)

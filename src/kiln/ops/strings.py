@@ -15,7 +15,7 @@ def _strings(x) -> np.ndarray:
     return np.asarray(x, dtype=object)
 
 
-@op("StringNormalizer", 10)
+@op("StringNormalizer", 10, differentiable=False)
 def string_normalizer(x, *, case_change_action="NONE", is_case_sensitive=0, locale="",
                       stopwords=None):
     """Drops stop words from a [C] or [1, C] tensor, then changes case."""
@@ -41,7 +41,7 @@ def string_normalizer(x, *, case_change_action="NONE", is_case_sensitive=0, loca
     return y.reshape(1, -1) if x.ndim == 2 else y
 
 
-@op("StringConcat", 20)
+@op("StringConcat", 20, differentiable=False)
 def string_concat(x, y):
     x, y = _strings(x), _strings(y)
     out = np.empty(np.broadcast_shapes(x.shape, y.shape), dtype=object)
@@ -49,7 +49,7 @@ def string_concat(x, y):
     return out
 
 
-@op("StringSplit", 20)
+@op("StringSplit", 20, differentiable=False)
 def string_split(x, *, delimiter=None, maxsplit=None):
     """Splits each string; the substrings are padded with "" to the longest split."""
     x = _strings(x)
@@ -123,7 +123,7 @@ def _compile_re2(pattern: str) -> re.Pattern:
     return re.compile("".join(out), re.ASCII)
 
 
-@op("RegexFullMatch", 20)
+@op("RegexFullMatch", 20, differentiable=False)
 def regex_full_match(x, *, pattern=None):
     rx = _compile_re2(pattern or "")
     x = _strings(x)
@@ -144,7 +144,7 @@ def _gram_table(pool, ngram_counts, ngram_indexes):
     return table
 
 
-@op("TfIdfVectorizer", 9)
+@op("TfIdfVectorizer", 9, differentiable=False)
 def tfidf_vectorizer(x, *, mode=None, ngram_indexes=None, ngram_counts=None,
                      max_skip_count=None, min_gram_length=None, max_gram_length=None,
                      pool_int64s=None, pool_strings=None, weights=None):

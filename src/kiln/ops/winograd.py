@@ -3,14 +3,12 @@
 Each 2x2 block of outputs comes from a 4x4 input tile through 16 channel-mixing products
 instead of 36: the BLAS work drops 2.25x, for two cheap add-only transforms of the input
 and output. It pays once channels are wide enough for the products to dominate (measured
-on 2 cores: 1.5x faster at 128-512 channels, slower at 64). Weights are transformed once
-and cached per weight array (:func:`cached_weights`). Relative error stays near 1e-6 in float32.
+on 2 cores: 1.5x faster at 128-512 channels, slower at 64). Constant weights are
+transformed once, when the node's kernel is prepared (:func:`transform`). Relative error
+stays near 1e-6 in float32.
 """
 
 from __future__ import annotations
-
-import threading
-import weakref
 
 import numpy as np
 
@@ -18,9 +16,6 @@ import numpy as np
 MIN_CHANNELS = 96
 
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float32)
-_cache: dict[int, tuple[weakref.ref, np.ndarray]] = {}
-_seen: dict[int, weakref.ref] = {}
-_lock = threading.Lock()
 
 
 def applies(x: np.ndarray, w: np.ndarray, group: int, strides, dilations, begin,
@@ -32,30 +27,20 @@ def applies(x: np.ndarray, w: np.ndarray, group: int, strides, dilations, begin,
             and min(w.shape[0], w.shape[1]) >= MIN_CHANNELS)
 
 
-def cached_weights(w: np.ndarray) -> np.ndarray | None:
-    """(16, K, C) transformed weights G w G^T for a weight array seen before, else None.
-
-    The transform costs about as much as a small convolution, so it is made only for an
-    array that comes back (a model's constant weights, from the second run on), never for
-    weights computed afresh each run; the entry lives as long as ``w`` does."""
-    key = id(w)
-    hit = _cache.get(key)
-    if hit is not None and hit[0]() is w:
-        return hit[1]
-    if key not in _seen or _seen[key]() is not w:
-        with _lock:
-            _seen[key] = weakref.ref(w, lambda _r, k=key: _seen.pop(k, None))
+def transform(w: np.ndarray | None, group: int, strides, dilations) -> np.ndarray | None:
+    """(16, K, C) transformed weights G w G^T for constant weights ``w`` of a convolution
+    Winograd computes well, else None. Made once, when the node is prepared."""
+    if w is None or w.dtype != np.float32 or w.ndim != 4 or group != 1 \
+            or w.shape[2:] != (3, 3) or list(strides) != [1, 1] \
+            or list(dilations) != [1, 1] or min(w.shape[0], w.shape[1]) < MIN_CHANNELS:
         return None
     u = np.tensordot(np.tensordot(_G, w, axes=([1], [2])), _G, axes=([3], [1]))  # a,K,C,b
-    u = np.ascontiguousarray(u.transpose(0, 3, 1, 2).reshape(16, w.shape[0], w.shape[1]))
-    with _lock:
-        _cache[key] = (weakref.ref(w, lambda _r, k=key: _cache.pop(k, None)), u)
-    return u
+    return np.ascontiguousarray(u.transpose(0, 3, 1, 2).reshape(16, w.shape[0], w.shape[1]))
 
 
 def conv3x3(x: np.ndarray, u: np.ndarray, begin, end) -> np.ndarray:
     """Convolution (no bias) of (N, C, H, W) ``x`` by the weights ``u`` that
-    :func:`cached_weights` made, padded by ``begin``/``end`` (per spatial axis), stride 1."""
+    :func:`transform` made, padded by ``begin``/``end`` (per spatial axis), stride 1."""
     n, c, h, wd = x.shape
     k = u.shape[1]
     oh, ow = h + begin[0] + end[0] - 2, wd + begin[1] + end[1] - 2

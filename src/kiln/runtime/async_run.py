@@ -50,7 +50,7 @@ class AsyncRun:
         without blocking this thread (through pinned buffers on CUDA)."""
         import torch
 
-        from kiln.runtime.torch_backend import tensor_to_numpy
+        from kiln.ops.torch.arrays import to_numpy
 
         out: Future = Future()
         state: dict[str, Any] = {}
@@ -75,7 +75,7 @@ class AsyncRun:
                     else:
                         host.append(v)
                 state["events"] = events
-                out.set_result([tensor_to_numpy(h) if isinstance(h, torch.Tensor) else h
+                out.set_result([to_numpy(h) if isinstance(h, torch.Tensor) else h
                                 for h in host])
             except BaseException as e:  # noqa: BLE001 - handed to the waiter
                 out.set_exception(e)
@@ -139,6 +139,7 @@ class AsyncRunner:
 
     def _submit_cuda(self, job: Callable[[], list]) -> AsyncRun:
         import torch
+
 
         dev = self.backend.tdevice
         if self._stream is None:

@@ -1,14 +1,30 @@
-"""What the plan needs from a backend: how to pick a kernel and move arrays in and out.
-The NumPy backend is the reference; others (torch) subclass it."""
+"""What the plan needs from a backend: its arrays, its device, moving arrays in and out,
+which kernels it prefers for an op, and how to run a plan (eagerly, or specialized per
+input shape when it can compile). The NumPy backend below is the reference; the torch
+backend (``kiln.runtime.torch_backend``) subclasses it.
+"""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from kiln.ir import DType
-from kiln.ops.registry import OpDef
+from kiln.ops.registry import Kernel, OpDef
+from kiln.runtime.placement import LayerPlacement, RunStats
+
+
+class Candidate(NamedTuple):
+    """A kernel prepared for one node: how it runs (placement label), the callable,
+    whether it takes a KernelContext first, and why it was chosen."""
+
+    how: str
+    fn: Callable
+    wants_ctx: bool
+    why: str
 
 
 class Backend:
@@ -16,29 +32,46 @@ class Backend:
 
     name = "numpy"
     device = "cpu"
+    params_as_tuples = False
+    """Whether host-parameter constants reach this backend's kernels as Python tuples."""
 
-    def kernel(self, opdef: OpDef) -> tuple[Callable, str]:
-        """The kernel to run ``opdef`` with, and where it runs (a placement label)."""
-        return opdef.kernel, self.device
+    def candidates(self, opdef: OpDef) -> list[tuple[str, Kernel, str]]:
+        """The kernels to try for ``opdef``, best first: (placement label, kernel, why)."""
+        return [(self.name, opdef.reference, "reference kernel")]
 
-    def bind(self, opdef: OpDef, node, opset: int, attrs: dict
-             ) -> tuple[Callable, dict, bool, str]:
-        """How the plan runs ``node``: (callable, the attributes it is called with, whether
-        it takes a KernelContext first, placement label). ``attrs`` are the node's bound
-        attributes; backends with their own kernels (torch) override this."""
-        fn, placement = self.kernel(opdef)
-        return fn, opdef.call_attrs(attrs), opdef.wants_ctx, placement
+    def chain(self, chain: list[Candidate], node) -> tuple[Callable, bool, LayerPlacement]:
+        """One callable for the node from the prepared candidates (the first, here)."""
+        c = chain[0]
+        return c.fn, c.wants_ctx, LayerPlacement(node.name or f"({node.op_type})",
+                                                 node.op_type, self.device, c.how, c.why)
 
-    def prepare(self, plan, graph, opsets: dict, functions: dict) -> None:
-        """Called once the main plan is compiled (torch: fallback warning, compiled mode)."""
+    def finish(self, plan) -> None:
+        """Called once a plan's kernels are all prepared (torch: constants' placement)."""
+
+    def specialize(self, plan, opsets: dict, functions: dict) -> None:
+        """Set up shape-specialized compiled programs for the main plan, if asked for."""
+
+    def run_context(self):
+        """The context a plan runs in (torch: inference mode)."""
+        return contextlib.nullcontext()
+
+    def execute(self, plan, inputs: list, overrides: dict | None = None) -> list:
+        """Run the main plan once."""
+        return plan.run_main(inputs, overrides)
+
+    def stats(self) -> RunStats:
+        """This thread's current run's record (a throwaway one, on NumPy)."""
+        return RunStats()
+
+    def last_run_stats(self) -> RunStats | None:
+        """What the last run moved between devices (nothing, on NumPy)."""
+        return None
+
+    # -- arrays ------------------------------------------------------------------------
 
     def constant(self, v):
         """The backend array holding initializer ``v`` (``v.meta`` may carry placement hints)."""
         return self.from_numpy(v.const)
-
-    def execute(self, plan, inputs: list, overrides: dict | None = None) -> list:
-        """Run the main plan once (backends wrap this in their execution context)."""
-        return plan.run(inputs, None, overrides)
 
     def from_numpy(self, x):
         return x
@@ -52,7 +85,7 @@ class Backend:
             return x
         return np.asarray(x)
 
-    def accept_feed(self, x, dtype: DType):
+    def accept_feed(self, x: Any, dtype: DType):
         """Turn a caller's feed into this backend's array (lists take the declared dtype)."""
         if isinstance(x, np.ndarray):
             return x

@@ -1,18 +1,25 @@
-"""The execution plan: computed once per graph (order, kernels, attributes, when each
-intermediate can be freed); ``run`` then only calls kernels and moves references."""
+"""The execution plan: computed once per graph when a session is created — order, each
+node's prepared kernel (``prepare`` ran here, once), where it runs, when each
+intermediate can be freed. ``run`` then only calls kernels and moves references.
+
+The plan owns all per-node state (prepared kernels hold their packed weights in their
+closures); backends own only arrays, devices and transfers.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
-from kiln.errors import KernelError, KilnError, UnsupportedOpError
+from kiln.errors import KilnError, UnsupportedOpError
 from kiln.ir import AttrRef, Function, Graph, Node, Value
 from kiln.ops import registry
-from kiln.ops.registry import KernelContext
-from kiln.runtime.backend import Backend
+from kiln.ops.registry import KernelContext, OpDef, Site
+from kiln.runtime.backend import Backend, Candidate
+from kiln.runtime.executor import Program, can_run, layer_error
+from kiln.runtime.placement import LayerPlacement
 
 
 @dataclass(eq=False)
@@ -23,66 +30,53 @@ class Step:
     fn: Any
     inputs: tuple[Value | None, ...]
     outputs: tuple[Value | None, ...]
-    attrs: dict[str, Any]
-    frees: tuple[Value, ...]
     wants_ctx: bool
     opset: int
-    placement: str
-    variadic_outputs: bool = False
+    layer: LayerPlacement
+    host_inputs: frozenset[int] = frozenset()
+    frees: tuple[Value, ...] = ()
+    subplans: tuple[Plan, ...] = ()
+
+    @property
+    def placement(self) -> str:
+        """How the step runs: "numpy", "torch", "torch-generic", "cpu-fallback",
+        "function", or "?" for an op Kiln lacks."""
+        return self.layer.how
 
 
-class _Compiler:
-    """Shared state while compiling a model's graphs: backend, functions, missing ops."""
+@dataclass
+class Compiler:
+    """What compiling a model's graphs shares: the backend, the model's functions, the ops
+    found missing (all named at once), and whether missing ops raise."""
 
-    def __init__(self, backend: Backend, functions: dict[tuple[str, str], Function]):
-        self.backend = backend
-        self.functions = functions
-        self.missing: dict[tuple[str, str, int], None] = {}
-        self.function_plans: dict = {}
+    backend: Backend
+    functions: dict[tuple[str, str], Function]
+    missing: dict[tuple[str, str, int], None] = field(default_factory=dict)
 
 
 class Plan:
     """A compiled graph. ``run(inputs, outer)`` evaluates it; ``outer`` supplies values of
     enclosing scopes for subgraphs."""
 
-    def __init__(self, graph: Graph, opsets: dict[str, int], compiler: _Compiler,
+    def __init__(self, graph: Graph, opsets: dict[str, int], compiler: Compiler,
                  bindings: dict[str, Any] | None = None):
         self.graph = graph
         self.backend = compiler.backend
         self.consts = {v: compiler.backend.constant(v) for v in graph.initializers.values()}
         self.captures = graph.captures()
-        self.steps: list[Step] = [self._step(n, opsets, compiler, bindings or {})
+        self.steps: list[Step] = [_step(n, opsets, compiler, bindings or {})
                                   for n in graph.nodes]
         self._plan_lifetimes()
+        self.program: Program | None = None
+        self.specializer: Callable[[list], list | None] | None = None
+        self.compile_status = ""
 
-    def _step(self, node: Node, opsets, compiler: _Compiler, bindings) -> Step:
-        opset = opsets.get(node.domain, opsets.get("", 1))
-        attrs = {}
-        for k, a in node.attrs.items():
-            if isinstance(a, AttrRef):
-                if a.name not in bindings:
-                    continue
-                a = bindings[a.name]
-            attrs[k] = a
-        # Subgraph attributes become compiled plans the kernel runs through ctx.run.
-        for k, a in list(attrs.items()):
-            if isinstance(a, Graph):
-                attrs[k] = Plan(a, opsets, compiler, bindings)
-        opdef = registry.lookup(node.domain, node.op_type, opset)
-        common = dict(node=node, inputs=tuple(node.inputs), outputs=tuple(node.outputs),
-                      frees=(), opset=opset)
-        if opdef is not None:
-            fn, attrs, wants_ctx, placement = compiler.backend.bind(opdef, node, opset, attrs)
-            return Step(fn=fn, attrs=attrs, wants_ctx=wants_ctx, placement=placement, **common)
-        func = compiler.functions.get((node.domain, node.op_type))
-        if func is None:
-            from kiln.onnxio.schema_functions import spec_function
-            func = spec_function(node, opset)
-        if func is None:
-            compiler.missing[(node.domain, node.op_type, opset)] = None
-            return Step(fn=None, attrs={}, wants_ctx=False, placement="?", **common)
-        call = FunctionCall(func, attrs, {**opsets, **func.opset_imports}, compiler)
-        return Step(fn=call, attrs={}, wants_ctx=True, placement="function", **common)
+    def finish(self) -> None:
+        """Once every kernel is prepared: the backend's last word (constants placement),
+        then the straight-line program when the plan allows one."""
+        self.backend.finish(self)
+        if not self.captures and can_run(self):
+            self.program = Program(self)
 
     def _plan_lifetimes(self) -> None:
         keep = set(self.graph.outputs) | set(self.consts) | set(self.captures)
@@ -91,11 +85,7 @@ class Plan:
             for v in s.inputs:
                 if v is not None:
                     last[v] = i
-            for sub in s.attrs.values():
-                if isinstance(sub, Plan):
-                    for v in sub.captures:
-                        last[v] = i
-            for g in s.node.subgraphs():  # also when a backend binds the plans elsewhere
+            for g in s.node.subgraphs():
                 for v in g.captures():
                     last[v] = i
             for v in s.outputs:
@@ -108,12 +98,52 @@ class Plan:
         for i, s in enumerate(self.steps):
             s.frees = tuple(frees.get(i, ()))
 
+    def walk(self):
+        """Every step, descending into the plans of subgraphs and function bodies."""
+        for s in self.steps:
+            yield s
+            for sub in s.subplans:
+                yield from sub.walk()
+
+    def param_constants(self) -> dict[Value, tuple]:
+        """Constants read only as host parameters (shapes, axes, sizes) by kernels that
+        take them as Python numbers (backends with ``params_as_tuples``): as tuples."""
+        if not self.backend.params_as_tuples:
+            return {}
+        readers: dict[Value, list[bool]] = {}
+        for s in self.steps:
+            native = s.placement == self.backend.name
+            for i, v in enumerate(s.inputs):
+                if v is not None and v in self.consts:
+                    readers.setdefault(v, []).append(native and i in s.host_inputs)
+        out = {}
+        for v, ok in readers.items():
+            c = v.const
+            if all(ok) and v not in self.graph.outputs and c.dtype.kind in "iuf" \
+                    and c.ndim <= 1:
+                cast = float if c.dtype.kind == "f" else int
+                out[v] = tuple(cast(x) for x in c.reshape(-1))
+        return out
+
+    def run_main(self, inputs: list, overrides: dict | None = None) -> list:
+        """Run as the session's main graph: the shape-specialized program when there is
+        one for these inputs, else the plan itself in the backend's run context."""
+        if self.specializer is not None and not overrides:
+            out = self.specializer(inputs)
+            if out is not None:
+                self.backend.stats().compiled = True
+                return out
+        with self.backend.run_context():
+            return self.run(inputs, None, overrides)
+
     def run(self, inputs: list, outer: dict | None = None, overrides: dict | None = None,
             observer: Callable[[Step, float, float, Any], None] | None = None) -> list:
         """Evaluate the graph on positional ``inputs`` (in ``graph.inputs`` order);
         ``overrides`` replaces constants (initializers a caller may feed); ``observer`` is
         called after each step with (step, start, end, result) times from perf_counter,
         for profiling."""
+        if self.program is not None and not overrides and observer is None:
+            return self.program(*inputs)
         env: dict[Value, Any] = dict(self.consts)
         if overrides:
             env.update(overrides)
@@ -131,14 +161,13 @@ class Plan:
             try:
                 if s.wants_ctx:
                     ctx = KernelContext(len(s.outputs), s.opset, env, self, s.node, self.backend)
-                    result = s.fn(ctx, *args, **s.attrs)
+                    result = s.fn(ctx, *args)
                 else:
-                    result = s.fn(*args, **s.attrs)
+                    result = s.fn(*args)
             except KilnError:
                 raise
             except Exception as e:
-                raise KernelError(f"layer {s.node.name or '(unnamed)'!r} ({s.node.op_type}) "
-                                  f"failed: {type(e).__name__}: {e}") from e
+                raise layer_error(s.node, e) from e
             if observer is not None:
                 observer(s, t0, perf_counter(), result)
             if len(s.outputs) == 1 and not isinstance(result, tuple):
@@ -152,14 +181,70 @@ class Plan:
         return [env[v] for v in self.graph.outputs]
 
 
+def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict) -> Step:
+    opset = opsets.get(node.domain, opsets.get("", 1))
+    attrs = {}
+    for k, a in node.attrs.items():
+        if isinstance(a, AttrRef):
+            if a.name not in bindings:
+                continue
+            a = bindings[a.name]
+        attrs[k] = a
+    # Subgraph attributes become compiled plans the kernel runs through ctx.run.
+    subs = []
+    for k, a in list(attrs.items()):
+        if isinstance(a, Graph):
+            sub = attrs[k] = Plan(a, opsets, compiler, bindings)
+            sub.finish()
+            subs.append(sub)
+    common = dict(node=node, inputs=tuple(node.inputs), outputs=tuple(node.outputs),
+                  opset=opset, subplans=tuple(subs))
+    name = node.name or f"({node.op_type})"
+    be = compiler.backend
+    opdef = registry.lookup(node.domain, node.op_type, opset)
+    if opdef is not None:
+        fn, wants_ctx, layer = bind(opdef, Site(node, opset, attrs, be), be)
+        return Step(fn=fn, wants_ctx=wants_ctx, layer=layer, host_inputs=opdef.host_inputs,
+                    **common)
+    func = compiler.functions.get((node.domain, node.op_type))
+    if func is None:
+        from kiln.onnxio.schema_functions import spec_function
+        func = spec_function(node, opset)
+    if func is None:
+        compiler.missing[(node.domain, node.op_type, opset)] = None
+        return Step(fn=None, wants_ctx=False, layer=LayerPlacement(
+            name, node.op_type, "", "?", "no kernel"), **common)
+    call = FunctionCall(func, attrs, {**opsets, **func.opset_imports}, compiler)
+    common["subplans"] = (call.plan,)
+    return Step(fn=call, wants_ctx=True, layer=LayerPlacement(
+        name, node.op_type, be.device, "function", f"body of function {func.name}"), **common)
+
+
+def bind(opdef: OpDef, site: Site, backend: Backend) -> tuple[Callable, bool, LayerPlacement]:
+    """Prepare ``site``'s node on ``backend``: each kernel the backend would use, in its
+    order of preference, prepared once; the backend chains those that accepted."""
+    chain: list[Candidate] = []
+    for how, kernel, why in backend.candidates(opdef):
+        site.notes = []
+        bound = kernel.bind(site)
+        if bound is not None:
+            note = "; ".join(site.notes)
+            chain.append(Candidate(how, bound[0], bound[1], f"{why}; {note}" if note else why))
+    if not chain:
+        raise UnsupportedOpError(f"no kernel accepts layer {site.node.name!r} "
+                                 f"({site.node.op_type})", [site.node.op_type])
+    return backend.chain(chain, site.node)
+
+
 class FunctionCall:
     """Kernel for a call to a model-local or spec-defined function: the body, compiled
     once per call site with that site's attributes bound."""
 
     def __init__(self, func: Function, attrs: dict[str, Any], opsets: dict[str, int],
-                 compiler: _Compiler):
+                 compiler: Compiler):
         bindings = {**func.attr_defaults, **attrs}
         self.plan = Plan(func.graph, opsets, compiler, bindings)
+        self.plan.finish()
         self.name = func.name
 
     def __call__(self, ctx: KernelContext, *args):
@@ -167,17 +252,24 @@ class FunctionCall:
         return tuple(out) if len(out) != 1 else out[0]
 
 
+def plan_graph(graph: Graph, opsets: dict[str, int], functions: dict, backend: Backend
+               ) -> tuple[Plan, list[tuple[str, str, int]]]:
+    """The plan of ``graph`` and the ops Kiln lacks for it (their steps have no kernel)."""
+    compiler = Compiler(backend, functions)
+    plan = Plan(graph, opsets, compiler)
+    return plan, list(compiler.missing)
+
+
 def compile_model(graph: Graph, opsets: dict[str, int], functions: dict, backend: Backend
                   ) -> Plan:
     """Compile the main graph; raises UnsupportedOpError naming every op Kiln lacks."""
-    compiler = _Compiler(backend, functions)
-    plan = Plan(graph, opsets, compiler)
-    if not compiler.missing:
-        backend.prepare(plan, graph, opsets, functions)
-    if compiler.missing:
-        names = ", ".join(f"{d + '.' if d else ''}{o} (opset {v})" for d, o, v in compiler.missing)
+    plan, missing = plan_graph(graph, opsets, functions, backend)
+    if missing:
+        names = ", ".join(f"{d + '.' if d else ''}{o} (opset {v})" for d, o, v in missing)
         raise UnsupportedOpError(
             f"the model uses operators Kiln cannot run on the {backend.name} backend: {names}. "
             "Register a kernel with kiln.register_op(domain, op_type, kernel) or re-export the "
-            "model with a different opset.", list(compiler.missing))
+            "model with a different opset.", missing)
+    plan.finish()
+    backend.specialize(plan, opsets, functions)
     return plan

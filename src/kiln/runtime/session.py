@@ -13,6 +13,7 @@ from kiln.errors import InputError
 from kiln.ir import DType, Model, TensorType, Value
 from kiln.onnxio import load
 from kiln.runtime.backend import Backend
+from kiln.runtime.placement import PlacementReport
 from kiln.runtime.plan import Plan, compile_model
 
 
@@ -100,16 +101,12 @@ class InferenceSession:
             self._async = AsyncRunner(self.backend)
         return self._async.submit(job)
 
-    def placement(self):
-        """Where each layer runs and why, and what the last run moved between host and
-        device (a :class:`~kiln.runtime.torch_backend.PlacementReport` on torch)."""
-        report = getattr(self.backend, "report", None)
-        if report is not None:
-            return report()
-        from kiln.runtime.placement import LayerPlacement, PlacementReport
-        return PlacementReport(self.backend.name, self.backend.device, [
-            LayerPlacement(s.node.name, s.node.op_type, self.backend.device, self.backend.name)
-            for s in self.plan.steps])
+    def placement(self) -> PlacementReport:
+        """Where each layer runs and why (subgraph and function layers included), and
+        what the last run moved between devices."""
+        be = self.backend
+        return PlacementReport(be.name, be.device, [s.layer for s in self.plan.walk()],
+                               be.last_run_stats(), self.plan.compile_status)
 
     def _prepare_run(self, output_names, input_feed, output_type: str):
         if output_type not in ("numpy", "torch"):

@@ -3,7 +3,6 @@ as a Chrome trace (chrome://tracing, https://ui.perfetto.dev)."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 from dataclasses import dataclass, field
@@ -140,14 +139,6 @@ def _shape_of(result) -> list[int] | None:
     return None if s is None else [int(d) for d in s]
 
 
-def _run_context(backend):
-    """What a backend's own ``execute`` wraps a run in (torch: inference mode)."""
-    if getattr(backend, "name", "") == "torch":
-        import torch
-        return torch.inference_mode()
-    return contextlib.nullcontext()
-
-
 def _sync_fn(backend):
     if getattr(backend, "is_cuda", False):
         import torch
@@ -198,7 +189,7 @@ def profile(model_or_session: Any, feeds: dict | None = None, runs: int = 10,
             events.append((run_no[0], i, t0, t1))
 
     walls, starts = [], []
-    with _run_context(be):
+    with be.run_context():
         for r in range(-warmup, runs):
             run_no[0] = r
             first[0] = r == -warmup

@@ -126,7 +126,7 @@ def placements(model: Model, backend: str = "numpy", device: str | None = None
     """Where each main-graph node would run: ({node: (where, how)}, unsupported ops,
     device, note). Builds the plan the way a session does, but never raises for
     missing ops: those nodes are simply absent from the mapping."""
-    from kiln.runtime.plan import Plan, _Compiler
+    from kiln.runtime.plan import plan_graph
     from kiln.runtime.session import make_backend
 
     opts: dict[str, Any] = {}
@@ -143,30 +143,17 @@ def placements(model: Model, backend: str = "numpy", device: str | None = None
     except ValueError as e:
         raise KilnError(str(e)) from None
     chosen: dict[Node, tuple[str, str]] = {}
-    orig_bind = be.bind
-
-    def bind(opdef, node, opset, attrs):
-        r = orig_bind(opdef, node, opset, attrs)
-        layers = getattr(be, "layers", None)
-        if layers:  # torch: the placement record the backend just made for this node
-            chosen[node] = (layers[-1].where, layers[-1].how)
-        else:
-            chosen[node] = (be.device, be.name if r[3] == be.device else r[3])
-        return r
-
-    be.bind = bind
-    compiler = _Compiler(be, model.functions)
-    note = None
+    note, missing_ops = None, []
     try:
-        plan = Plan(model.graph, model.opset_imports, compiler)
+        plan, missing_ops = plan_graph(model.graph, model.opset_imports, model.functions, be)
         for s in plan.steps:
-            if s.placement == "function":
-                chosen[s.node] = (be.device, "function")
+            if s.fn is not None:
+                chosen[s.node] = (s.layer.where, s.layer.how)
     except KilnError:
         raise
-    except Exception as e:  # a kernel builder choking on a node: still list what is known
+    except Exception as e:  # a kernel's prepare choking on a node: still list what is known
         note = f"placement incomplete: {type(e).__name__}: {e}"
-    missing = [f"{d + '.' if d else ''}{o} (opset {v})" for d, o, v in compiler.missing]
+    missing = [f"{d + '.' if d else ''}{o} (opset {v})" for d, o, v in missing_ops]
     return chosen, missing, be.device, note
 
 
@@ -190,7 +177,7 @@ def inspect(model: Any, backend: str | None = None, device: str | None = None,
     unknown_flops = []
     for i, n in enumerate(g.nodes):
         where, how = chosen.get(n, ("", "unsupported"))
-        fl = layer_flops(n, sizes)
+        fl = layer_flops(n, sizes, m.opset_imports.get(n.domain, m.opset))
         name = n.name or f"{n.op_type}_{i}"
         if fl is None:
             unknown_flops.append(name)

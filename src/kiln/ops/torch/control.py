@@ -6,7 +6,7 @@ from __future__ import annotations
 from kiln.ops.torch import kernel
 
 
-@kernel("If", 1, build=True)
+@kernel("If", 1, prepare=True)
 def if_(site):
     site.wants_ctx = True
     then_branch = site.attr("then_branch")

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from kiln.ir import DType
 from kiln.ops.torch import kernel
-from kiln.ops.torch._util import FLOATS, TORCH_OF, const_tensor, is_float
+from kiln.ops.torch.arrays import FLOATS, TORCH_OF, const_tensor, is_float
 
 NI = NotImplemented
 
@@ -255,7 +255,7 @@ def where(cond, x, y):
 
 # -- casts --------------------------------------------------------------------------------
 
-@kernel("Cast", 6, build=True)
+@kernel("Cast", 6, prepare=True)
 def cast(site):
     to = TORCH_OF.get(DType(int(site.attr("to", 0))))
     if to is None:
@@ -290,7 +290,7 @@ def _lowp(site):
     return site.backend.compute_dtype
 
 
-@kernel("MatMul", 1, build=True)
+@kernel("MatMul", 1, prepare=True)
 def matmul(site):
     low = _lowp(site)
     wc = const_tensor(site, 1)
@@ -311,7 +311,7 @@ def matmul(site):
     return run
 
 
-@kernel("Gemm", 7, build=True)
+@kernel("Gemm", 7, prepare=True)
 def gemm(site):
     alpha = float(site.attr("alpha", 1.0))
     beta = float(site.attr("beta", 1.0))

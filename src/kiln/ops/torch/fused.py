@@ -12,9 +12,9 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.registry import KILN_DOMAIN
-from kiln.ops.torch import Site, kernel
-from kiln.ops.torch._util import FLOATS
+from kiln.ops.registry import KILN_DOMAIN, Site
+from kiln.ops.torch import kernel
+from kiln.ops.torch.arrays import FLOATS
 from kiln.ops.torch.elementwise import gemm as _gemm_builder
 from kiln.ops.torch.elementwise import matmul as _matmul_builder
 from kiln.ops.torch.nn import _PREPACK
@@ -83,7 +83,7 @@ def _sub_site(site: Site, n_inputs: int, drop=("activation", "activation_params"
     return Site(node, 21, attrs, site.backend)
 
 
-@kernel("FusedConv", 1, domain=KILN_DOMAIN, build=True)
+@kernel("FusedConv", 1, domain=KILN_DOMAIN, prepare=True)
 def fused_conv(site):
     act_name = site.attr("activation", "") or ""
     params = site.attr("activation_params")
@@ -159,7 +159,7 @@ def fused_conv(site):
     return run
 
 
-@kernel("FusedGemm", 1, domain=KILN_DOMAIN, build=True)
+@kernel("FusedGemm", 1, domain=KILN_DOMAIN, prepare=True)
 def fused_gemm(site):
     act = activation_fn(site.attr("activation", "") or "", site.attr("activation_params"))
     if act is False:
@@ -181,7 +181,7 @@ def fused_gemm(site):
     return run
 
 
-@kernel("FusedMatMul", 1, domain=KILN_DOMAIN, build=True)
+@kernel("FusedMatMul", 1, domain=KILN_DOMAIN, prepare=True)
 def fused_matmul(site):
     act = activation_fn(site.attr("activation", "") or "", site.attr("activation_params"))
     if act is False:
@@ -235,7 +235,7 @@ def gelu(x, *, approximate="none"):
     return F.gelu(x, approximate=approximate) if x.dtype in FLOATS else NI
 
 
-@kernel("Attention", 1, domain=KILN_DOMAIN, build=True)
+@kernel("Attention", 1, domain=KILN_DOMAIN, prepare=True)
 def attention(site):
     scale = float(site.attr("scale", 1.0))
     kt = int(site.attr("k_transposed", 0))

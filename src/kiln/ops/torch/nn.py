@@ -15,8 +15,8 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.torch import USE_NUMPY, kernel
-from kiln.ops.torch._util import FLOATS, axis, const_tensor, floats, ints, same_pads
+from kiln.ops.torch import kernel
+from kiln.ops.torch.arrays import FLOATS, axis, const_tensor, floats, ints, same_pads
 
 NI = NotImplemented
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -56,7 +56,7 @@ def _torch_pad(begins, ends) -> list[int]:
 
 # -- convolution --------------------------------------------------------------------------
 
-@kernel("Conv", 1, build=True)
+@kernel("Conv", 1, prepare=True)
 def conv(site):
     be = site.backend
     group = int(site.attr("group", 1))
@@ -122,7 +122,7 @@ def conv(site):
     return run
 
 
-@kernel("ConvTranspose", 1, build=True)
+@kernel("ConvTranspose", 1, prepare=True)
 def conv_transpose(site):
     if site.attr("output_shape") or site.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         return None  # pads derived from output_shape / SAME: NumPy kernel
@@ -172,7 +172,7 @@ def _pool_out(size, k, s, d, pb, pe, ceil) -> int:
     return (-(-span // s) if ceil else span // s) + 1
 
 
-@kernel("MaxPool", 1, build=True)
+@kernel("MaxPool", 1, prepare=True)
 def max_pool(site):
     want_idx = site.output_used(1)
     if want_idx and int(site.attr("storage_order", 0)):
@@ -213,7 +213,7 @@ def max_pool(site):
     return run
 
 
-@kernel("AveragePool", 7, build=True)
+@kernel("AveragePool", 7, prepare=True)
 def average_pool(site):
     ceil = bool(site.attr("ceil_mode", 0))
     include = bool(site.attr("count_include_pad", 0))
@@ -258,7 +258,7 @@ def global_max_pool(x):
 
 # -- normalization ------------------------------------------------------------------------
 
-@kernel("BatchNormalization", 7, build=True)
+@kernel("BatchNormalization", 7, prepare=True)
 def batch_norm(site):
     if int(site.attr("training_mode", 0)) or site.num_outputs > 1 \
             or not int(site.attr("spatial", 1)):
@@ -284,7 +284,7 @@ def instance_norm(x, scale, bias, *, epsilon=1e-5):
     return F.instance_norm(x, weight=scale, bias=bias, eps=epsilon)
 
 
-@kernel("LayerNormalization", 17, build=True)
+@kernel("LayerNormalization", 17, prepare=True)
 def layer_norm(site):
     ax = int(site.attr("axis", -1))
     eps = float(site.attr("epsilon", 1e-5))
@@ -338,7 +338,7 @@ def _softmax_kernel(fn):
                 # fp16 on the CPU is emulated anyway; the NumPy kernel's rounding is the
                 # reference's (torch's fp32 exp differs in the last bit, which flips
                 # fp16 results)
-                return USE_NUMPY
+                return NI
             if not legacy:
                 return fn(x, ax)
             a = axis(ax, x.dim())
@@ -349,13 +349,13 @@ def _softmax_kernel(fn):
     return build
 
 
-kernel("Softmax", 1, build=True)(_softmax_kernel(torch.softmax))
-kernel("LogSoftmax", 1, build=True)(_softmax_kernel(torch.log_softmax))
+kernel("Softmax", 1, prepare=True)(_softmax_kernel(torch.softmax))
+kernel("LogSoftmax", 1, prepare=True)(_softmax_kernel(torch.log_softmax))
 
 
 # -- dropout (inference) ------------------------------------------------------------------
 
-@kernel("Dropout", 7, build=True)
+@kernel("Dropout", 7, prepare=True)
 def dropout(site):
     if site.num_outputs > 1 and site.opset < 10:
         return None  # the old mask type
@@ -380,7 +380,7 @@ def dropout(site):
 _INTERP = {1: "linear", 2: "bilinear", 3: "trilinear"}
 
 
-@kernel("Resize", 11, build=True)
+@kernel("Resize", 11, prepare=True)
 def resize(site):
     """The coordinate conventions torch's interpolate implements exactly; others: NumPy."""
     mode = site.attr("mode", "nearest")

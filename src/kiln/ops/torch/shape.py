@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.torch import kernel
-from kiln.ops.torch._util import FLOATS, axis, ints, scalar
+from kiln.ops.torch.arrays import FLOATS, axis, ints, scalar, to_torch
 
 NI = NotImplemented
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
@@ -107,7 +107,7 @@ def concat(*xs, axis=None):
     return torch.cat(xs, axis)
 
 
-@kernel("Split", 2, build=True)
+@kernel("Split", 2, prepare=True)
 def split(site):
     ax = int(site.attr("axis", 0))
     n = site.num_outputs
@@ -237,7 +237,7 @@ def _pad(x, p, value, mode: str, axes=None):
     return y.reshape(lead + tuple(y.shape[2:]))
 
 
-@kernel("Pad", 11, build=True)
+@kernel("Pad", 11, prepare=True)
 def pad(site):
     mode = site.attr("mode", "constant")
     if mode not in _PAD_MODES:
@@ -294,7 +294,7 @@ def gather_nd(data, indices, *, batch_dims=0):
 
 # -- constants ----------------------------------------------------------------------------
 
-@kernel("Constant", 1, build=True)
+@kernel("Constant", 1, prepare=True)
 def constant(site):
     a = site.attrs
     if "value" in a:
@@ -309,8 +309,7 @@ def constant(site):
         val = np.array(a["value_ints"], dtype=np.int64)
     else:
         return None  # strings, sparse: NumPy kernel
-    from kiln.runtime.torch_backend import _np_to_torch
-    t = _np_to_torch(val)
+    t = to_torch(val)
     if t is None:
         return None
     t = t.to(_out_device(site))
@@ -320,12 +319,11 @@ def constant(site):
     return run
 
 
-@kernel("ConstantOfShape", 9, build=True)
+@kernel("ConstantOfShape", 9, prepare=True)
 def constant_of_shape(site):
-    from kiln.runtime.torch_backend import _np_to_torch
     v = site.attr("value")
     val = np.zeros(1, np.float32) if v is None else np.asarray(v).reshape(-1)
-    t = _np_to_torch(val)
+    t = to_torch(val)
     if t is None:
         return None
     fill = val[0].item()
@@ -337,7 +335,7 @@ def constant_of_shape(site):
     return run
 
 
-@kernel("Range", 11, build=True)
+@kernel("Range", 11, prepare=True)
 def range_(site):
     dev = _out_device(site)
 
@@ -402,7 +400,7 @@ _REDUCE = {
     "ReduceLogSumExp": (lambda x, d, k: torch.logsumexp(x, dim=d, keepdim=k), True, False),
 }
 for _op, (_fn, _floats, _empty) in _REDUCE.items():
-    kernel(_op, 1, build=True)(_reduce_kernel(_fn, _floats, _empty))
+    kernel(_op, 1, prepare=True)(_reduce_kernel(_fn, _floats, _empty))
 
 
 def _arg_kernel(fn):

@@ -16,6 +16,41 @@ TORCH_OF: dict[DType, torch.dtype] = {
     DType.DOUBLE: torch.float64, DType.COMPLEX64: torch.complex64,
     DType.COMPLEX128: torch.complex128,
 }
+"""The element types torch has, by IR type: the one dtype map of the torch backend."""
+DTYPE_OF: dict[torch.dtype, DType] = {t: d for d, t in TORCH_OF.items()}
+_NP_TO_TORCH = {d.numpy: t for d, t in TORCH_OF.items() if d != DType.BFLOAT16}
+_BF16_NP = DType.BFLOAT16.numpy
+
+
+def to_torch(x: np.ndarray) -> torch.Tensor | None:
+    """A CPU tensor sharing ``x``'s memory where possible; None for dtypes torch lacks."""
+    dt = x.dtype
+    td = _NP_TO_TORCH.get(dt)
+    if td is None:
+        if dt == _BF16_NP:
+            return to_torch(x.view(np.int16)).view(torch.bfloat16)
+        return None
+    if not dt.isnative:
+        x = x.astype(dt.newbyteorder("="))
+    try:
+        return torch.from_numpy(x)
+    except ValueError:  # negative strides
+        return torch.from_numpy(np.ascontiguousarray(x))
+
+
+def to_numpy(t: torch.Tensor) -> np.ndarray:
+    """A tensor's values as NumPy (zero-copy for CPU tensors where possible)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.is_conj():
+        t = t.resolve_conj()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(_BF16_NP)
+    if t.is_neg():
+        t = t.resolve_neg()
+    return t.numpy()
 
 
 def ints(x) -> list[int]:

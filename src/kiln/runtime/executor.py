@@ -1,0 +1,123 @@
+"""The straight-line executor: a plan's steps as one generated Python function over local
+variables — no environment dict, no per-step bookkeeping, intermediates deleted after
+their last reader. Every backend runs its plans through it (the same source, as an
+``nn.Module.forward``, is what the torch backend hands to ``torch.compile``).
+
+A kernel error inside the generated function is reported as a ``KernelError`` naming the
+layer: the traceback's line in the generated source maps back to the step, so nothing is
+run twice to find out where it failed.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+from kiln.errors import KernelError, KilnError
+from kiln.ops.registry import KernelContext
+
+_ids = itertools.count()
+
+
+class Program:
+    """A compiled straight-line function for a plan; call it with the graph's inputs."""
+
+    def __init__(self, plan, module: bool = False):
+        self.filename = f"<kiln plan {next(_ids)}>"
+        self.source, self.globals, self.constants, self.line_step = \
+            _generate(plan, module, self.filename)
+        self.steps = plan.steps
+        self.fn: Callable = self.globals["forward" if module else "run"]
+
+    def __call__(self, *inputs):
+        try:
+            return self.fn(*inputs)
+        except KilnError:
+            raise
+        except Exception as e:
+            step = self.failing_step(e)
+            if step is None:
+                raise
+            raise layer_error(step.node, e) from e
+
+    def failing_step(self, e: BaseException):
+        """The step whose line of generated code raised ``e`` (None if not from here)."""
+        tb, line = e.__traceback__, None
+        while tb is not None:
+            if tb.tb_frame.f_code.co_filename == self.filename:
+                line = tb.tb_lineno
+            tb = tb.tb_next
+        j = None if line is None else self.line_step.get(line)
+        return None if j is None else self.steps[j]
+
+
+def layer_error(node, e: BaseException) -> KernelError:
+    """The error a failing kernel surfaces as: which layer, which op, what went wrong."""
+    return KernelError(f"layer {node.name or '(unnamed)'!r} ({node.op_type}) failed: "
+                       f"{type(e).__name__}: {e}")
+
+
+def can_run(plan) -> bool:
+    """Whether ``plan`` can run straight-line: every step has a kernel and none runs
+    subgraphs (If, Loop, Scan read the environment of values)."""
+    return all(s.fn is not None and not any(True for _ in s.node.subgraphs())
+               for s in plan.steps)
+
+
+def _generate(plan, module: bool, filename: str) -> tuple[str, dict, dict, dict[int, int]]:
+    """(source, globals, constants by name, line -> step index). ``module``: a
+    ``forward(self, ...)`` reading constants from buffers, results as kernels return them;
+    else ``run(...)`` with constants as globals, results normalized by the backend."""
+    names: dict = {}
+    glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize}
+    lines: list[str] = []
+    line_step: dict[int, int] = {}
+    for i, v in enumerate(plan.graph.inputs):
+        names[v] = f"x{i}"
+    used = {v for s in plan.steps for v in s.inputs if v is not None} | set(plan.graph.outputs)
+    params = plan.param_constants()
+    consts = {}
+    for i, (v, t) in enumerate(plan.consts.items()):
+        if v in params:  # read only as host parameters: plain Python, nothing to trace
+            names[v] = f"p{i}"
+            glb[f"p{i}"] = params[v]
+        elif v in used:
+            consts[f"c{i}"] = t
+            names[v] = f"c{i}"
+            if module:
+                lines.append(f"    c{i} = self.c{i}")
+    glb.update({} if module else consts)
+    wrap = "{}" if module else "_n({})"
+    for j, s in enumerate(plan.steps):
+        glb[f"f{j}"] = s.fn
+        args = ", ".join("None" if v is None else names[v] for v in s.inputs)
+        if s.wants_ctx:  # facts only (no subgraphs here): one context per step, made now
+            glb[f"k{j}"] = KernelContext(len(s.outputs), s.opset, {}, plan, s.node,
+                                         plan.backend)
+            args = f"k{j}, {args}" if args else f"k{j}"
+        outs = list(s.outputs)
+        line_step[len(lines) + 2] = j  # +1: the def line, +1: lines count from 1
+        if len(outs) == 1:
+            names[outs[0]] = f"v{j}_0"
+            lines.append(f"    v{j}_0 = " + wrap.format(f"_one(f{j}({args}))"))
+        else:
+            lines.append(f"    r{j} = f{j}({args})")
+            for k, v in enumerate(outs):
+                if v is not None:
+                    names[v] = f"v{j}_{k}"
+                    lines.append(f"    v{j}_{k} = " + wrap.format(f"r{j}[{k}]"))
+        if not module:
+            dead = [names[v] for v in s.frees if v in names and v not in plan.consts]
+            if dead:
+                lines.append(f"    del {', '.join(dead)}")
+    ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs])
+    outs = ", ".join(names[v] for v in plan.graph.outputs)
+    head = "forward" if module else "run"
+    src = f"def {head}({ins}):\n" + "\n".join(lines) + f"\n    return [{outs}]\n"
+    exec(compile(src, filename, "exec"), glb)
+    return src, glb, consts, line_step
+
+
+def _one(r):
+    return r[0] if isinstance(r, tuple) else r
