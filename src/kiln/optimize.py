@@ -10,11 +10,19 @@ result is still standard ONNX (folding, freezing, simplification, BatchNorm fold
 DCE); 2 ("extended", the default) adds the fusions into Kiln's own ops (domain
 ``ai.kiln``). Any pass can be switched off by name with ``disable=[...]``; see
 :data:`PASS_NAMES` and ``docs/optimizer.md``.
+
+The rewrites are rules (:mod:`kiln.passes.rewrite`) pooled into one worklist engine, run in
+stages: 0, before shape inference, the rules that need no types (Identity/Dropout removal,
+Constant nodes, DCE, CSE), so a long chain of no-ops is gone before inference looks at it;
+then shape inference once; then 1 the cleanup rules, 2 plus the pattern fusions, 3 plus the
+activation fusion. Each stage visits every node once and then only the neighbourhoods of
+changes; types of touched nodes are re-inferred on the way.
 """
 
 from __future__ import annotations
 
 import os
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
 
@@ -38,32 +46,30 @@ from kiln.passes import (
     InferShapes,
     OptimizeReport,
     Pass,
-    PassManager,
+    PassRecord,
     PinHost,
+    RulePass,
     Simplify,
 )
 from kiln.passes.base import clone_model, count_nodes, op_histogram
+from kiln.passes.rewrite import run_rules
 
 LEVELS = {"none": 0, "basic": 1, "extended": 2, "all": 2}
 DEFAULT_LEVEL = 2
 MARK = "kiln.optimized"
 """Metadata key recording the level a saved model was optimized at."""
+STAGES = (1, 2, 3)
 
 
-def _loop_passes() -> list[Pass]:
-    """The pipeline repeated to a fixed point, in order."""
-    return [InferShapes(), FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
+def _rule_passes() -> list[RulePass]:
+    """The rewriting passes, in the order their rules are tried on a node."""
+    return [FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
             FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseActivation()]
 
 
-def _final_passes() -> list[Pass]:
-    """Analyses run once at the end (they annotate, they do not rewrite)."""
-    return [InferShapes(), PinHost()]
-
-
 PASS_NAMES: tuple[str, ...] = tuple(dict.fromkeys(
-    ["fix_input_shapes"] + [p.name for p in _loop_passes() + _final_passes()]))
+    ["fix_input_shapes", "infer_shapes"] + [p.name for p in _rule_passes()] + ["pin_host"]))
 
 
 def optimize(model: Model | str | os.PathLike | bytes | onnx.ModelProto,
@@ -79,7 +85,9 @@ def optimize_with_report(model, level: int | str = DEFAULT_LEVEL, disable: Itera
                          input_shapes=None, *, backend: str = "numpy",
                          max_iterations: int = 8, inplace: bool = False
                          ) -> tuple[Model, OptimizeReport]:
-    """Like :func:`optimize`, also returning the report of what every pass did."""
+    """Like :func:`optimize`, also returning the report of what every pass did.
+    ``max_iterations`` bounds the rewrites of each stage to ``max_iterations`` times the
+    node count (a safety net: rules that undo each other cannot loop forever)."""
     if not isinstance(model, Model):
         from kiln.onnxio import load
 
@@ -100,10 +108,17 @@ def optimize_with_report(model, level: int | str = DEFAULT_LEVEL, disable: Itera
         report.records.append((0, rec))
     done = _done_level(model)
     if lvl > 0:
+        t0 = time.perf_counter()
+        infer = "infer_shapes" not in disable
         if done < lvl or input_shapes:
-            loop = [p for p in _loop_passes() if p.level <= lvl and _supported(p, backend)]
-            PassManager(loop, max_iterations, disable).run(model, report)
-        PassManager(_final_passes(), 1, disable).run(model, report)
+            active = [p for p in _rule_passes() if p.level <= lvl and p.name not in disable
+                      and _supported(p, backend)]
+            _rewrite(model, active, report, infer, max_iterations)
+        elif infer:
+            _analysis(InferShapes(), model, report)
+        if "pin_host" not in disable:
+            _analysis(PinHost(), model, report)
+        report.seconds = time.perf_counter() - t0
         if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
             model.opset_imports.setdefault(KILN_DOMAIN, 1)
         model.metadata[MARK] = str(max(lvl, done))
@@ -113,6 +128,40 @@ def optimize_with_report(model, level: int | str = DEFAULT_LEVEL, disable: Itera
     report.nodes_after = count_nodes(model.graph)
     report.ops_after = op_histogram(model.graph)
     return model, report
+
+
+def _analysis(p: Pass, model: Model, report: OptimizeReport) -> None:
+    _, rec = p(model)
+    report.records.append((report.iterations, rec))
+
+
+def _rewrite(model: Model, passes: list[RulePass], report: OptimizeReport, infer: bool,
+             max_iterations: int) -> None:
+    """Stage 0 (untyped rules), shape inference, then stages 1-3 through the engine."""
+    budget = max(1, max_iterations) * (count_nodes(model.graph) + 16)
+    stages = [(0, [r for p in passes for r in p.owned_rules() if not r.needs_types], False)]
+    if infer:
+        stages += [(s, [r for p in passes if p.stage <= s for r in p.owned_rules()], True)
+                   for s in STAGES]
+    else:
+        stages += [(1, [r for p in passes for r in p.owned_rules() if not r.needs_types],
+                    False)]
+    for stage, rules, typed in stages:
+        if stage == 1 and infer:
+            _analysis(InferShapes(), model, report)
+        records = {p.name: PassRecord(p.name) for p in passes}
+        t0 = time.perf_counter()
+        rw = run_rules(model, rules, records, infer=typed, budget=budget)
+        report.rewrites += rw.applied
+        report.converged &= rw.converged
+        if stage == stages[-1][0]:
+            for p in passes:
+                p.finish(model, records[p.name])
+        dt = time.perf_counter() - t0
+        for p in passes:
+            records[p.name].seconds = dt / max(1, len(passes))
+            report.records.append((stage, records[p.name]))
+        report.iterations += 1
 
 
 def _level(level: int | str) -> int:

@@ -8,9 +8,13 @@ runtime would); and small integer values whose elements shape inference knows
 makes a model with fixed input shapes lose its whole shape-computing subgraph. An ``If``
 whose condition is constant is replaced by the branch it would take.
 
-Not folded: random ops, ``DequantizeLinear`` (quantized weights stay small), nodes that
-would turn small inputs into a large constant (an ``Expand`` to a big mask), overridable
-initializers (a feed may change them), and ops Kiln has no kernel for.
+Not folded: non-deterministic ops (``OpDef.deterministic``), ``DequantizeLinear``
+(quantized weights stay small), nodes that would turn small inputs into a large constant (an
+``Expand`` to a big mask), overridable initializers (a feed may change them), nodes holding
+subgraphs (but see ``If``) and ops Kiln has no kernel for. Kernels run through
+:func:`kiln.ops.registry.evaluate`, the ops layer's own entry point.
+
+Each is a rule: folding a node queues its readers, which may now have constant inputs.
 """
 
 from __future__ import annotations
@@ -19,103 +23,91 @@ import logging
 
 import numpy as np
 
-from kiln.ir import DType, Graph, Model, Node, TensorType
+from kiln.ir import DType, Graph, Node, TensorType
 from kiln.ops import registry
 from kiln.passes import symdim
-from kiln.passes.base import (
-    Pass,
-    PassRecord,
-    adopt_const,
-    const_value,
-    graphs,
-    make_const,
-    rebuild,
-    tensor_type,
-)
+from kiln.passes.base import RulePass, adopt_const, const_value, tensor_type
+from kiln.passes.rewrite import Rewriter, Rule, ops
 
 log = logging.getLogger(__name__)
 
-NONDETERMINISTIC = frozenset({"RandomNormal", "RandomUniform", "RandomNormalLike",
-                              "RandomUniformLike", "Bernoulli", "Multinomial"})
-NEVER_FOLD = NONDETERMINISTIC | {"DequantizeLinear", "DynamicQuantizeLinear"}
+NEVER_FOLD = frozenset({"DequantizeLinear", "DynamicQuantizeLinear"})
 GROWTH_LIMIT_BYTES = 1 << 20
 """A folded output may exceed twice its inputs' size only up to this many bytes."""
 
 
-class FoldConstants(Pass):
+class FoldConstants(RulePass):
     """Replace constant-input nodes by the constants they compute."""
 
     name = "fold_constants"
     level = 1
 
-    def run(self, model: Model, record: PassRecord) -> None:
-        for g in list(graphs(model.graph)):
-            fold_graph(g, model, record)
+    def rules(self) -> list[Rule]:
+        return [Rule("Constant node", ops("Constant"), _match_constant_node, _apply_fold,
+                     needs_types=False),
+                Rule("If with constant condition", ops("If"), _match_if, _inline_if),
+                Rule("fold", None, _match_fold, _apply_fold, _check_fold)]
 
 
-def fold_graph(g: Graph, model: Model, record: PassRecord) -> None:
-    remove: set[Node] = set()
-    insert: dict[Node, list[Node]] = {}
-    for n in g.nodes:
-        if n.domain == "" and n.op_type == "If":
-            nodes = _inline_if(g, n)
-            if nodes is not None:
-                insert[n] = nodes
-                remove.add(n)
-                record.add("If with constant condition inlined")
-            continue
-        what = _fold_node(g, n, model)
-        if what:
-            remove.add(n)
-            record.add(what)
-    if remove:
-        rebuild(g, remove, insert)
-
-
-def _fold_node(g: Graph, n: Node, model: Model) -> str | None:
+def _fresh_outputs(n: Node) -> list:
     outs = [v for v in n.outputs if v is not None]
-    if not outs or any(v.const is not None for v in outs):
-        return None
-    if n.domain == "" and n.op_type == "Constant":
-        arr = constant_array(n)
-        if arr is None:
-            return None
-        make_const(outs[0], g, arr)
-        return "Constant nodes to initializers"
-    if n.domain == "" and n.op_type in NEVER_FOLD:
+    return outs if outs and all(v.const is None for v in outs) else []
+
+
+def _match_constant_node(rw: Rewriter, n: Node):
+    outs = _fresh_outputs(n)
+    arr = constant_array(n) if outs else None
+    return None if arr is None else (n, [arr], "Constant nodes to initializers", 0)
+
+
+def _foldable(rw: Rewriter, n: Node) -> bool:
+    if n.domain == "" and (n.op_type in NEVER_FOLD or n.op_type == "Constant"):
+        return False
+    d = registry.lookup(n.domain, n.op_type, rw.opset(n))
+    return d is None or d.deterministic
+
+
+def _match_fold(rw: Rewriter, n: Node):
+    """(node, output arrays, label, input bytes) when every output is known."""
+    if not _fresh_outputs(n) or not _foldable(rw, n):
         return None
     known = _from_syms(n)
     if known is not None:
-        for v, arr in zip(n.outputs, known):
-            if v is not None:
-                make_const(v, g, arr)
-        return f"{n.op_type} folded (shape known)"
-    if any(True for _ in n.subgraphs()):
+        return n, known, f"{n.op_type} folded (shape known)", None
+    if not n.inputs or any(True for _ in n.subgraphs()):
         return None
     if any(v is not None and const_value(v) is None for v in n.inputs):
         return None
-    if not n.inputs:
-        return None
-    results = run_kernel(n, model)
+    results = run_kernel(n, rw.opset(n))
     if results is None:
         return None
-    in_bytes = sum(v.const.nbytes for v in n.inputs if v is not None)
-    out_bytes = sum(r.nbytes for r in results)
+    return n, results, f"{n.op_type} folded", sum(v.const.nbytes for v in n.inputs
+                                                  if v is not None)
+
+
+def _check_fold(rw: Rewriter, m) -> str | None:
+    _, results, _, in_bytes = m
+    if in_bytes is None:
+        return None
+    out_bytes = sum(r.nbytes for r in results if r is not None)
     if out_bytes > max(2 * in_bytes, GROWTH_LIMIT_BYTES):
-        return None
-    for v, arr in zip(n.outputs, results):
+        return "the constant would be large and much bigger than its inputs"
+    return None
+
+
+def _apply_fold(rw: Rewriter, m) -> str:
+    n, results, label, _ = m
+    for v, arr in zip([v for v in n.outputs if v is not None] if label.startswith("Constant")
+                      else n.outputs, results):
         if v is not None:
-            make_const(v, g, arr)
-    return f"{n.op_type} folded"
+            rw.make_const(v, arr)
+    rw.remove(n)
+    return label
 
 
-def run_kernel(n: Node, model: Model) -> list[np.ndarray] | None:
-    """The node's outputs computed by its registered NumPy kernel (None if it has none,
-    fails, or gives something other than one array per output of a sensible dtype)."""
-    opset = model.opset_imports.get(n.domain, model.opset)
-    d = registry.lookup(n.domain, n.op_type, opset)
-    if d is None:
-        return None
+def run_kernel(n: Node, opset: int) -> list[np.ndarray] | None:
+    """The node's outputs computed by its NumPy kernel (None if it has none, fails, or
+    gives something other than one array per output of the dtype the spec says)."""
     args = [None if v is None else v.const for v in n.inputs]
     try:
         with np.errstate(all="ignore"):
@@ -134,7 +126,7 @@ def run_kernel(n: Node, model: Model) -> list[np.ndarray] | None:
             return None
         want = tensor_type(v)
         if want is not None and want.dtype != DType.UNDEFINED and r.dtype != want.dtype.numpy:
-            return None  # trust the runtime only where it agrees with the spec's type
+            return None  # trust the kernel only where it agrees with the spec's type
         out.append(r)
     return out
 
@@ -184,9 +176,8 @@ def constant_array(n: Node) -> np.ndarray | None:
     return None
 
 
-def _inline_if(g: Graph, n: Node) -> list[Node] | None:
-    """The nodes replacing an ``If`` whose condition is a constant: the taken branch's
-    nodes, then an Identity per output (freezing removes those it can)."""
+def _match_if(rw: Rewriter, n: Node):
+    """The branch an ``If`` with a constant condition takes."""
     cond = const_value(n.inputs[0]) if n.inputs else None
     if cond is None or cond.size != 1:
         return None
@@ -195,12 +186,23 @@ def _inline_if(g: Graph, n: Node) -> list[Node] | None:
         return None
     if any(v.meta.get("overridable") for v in branch.initializers.values()):
         return None
+    return n, branch
+
+
+def _inline_if(rw: Rewriter, m) -> str:
+    """Move the taken branch's nodes before the ``If``, then an Identity per output
+    (freezing removes those it can), and drop the ``If``."""
+    n, branch = m
+    g = n.graph
     for v in branch.initializers.values():
         adopt_const(g, v)
     nodes = list(branch.nodes)
+    for x in nodes:
+        branch.remove_node(x)
     for out, src in zip(n.outputs, branch.outputs):
         if out is not None:
             nodes.append(Node("Identity", [src], [out], name=f"{n.name}_out"))
             if out.type is None and isinstance(src.type, TensorType):
                 out.type = src.type
-    return nodes
+    rw.replace([n], nodes)
+    return "If with constant condition inlined"
