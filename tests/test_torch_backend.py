@@ -170,6 +170,18 @@ def test_transformer_block_matches_onnxruntime(transformer_block, optimize):
     assert not sess.placement().fallbacks
 
 
+def test_inspect_shows_exactly_the_layers_a_torch_session_runs(transformer_block, conv_net):
+    """What the torch backend can run is known without constructing it, so inspecting the
+    optimized model for torch and a torch session fuse the same layers."""
+    for model in (transformer_block, conv_net):
+        summary = kiln.inspect(kiln.optimize(kiln.load(model), backend="torch"),
+                               backend="torch")
+        sess = kiln.InferenceSession(model, backend="torch")
+        assert [x.op_type for x in summary.layers] == [s.node.op_type for s in sess.plan.steps]
+        assert [x.how for x in summary.layers] == [s.placement for s in sess.plan.steps]
+        assert any(x.domain == "ai.kiln" for x in summary.layers)  # fused ops did appear
+
+
 # -- torch in, torch out ----------------------------------------------------------------
 
 def test_torch_feeds_and_torch_outputs(mlp_model):
