@@ -40,8 +40,8 @@ def type_proto(t: ValueType | None) -> onnx.TypeProto:
                 dim = shape.dim.add()
                 if isinstance(d, int):
                     dim.dim_value = d
-                elif isinstance(d, str):
-                    dim.dim_param = d
+                elif d is not None:
+                    dim.dim_param = str(d)
     elif isinstance(t, SequenceType):
         tp.sequence_type.elem_type.CopyFrom(type_proto(t.elem))
     elif isinstance(t, OptionalType):

@@ -24,6 +24,7 @@ from kiln.ir import (
     TensorType,
     Value,
     ValueType,
+    parse_dim,
 )
 from kiln.onnxio.tensors import sparse_to_array, to_array
 
@@ -74,7 +75,8 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
         shape = None
         if t.HasField("shape"):
             shape = tuple(
-                d.dim_value if d.HasField("dim_value") else (d.dim_param or None)
+                d.dim_value if d.HasField("dim_value") else
+                (parse_dim(d.dim_param) if d.dim_param else None)
                 for d in t.shape.dim)
         try:
             dtype = DType(t.elem_type)

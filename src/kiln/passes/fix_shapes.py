@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 from kiln.errors import ShapeError
-from kiln.ir import Model, TensorType, Value
+from kiln.ir import Model, SymDim, TensorType, Value, as_dim
 from kiln.passes import symdim
 from kiln.passes.base import Pass, PassRecord, graphs
 from kiln.passes.infer_shapes import clear_syms
@@ -23,7 +23,7 @@ class FixInputShapes(Pass):
     name = "fix_input_shapes"
     level = 0
 
-    def __init__(self, input_shapes: Mapping[str, Sequence[int | str | None]]):
+    def __init__(self, input_shapes: Mapping[str, Sequence[int | str | SymDim | None]]):
         self.input_shapes = dict(input_shapes)
 
     def run(self, model: Model, record: PassRecord) -> None:
@@ -38,7 +38,8 @@ class FixInputShapes(Pass):
 def fix_inputs(model: Model, shapes: Mapping[str, Sequence]) -> dict[str, int]:
     """Set the inputs' shapes; returns the symbol values the new dims imply. Raises
     ShapeError for an unknown input, a rank that differs from the model's, or a dim the
-    model already fixes to another value."""
+    model already fixes to another value. Dims given as text (``"batch"``, ``"seq*2"``)
+    are parsed as symbolic dims."""
     by_name = {v.name: v for v in model.graph.inputs}
     unknown = [k for k in shapes if k not in by_name]
     if unknown:
@@ -50,7 +51,8 @@ def fix_inputs(model: Model, shapes: Mapping[str, Sequence]) -> dict[str, int]:
         t = v.type
         if not isinstance(t, TensorType):
             raise ShapeError(f"input {name!r} is not a tensor; its shape cannot be fixed")
-        dims = tuple(None if d is None else d if isinstance(d, str) else int(d) for d in dims)
+        dims = tuple(as_dim(d) if d is None or isinstance(d, (str, SymDim)) else int(d)
+                     for d in dims)
         if any(isinstance(d, int) and d < 0 for d in dims):
             raise ShapeError(f"input_shapes[{name!r}] = {list(dims)} has a negative dim")
         if t.shape is not None:
@@ -61,11 +63,12 @@ def fix_inputs(model: Model, shapes: Mapping[str, Sequence]) -> dict[str, int]:
                 if isinstance(old, int) and isinstance(new, int) and old != new:
                     raise ShapeError(f"input {name!r} dim {i} is fixed to {old} by the model; "
                                      f"input_shapes gives {new}")
-                if isinstance(old, str) and isinstance(new, int):
-                    if bindings.get(old, new) != new:
-                        raise ShapeError(f"symbol {old!r} is given two values: "
-                                         f"{bindings[old]} and {new}")
-                    bindings[old] = new
+                sym = old.symbol if isinstance(old, SymDim) else None
+                if sym is not None and isinstance(new, int):
+                    if bindings.get(sym, new) != new:
+                        raise ShapeError(f"symbol {sym!r} is given two values: "
+                                         f"{bindings[sym]} and {new}")
+                    bindings[sym] = new
             dims = tuple(symdim.merge_dim(n, o) for o, n in zip(t.shape, dims))
         v.type = TensorType(t.dtype, dims)
     return bindings

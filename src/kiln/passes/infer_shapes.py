@@ -1,8 +1,8 @@
 """Shape and type inference: give every value of the model (subgraphs included) a dtype
 and a shape as precise as the inputs allow, with symbolic dims.
 
-Per node, in order of precedence: the op's own inference (``OpDef.infer``: Kiln's fused
-ops, custom ops) and the symbolic rules of :mod:`kiln.passes.symdim` (Reshape, Concat,
+Per node: the op's own inference (``OpDef.infer``: Kiln's fused ops, custom ops, and for
+standard ops the symbolic rules of :mod:`kiln.passes.shape_rules` — Reshape, Concat,
 Flatten... whose dims are arithmetic on symbols), merged over ONNX's per-node inference
 (``onnx.shape_inference.infer_node_outputs``) for standard ops. Small integer tensors also
 get their symbolic *value* (``Value.meta["sym"]``), which is what lets a
@@ -27,7 +27,10 @@ from kiln.ir import DType, Graph, Model, Node, SequenceType, TensorType, Value
 from kiln.onnxio.exporter import Names, attr, type_proto
 from kiln.onnxio.importer import value_type
 from kiln.ops import registry
-from kiln.passes import symdim
+from kiln.passes import (
+    shape_rules,  # noqa: F401 - registers the standard ops' symbolic rules
+    symdim,
+)
 from kiln.passes.base import Pass, PassRecord, graphs
 from kiln.passes.symdim import InferContext, merge_dim
 
@@ -61,10 +64,11 @@ def infer_node(n: Node, model: Model) -> int:
     """Infer ``n``'s output types (and nested graphs); returns how many got refined."""
     opset = model.opset_imports.get(n.domain, model.opset)
     changed = 0
+    ctx = InferContext(n, opset)
     if any(True for _ in n.subgraphs()):
         types, changed = _control_flow(n, model)
     else:
-        types = node_types(n, opset, model)
+        types = node_types(n, opset, model, ctx)
     for v, t in zip(n.outputs, types):
         if v is None:
             continue
@@ -72,17 +76,12 @@ def infer_node(n: Node, model: Model) -> int:
         if merged != v.type:
             v.type = merged
             changed += 1
-    ctx = InferContext(n, opset, [v.type if v is not None else None for v in n.outputs])
-    try:
-        syms = symdim.eval_sym(ctx)
-    except Exception:  # noqa: BLE001 - a malformed node just stays unknown
-        syms = None
     for i, v in enumerate(n.outputs):
         if v is None:
             continue
-        s = syms[i] if syms is not None and i < len(syms) else None
+        s = ctx.out_syms.get(i)
         if s is not None and _small_int(v):
-            v.meta["sym"] = tuple(s)
+            v.meta["sym"] = s
         else:
             v.meta.pop("sym", None)
     return changed
@@ -94,26 +93,25 @@ def _small_int(v: Value) -> bool:
         (t.shape is None or len(t.shape) <= 1)
 
 
-def node_types(n: Node, opset: int, model: Model) -> list:
-    """Output types of one node without subgraphs (None where unknown)."""
+def node_types(n: Node, opset: int, model: Model, ctx: InferContext | None = None) -> list:
+    """Output types of one node without subgraphs (None where unknown). The symbolic
+    values the op's rule finds are left in ``ctx.out_syms``."""
     out: list = [None] * len(n.outputs)
     opdef = registry.lookup(n.domain, n.op_type, opset)
-    rules = [opdef.infer] if opdef is not None and opdef.infer is not None else []
-    if n.domain == "":
-        own = symdim.infer_rule(n.op_type)
-        if own is not None and own not in rules:
-            rules.append(own)  # symbolic dims even if the op's own rule knows none
     if n.domain in ("", "ai.onnx.ml", "ai.onnx.preview.training"):
         out = _merge_lists(out, onnx_infer(n, opset, model.opset_imports))
-    for rule in reversed(rules):  # the op's own rule has the last (deciding) word
-        try:
-            mine = _call_rule(rule, n, opset, out)
-        except Exception as e:  # noqa: BLE001 - inference must never stop a model loading
-            log.debug("shape rule for %s failed: %s", n.op_type, e)
-            mine = None
-        if mine is not None:
-            mine = mine if isinstance(mine, (list, tuple)) else [mine]
-            out = _merge_lists(list(mine) + [None] * (len(out) - len(mine)), out)
+    if opdef is None or opdef.infer is None:
+        return out
+    ctx = ctx or InferContext(n, opset)
+    ctx.out_types = out
+    try:
+        mine = _call_rule(opdef.infer, n, ctx)
+    except Exception as e:  # noqa: BLE001 - inference must never stop a model loading
+        log.debug("shape rule for %s failed: %s", n.op_type, e)
+        mine = None
+    if mine is not None:  # the op's own rule has the deciding word
+        mine = mine if isinstance(mine, (list, tuple)) else [mine]
+        out = _merge_lists(list(mine) + [None] * (len(out) - len(mine)), out)
     return out
 
 
@@ -130,10 +128,10 @@ def _signature(fn):
     return wants_ctx, keys, any_kw
 
 
-def _call_rule(fn, n: Node, opset: int, known: list):
+def _call_rule(fn, n: Node, ctx: InferContext):
     wants_ctx, keys, any_kw = _signature(fn)
     if wants_ctx:
-        return fn(InferContext(n, opset, known))
+        return fn(ctx)
     types = [v.type if v is not None else None for v in n.inputs]
     attrs = {k: a for k, a in n.attrs.items() if any_kw or k in keys}
     return fn(*types, **attrs)

@@ -10,7 +10,7 @@ import numpy as np
 import onnx
 
 from kiln.errors import InputError
-from kiln.ir import DType, Model, TensorType, Value
+from kiln.ir import DType, Model, TensorType, Value, plain_shape
 from kiln.onnxio import load
 from kiln.runtime.backend import Backend
 from kiln.runtime.placement import PlacementReport
@@ -28,8 +28,7 @@ class NodeArg:
 
 
 def _node_arg(v: Value) -> NodeArg:
-    shape = list(v.type.shape) if isinstance(v.type, TensorType) and v.type.shape is not None \
-        else None
+    shape = plain_shape(v.type.shape) if isinstance(v.type, TensorType) else None
     return NodeArg(v.name, shape, str(v.type) if v.type is not None else "unknown")
 
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import os
-from math import prod
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +10,7 @@ import numpy as np
 import onnx
 
 from kiln.errors import InputError, KilnError
-from kiln.ir import DType, Model, TensorType, Value
+from kiln.ir import DType, Model, SymDim, TensorType, Value, parse_dim, plain_shape
 from kiln.onnxio import load, to_proto
 
 
@@ -68,11 +67,10 @@ def dtype_name(t: DType | None) -> str:
 
 
 def dims_of(v: Value) -> list[int | str | None] | None:
-    """The declared shape of ``v`` as a list (ints, symbol names, None), None if unranked."""
+    """The declared shape of ``v`` as a list (ints, symbolic dims as text such as ``batch``
+    or ``batch*12``, None), None if unranked."""
     t = v.type
-    if isinstance(t, TensorType) and t.shape is not None:
-        return list(t.shape)
-    return None
+    return plain_shape(t.shape) if isinstance(t, TensorType) else None
 
 
 def fmt_dims(dims: list | tuple | None) -> str:
@@ -93,33 +91,19 @@ def type_name(v: Value) -> str:
 def concrete_shape(dims: list | None, sizes: dict[str, int] | None = None,
                    default: int = 1) -> tuple[int, ...] | None:
     """``dims`` with symbols replaced from ``sizes`` (else ``default``), unknowns by
-    ``default``; None when the rank is unknown."""
+    ``default``; None when the rank is unknown. Expressions such as ``batch*seq`` (what
+    shape inference writes for reshaped dims) are evaluated over the symbols' sizes."""
     if dims is None:
         return None
     sizes = sizes or {}
     out = []
     for d in dims:
-        if isinstance(d, int):
-            out.append(d)
-        elif isinstance(d, str):
-            out.append(_eval_dim(d, sizes, default))
-        else:
-            out.append(default)
+        if isinstance(d, str):
+            d = int(sizes[d]) if d in sizes else parse_dim(d)
+        if isinstance(d, SymDim):
+            d = max(d.evaluate(sizes, default), 0)
+        out.append(default if d is None else int(d))
     return tuple(out)
-
-
-def _eval_dim(d: str, sizes: dict[str, int], default: int) -> int:
-    """A symbolic dim's size; expressions such as ``batch*seq`` (what shape inference
-    writes for reshaped dims) are evaluated over the symbols' sizes."""
-    if d in sizes:
-        return int(sizes[d])
-    try:
-        from kiln.passes.symdim import parse
-    except ImportError:
-        return default
-    poly = parse(d) or {}
-    total = sum(c * prod(int(sizes.get(s, default)) for s in mono) for mono, c in poly.items())
-    return max(int(total), 0)
 
 
 def random_feeds(model: Model, dims: dict[str, int] | None = None, seed: int = 0,
