@@ -11,11 +11,10 @@ import pytest
 import kiln
 from kiln.ir import DType, TensorType
 from kiln.optimize import PASS_NAMES, optimize_with_report
-from kiln.ir import check_uses
 from kiln.passes import symdim
 from kiln.passes.base import PassRecord, clone_model
-from kiln.passes.rewrite import Rule, apply_plan, run_rules
 from kiln.passes.infer_shapes import infer_model
+from kiln.passes.rewrite import Rule, apply_plan, run_rules
 from test_passes_helpers import I64, F, helper, init, make_model, ops, optimized, ort_run, rand, vi
 
 # ---------------------------------------------------------------- symbolic dims

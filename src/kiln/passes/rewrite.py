@@ -77,6 +77,7 @@ class Rewriter:
                 for key in r.roots:
                     self._by_root.setdefault(key, []).append(r)
         self._queue: deque[Node] = deque()
+        self._seeds: dict[Node, int] = {}
         self._queued: set[Node] = set()
         self._stale: set[Node] = set()
         self.order: dict[Node, int] = {}
@@ -128,10 +129,11 @@ class Rewriter:
                 continue
             self._declines.pop(key, None)
             label = rule.apply(self, m)
+            self._flush()
             if label:
                 self.records[rule.owner].add(label)
                 self.applied += 1
-                self.touch(n)
+                self._push(n)
                 return  # the node may be gone or different: visit it afresh
             if n.graph is None:
                 return
@@ -149,33 +151,39 @@ class Rewriter:
             self._queue.append(n)
 
     def touch(self, *nodes: Node | None, radius: int = NEIGHBOURHOOD) -> None:
-        """Queue ``nodes`` and the nodes within ``radius`` hops of them for another visit."""
-        frontier = [n for n in nodes if n is not None]
-        seen: set[Node] = set(frontier)
+        """Queue ``nodes`` and the nodes within ``radius`` hops of them for another visit
+        (gathered per rewrite and walked once, when the rewrite is done)."""
+        for n in nodes:
+            if n is not None:
+                r = self._seeds.get(n)
+                if r is None or r < radius:
+                    self._seeds[n] = radius
+
+    def _flush(self) -> None:
+        """One breadth-first walk from every node touched since the last flush."""
+        seeds, self._seeds = self._seeds, {}
+        if not seeds:
+            return
+        left: dict[Node, int] = dict(seeds)
+        frontier = list(seeds)
         for n in frontier:
             self._push(n)
-        for _ in range(radius):
+        while frontier and len(left) <= NEIGHBOURHOOD_CAP * max(1, len(seeds)):
             nxt: list[Node] = []
             for n in frontier:
-                for v in n.inputs:
-                    p = v.producer if v is not None else None
-                    if p is not None and p not in seen:
-                        seen.add(p)
-                        nxt.append(p)
+                r = left[n] - 1
+                if r < 0:
+                    continue
+                around = [v.producer for v in n.inputs if v is not None and v.producer]
                 for v in n.outputs:
-                    if v is None:
-                        continue
-                    for m, _ in v._uses:
-                        if m not in seen:
-                            seen.add(m)
-                            nxt.append(m)
-                if len(seen) > NEIGHBOURHOOD_CAP:
-                    break
-            for m in nxt:
-                self._push(m)
+                    if v is not None:
+                        around += [m for m, _ in v._uses]
+                for m in around:
+                    if left.get(m, -1) < r:
+                        left[m] = r
+                        nxt.append(m)
+                        self._push(m)
             frontier = nxt
-            if not frontier or len(seen) > NEIGHBOURHOOD_CAP:
-                break
 
     def touch_value(self, v: Value | None) -> None:
         """Queue the producer and readers of ``v`` (something about it changed)."""
