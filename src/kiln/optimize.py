@@ -146,12 +146,16 @@ def _rewrite(model: Model, passes: list[RulePass], report: OptimizeReport, infer
     else:
         stages += [(1, [r for p in passes for r in p.owned_rules() if not r.needs_types],
                     False)]
+    done: set[tuple[str, str]] = set()
     for stage, rules, typed in stages:
         if stage == 1 and infer:
             _analysis(InferShapes(), model, report)
         records = {p.name: PassRecord(p.name) for p in passes}
         t0 = time.perf_counter()
-        rw = run_rules(model, rules, records, infer=typed, budget=budget)
+        # rules that ran to a fixed point in an earlier stage only need the changes
+        sweep = [r for r in rules if (r.owner, r.name) not in done]
+        rw = run_rules(model, rules, records, infer=typed, budget=budget, sweep=sweep)
+        done |= {(r.owner, r.name) for r in rules}
         report.rewrites += rw.applied
         report.converged &= rw.converged
         if stage == stages[-1][0]:

@@ -63,9 +63,14 @@ class Rewriter:
     neighbourhood of the change is queued again."""
 
     def __init__(self, model: Model, rules: Iterable[Rule], records: dict[str, PassRecord],
-                 infer: bool = True, budget: int | None = None):
+                 infer: bool = True, budget: int | None = None,
+                 sweep: Iterable[Rule] | None = None):
         self.model = model
         self.rules = list(rules)
+        self._sweep = None if sweep is None else {id(r) for r in sweep}
+        """Rules the first visit of an untouched node tries (None: all). A stage whose
+        other rules already ran to a fixed point sweeps with its new rules only."""
+        self._full: set[Node] = set()
         self.records = records
         self.infer = infer
         self._by_root: dict[tuple[str, str], list[Rule]] = {}
@@ -95,7 +100,9 @@ class Rewriter:
         for g in graphs(self.model.graph):
             for n in g.nodes:
                 self._number(n)
-                self._push(n)
+                if n not in self._queued:
+                    self._queued.add(n)
+                    self._queue.append(n)
         t0 = time.perf_counter()
         while self._queue:
             n = self._queue.popleft()
@@ -116,8 +123,11 @@ class Rewriter:
         self.seconds = time.perf_counter() - t0
 
     def _visit(self, n: Node) -> None:
-        rules = self._by_root.get((n.domain, n.op_type), ())
-        for rule in (*rules, *self._any):
+        rules = (*self._by_root.get((n.domain, n.op_type), ()), *self._any)
+        if self._sweep is not None and n not in self._full:
+            rules = tuple(r for r in rules if id(r) in self._sweep)
+        self._full.discard(n)
+        for rule in rules:
             m = rule.match(self, n)
             key = (f"{rule.owner}:{rule.name}", n)
             if m is None:
@@ -146,6 +156,7 @@ class Rewriter:
             self._next_pos += 1
 
     def _push(self, n: Node) -> None:
+        self._full.add(n)
         if n not in self._queued and n.graph is not None:
             self._queued.add(n)
             self._queue.append(n)
@@ -298,13 +309,16 @@ class Rewriter:
 
 
 def run_rules(model: Model, rules: Iterable[Rule], records: dict[str, PassRecord], *,
-              infer: bool = True, budget: int | None = None) -> Rewriter:
+              infer: bool = True, budget: int | None = None,
+              sweep: Iterable[Rule] | None = None) -> Rewriter:
     """Apply ``rules`` to ``model`` until none applies; changes go into ``records`` (one
-    per rule owner, created when missing). Returns the engine (for its counters)."""
+    per rule owner, created when missing). ``sweep``: the rules the first pass over the
+    graph tries (the others are at a fixed point already; they still apply near changes).
+    Returns the engine (for its counters)."""
     rules = list(rules)
     for r in rules:
         records.setdefault(r.owner, PassRecord(r.owner))
-    rw = Rewriter(model, rules, records, infer=infer, budget=budget)
+    rw = Rewriter(model, rules, records, infer=infer, budget=budget, sweep=sweep)
     rw.run()
     return rw
 
