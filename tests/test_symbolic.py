@@ -150,7 +150,7 @@ def test_session_and_reports_show_strings():
     sess = kiln.InferenceSession(proto.SerializeToString())
     shape = sess.get_inputs()[0].shape
     assert shape == ["batch", 4] and type(shape[0]) is str
-    from kiln.tools._common import concrete_shape, dims_of
+    from kiln.tools.common import concrete_shape, dims_of
 
     m = kiln.load(proto)
     assert dims_of(m.graph.inputs[0]) == ["batch", 4]

@@ -8,7 +8,7 @@ from typing import Any
 import numpy as np
 
 from kiln.tools import BenchResult, ModelSummary, Profile
-from kiln.tools._common import fmt_dims
+from kiln.tools.common import fmt_dims
 
 
 def human(n: float, unit: str = "") -> str:

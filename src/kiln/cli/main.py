@@ -217,7 +217,7 @@ def _dims(args) -> dict[str, int]:
 
 def _feeds(args, model, random_rest: bool):
     """Feeds from --input, the others random when ``random_rest``; None = all random."""
-    from kiln.tools._common import feeds_from_specs, random_feeds
+    from kiln.tools.common import feeds_from_specs, random_feeds
 
     if not args.input:
         return None if random_rest else {}
@@ -238,7 +238,7 @@ def _emit_json(obj: Any) -> None:
 def cmd_inspect(args) -> int:
     from kiln.cli.format import summary_text
     from kiln.tools import inspect
-    from kiln.tools._common import load_model
+    from kiln.tools.common import load_model
 
     model: Any = args.model
     if args.optimize:
@@ -268,7 +268,7 @@ def cmd_optimize(args) -> int:
         raise UsageError(f"unknown pass(es) {unknown} for --disable; the passes are "
                          + ", ".join(names))
     from kiln.passes.base import count_nodes, op_histogram
-    from kiln.tools._common import load_model
+    from kiln.tools.common import load_model
 
     model = load_model(args.model)
     before_nodes, before_ops = count_nodes(model.graph), op_histogram(model.graph)
@@ -300,7 +300,7 @@ def cmd_optimize(args) -> int:
     print("ops changed: " + (", ".join(diff) if diff else "none"))
     if args.input_shape:
         shapes = {v.name: v.shape for v in out.graph.inputs}
-        from kiln.tools._common import fmt_dims
+        from kiln.tools.common import fmt_dims
         print("inputs: " + ", ".join(f"{n} {fmt_dims(s)}" for n, s in shapes.items()))
     return 0
 
@@ -309,7 +309,7 @@ def cmd_run(args) -> int:
     import numpy as np
 
     from kiln.cli.format import array_summary, table
-    from kiln.tools._common import load_model, random_feeds, session_for
+    from kiln.tools.common import load_model, random_feeds, session_for
 
     model = load_model(args.model)
     feeds = _feeds(args, model, args.random) if args.input else {}
@@ -347,7 +347,7 @@ def cmd_run(args) -> int:
 def cmd_profile(args) -> int:
     from kiln.cli.format import profile_text
     from kiln.tools import profile
-    from kiln.tools._common import load_model, model_name, session_for
+    from kiln.tools.common import load_model, model_name, session_for
 
     model = load_model(args.model)
     feeds = _feeds(args, model, True)
@@ -370,7 +370,7 @@ def cmd_profile(args) -> int:
 def cmd_bench(args) -> int:
     from kiln.cli.format import bench_text
     from kiln.tools import bench
-    from kiln.tools._common import load_model
+    from kiln.tools.common import load_model
 
     feeds = None
     if args.input:
@@ -389,7 +389,7 @@ def cmd_bench(args) -> int:
 
 def cmd_report(args) -> int:
     from kiln.tools import report
-    from kiln.tools._common import load_model
+    from kiln.tools.common import load_model
 
     feeds = None
     if args.input:

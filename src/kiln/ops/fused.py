@@ -19,6 +19,7 @@ import math
 import numpy as np
 
 from kiln.ir import TensorType
+from kiln.ir.symbolic import broadcast
 from kiln.ops import cost
 from kiln.ops.conv import CONV_ATTRS, convolve, prepare_winograd
 from kiln.ops.registry import KILN_DOMAIN, lookup, op
@@ -174,7 +175,7 @@ def _standard_kernel(op_type: str):
 def _infer_as(ctx, op_type: str, n_inputs: int, drop: tuple[str, ...]):
     """Output type of the standard op the fused one starts with (Conv, Gemm, MatMul)."""
     from kiln.ir import Node
-    from kiln.passes.infer_shapes import onnx_infer
+    from kiln.onnxio.infer import onnx_infer
 
     node = ctx.node
     attrs = {k: v for k, v in node.attrs.items() if k not in drop}
@@ -308,8 +309,6 @@ def _infer_attention(q, k, v, mask=None, **attrs):
         return None
     if q.shape is None or v.shape is None:
         return TensorType(q.dtype)
-    from kiln.passes.symdim import broadcast
-
     batch = broadcast(q.shape[:-2], v.shape[:-2])
     return TensorType(q.dtype, tuple(batch) + (q.shape[-2], v.shape[-1]))
 

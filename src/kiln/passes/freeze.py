@@ -19,9 +19,9 @@ from __future__ import annotations
 import onnx
 
 from kiln.ir import Node
+from kiln.onnxio.infer import op_schema
 from kiln.passes import symdim
 from kiln.passes.base import RulePass, const_value, dtype_of, shape_of
-from kiln.passes.infer_shapes import _schema
 from kiln.passes.rewrite import Rewriter, Rule, ops
 
 _VARIADIC_SAME = {"Concat", "Sum", "Max", "Min", "Mean"}
@@ -138,7 +138,7 @@ def _match_unused_outputs(rw: Rewriter, n: Node):
         return None
     if all(v is None or v.is_used() for v in n.outputs[1:]):
         return None
-    schema = _schema(n.op_type, rw.model.opset_imports.get("", rw.model.opset), "")
+    schema = op_schema(n.op_type, rw.model.opset_imports.get("", rw.model.opset), "")
     if schema is None:
         return None
     formal = list(schema.outputs)

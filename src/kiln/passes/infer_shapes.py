@@ -20,12 +20,9 @@ import inspect
 import logging
 
 import numpy as np
-import onnx
-from onnx import numpy_helper
 
 from kiln.ir import DType, Graph, Model, Node, SequenceType, TensorType, Value
-from kiln.onnxio.exporter import Names, attr, type_proto
-from kiln.onnxio.importer import value_type
+from kiln.onnxio.infer import onnx_infer
 from kiln.ops import registry
 from kiln.passes import (
     shape_rules,  # noqa: F401 - registers the standard ops' symbolic rules
@@ -99,7 +96,7 @@ def node_types(n: Node, opset: int, model: Model, ctx: InferContext | None = Non
     out: list = [None] * len(n.outputs)
     opdef = registry.lookup(n.domain, n.op_type, opset)
     if n.domain in ("", "ai.onnx.ml", "ai.onnx.preview.training"):
-        out = _merge_lists(out, onnx_infer(n, opset, model.opset_imports))
+        out = _merge_lists(out, onnx_infer(n, opset, model.opset_imports, _data_of))
     if opdef is None or opdef.infer is None:
         return out
     ctx = ctx or InferContext(n, opset)
@@ -138,58 +135,6 @@ def _call_rule(fn, n: Node, ctx: InferContext):
 
 
 # ---------------------------------------------------------------- ONNX's per-node inference
-
-@functools.lru_cache(maxsize=4096)
-def _schema(op_type: str, opset: int, domain: str):
-    try:
-        return onnx.defs.get_schema(op_type, opset, domain)
-    except onnx.defs.SchemaError:
-        return None
-
-
-def onnx_infer(n: Node, opset: int, opset_imports: dict[str, int]) -> list:
-    """Output types from ONNX's own inference function for ``n`` (None where it says
-    nothing or fails)."""
-    schema = _schema(n.op_type, opset, n.domain)
-    if schema is None:
-        return [None] * len(n.outputs)
-    proto = onnx.NodeProto(op_type=n.op_type, domain=n.domain)
-    names, types, data = [], {}, {}
-    for i, v in enumerate(n.inputs):
-        if v is None:
-            names.append("")
-            continue
-        name = f"in{i}"
-        names.append(name)
-        types[name] = type_proto(v.type) if v.type is not None else onnx.TypeProto()
-        arr = _data_of(v)
-        if arr is not None:
-            data[name] = numpy_helper.from_array(arr, name)
-    proto.input.extend(names)
-    proto.output.extend(f"out{i}" if v is not None else "" for i, v in enumerate(n.outputs))
-    try:
-        for key, val in n.attrs.items():
-            proto.attribute.append(attr(key, val, Names(), n))
-        res = onnx.shape_inference.infer_node_outputs(
-            schema, proto, types, data,
-            opset_imports=[onnx.helper.make_opsetid(d, v) for d, v in opset_imports.items()])
-    except Exception as e:  # noqa: BLE001 - ONNX rejects what it cannot type; keep going
-        log.debug("ONNX inference for %s failed: %s", n.op_type, e)
-        return [None] * len(n.outputs)
-    out = []
-    for i, v in enumerate(n.outputs):
-        tp = res.get(f"out{i}") if v is not None else None
-        t = None
-        if tp is not None:
-            try:
-                t = value_type(tp)
-            except Exception:  # noqa: BLE001
-                t = None
-        if isinstance(t, TensorType) and t.dtype == DType.UNDEFINED:
-            t = None
-        out.append(t)
-    return out
-
 
 def _data_of(v: Value) -> np.ndarray | None:
     """Small integer contents ONNX's data-dependent inference (Reshape, Expand...) can use."""

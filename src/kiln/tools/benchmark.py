@@ -12,7 +12,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import KilnError
-from kiln.tools._common import (
+from kiln.tools.common import (
     load_model,
     model_name,
     onnx_source,

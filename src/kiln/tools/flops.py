@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kiln.ir import Node
 from kiln.ops import registry
-from kiln.tools._common import concrete_shape, dims_of
+from kiln.tools.common import concrete_shape, dims_of
 
 _LATEST = 10**6  # an opset every version's range reaches when the caller does not say
 

@@ -13,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.ir import DType, Graph, Model
-from kiln.tools._common import (
+from kiln.tools._report_assets import CSS, JS
+from kiln.tools.common import (
     dims_of,
     dtype_name,
     fmt_dims,
@@ -22,7 +23,6 @@ from kiln.tools._common import (
     session_for,
     type_name,
 )
-from kiln.tools._report_assets import CSS, JS
 from kiln.tools.profiling import Profile
 from kiln.tools.profiling import profile as run_profile
 from kiln.tools.summary import ModelSummary, inspect

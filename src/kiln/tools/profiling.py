@@ -11,7 +11,7 @@ from pathlib import Path
 from time import perf_counter
 from typing import Any
 
-from kiln.tools._common import model_name, random_feeds, session_for
+from kiln.tools.common import model_name, random_feeds, session_for
 
 
 @dataclass

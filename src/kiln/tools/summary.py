@@ -11,7 +11,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.ir import Graph, Model, Node, Value
-from kiln.tools._common import dims_of, load_model, model_name, type_name
+from kiln.tools.common import dims_of, load_model, model_name, type_name
 from kiln.tools.flops import layer_flops
 
 log = logging.getLogger(__name__)
