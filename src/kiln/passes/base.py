@@ -161,12 +161,6 @@ def op_histogram(g: Graph) -> Counter:
     return Counter((f"{n.domain}." if n.domain else "") + n.op_type for _, n in g.walk())
 
 
-def producers(g: Graph) -> dict[Value, Node]:
-    """Value -> the node of ``g`` (not of nested graphs) that computes it. Analyses that
-    want a map use this; rewrites read ``Value.producer``."""
-    return {v: n for n in g.nodes for v in n.outputs if v is not None}
-
-
 def replace_uses(g: Graph, old: Value, new: Value, outputs: bool = False) -> int:
     """Make every reader of ``old`` read ``new`` instead (through its use-list: O(uses)).
     ``g.outputs`` is changed only when ``outputs`` (output names are the model's interface);

@@ -2,8 +2,8 @@
 time (``Value.meta["host"] = True``), so a GPU backend keeps them on the host and never
 round-trips a tiny tensor to the device and back to read it.
 
-Seeds are the inputs that ops read as shape-like data (Reshape's shape, Slice's starts,
-ConstantOfShape's shape, Range's bounds, Tile's repeats, TopK's k...). From there the
+Seeds are the inputs op definitions say are read on the host (``OpDef.host_inputs``:
+Reshape's shape, Slice's starts, Range's bounds, TopK's k...). From there the
 mark spreads backwards through the small integer arithmetic that computed them (Shape,
 Gather, Concat, Unsqueeze, Add, Mul...); it stops at Shape/Size, which need only the
 *shape* of their input, not its data.
@@ -12,20 +12,10 @@ Gather, Concat, Unsqueeze, Add, Mul...); it stops at Shape/Size, which need only
 from __future__ import annotations
 
 from kiln.ir import Model, TensorType, Value
+from kiln.ops import registry
 from kiln.passes import symdim
-from kiln.passes.base import Pass, PassRecord, graphs, producers
+from kiln.passes.base import Pass, PassRecord, graphs
 
-SHAPE_INPUTS: dict[str, tuple[int, ...]] = {
-    "Reshape": (1,), "Expand": (1,), "Slice": (1, 2, 3, 4), "Tile": (1,),
-    "ConstantOfShape": (0,), "Range": (0, 1, 2), "Unsqueeze": (1,), "Squeeze": (1,),
-    "Resize": (1, 2, 3), "Upsample": (1,), "Pad": (1, 3), "TopK": (1,), "OneHot": (1,),
-    "Split": (1,), "ReduceSum": (1,), "ReduceMean": (1,), "ReduceMax": (1,),
-    "ReduceMin": (1,), "ReduceProd": (1,), "ReduceL1": (1,), "ReduceL2": (1,),
-    "ReduceLogSum": (1,), "ReduceLogSumExp": (1,), "ReduceSumSquare": (1,),
-    "NonMaxSuppression": (2, 3, 4), "CumSum": (1,), "Trilu": (1,), "CenterCropPad": (1,),
-    "Col2Im": (1, 2), "DFT": (1, 2), "STFT": (1, 3), "RandomNormalLike": (),
-    "EyeLike": (), "MaxUnpool": (2,), "RoiAlign": (2,),
-}
 SHAPE_ARITHMETIC = frozenset({
     "Gather", "Concat", "Unsqueeze", "Squeeze", "Slice", "Cast", "Add", "Sub", "Mul", "Div",
     "Neg", "Abs", "Equal", "Where", "Range", "Reshape", "ConstantOfShape", "ReduceProd",
@@ -44,9 +34,7 @@ class PinHost(Pass):
     analysis = True
 
     def run(self, model: Model, record: PassRecord) -> None:
-        prod = {}
         for g in graphs(model.graph):
-            prod.update(producers(g))
             for v in list(g.initializers.values()) + list(g.inputs):
                 v.meta.pop("host", None)
             for n in g.nodes:
@@ -56,8 +44,10 @@ class PinHost(Pass):
         stack: list[Value] = []
         for g in graphs(model.graph):
             for n in g.nodes:
-                if n.domain == "":
-                    stack += [n.inputs[i] for i in SHAPE_INPUTS.get(n.op_type, ())
+                d = registry.lookup(n.domain, n.op_type,
+                                    model.opset_imports.get(n.domain, model.opset))
+                if d is not None:
+                    stack += [n.inputs[i] for i in d.host_inputs
                               if i < len(n.inputs) and n.inputs[i] is not None]
         marked = 0
         while stack:
@@ -66,7 +56,7 @@ class PinHost(Pass):
                 continue
             v.meta["host"] = True
             marked += 1
-            p = prod.get(v)
+            p = v.producer
             if p is None or p.domain != "" or p.op_type in STOP or \
                     p.op_type not in SHAPE_ARITHMETIC:
                 continue
