@@ -561,3 +561,33 @@ def test_cuda_compile_with_cuda_graphs(mlp_model):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(mlp_model, {"x": x})[0],
                                    rtol=1e-4, atol=1e-5)
     assert sess.placement().last_run.compiled
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_a_failing_kernel_names_its_layer_and_nothing_runs_twice(backend):
+    """The straight-line program reports the failing layer from its traceback: the model
+    is not re-run to find it, so each kernel ran exactly once."""
+    calls = {"before": 0, "boom": 0}
+
+    def before(x):
+        calls["before"] += 1
+        return x + 1
+
+    def boom(x):
+        calls["boom"] += 1
+        raise ValueError("kaput")
+
+    kiln.register_op("test.once", "Before", before)
+    kiln.register_op("test.once", "Boom", boom)
+    nodes = [helper.make_node("Before", ["x"], ["a"], domain="test.once", name="first"),
+             helper.make_node("Boom", ["a"], ["b"], domain="test.once", name="the_culprit"),
+             helper.make_node("Relu", ["b"], ["y"], name="after")]
+    m = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], custom=True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FallbackWarning)
+        sess = kiln.InferenceSession(m, backend=backend, optimize=False)
+    assert sess.plan.program is not None  # runs as the straight-line program
+    with pytest.raises(kiln.KernelError, match=r"'the_culprit' \(Boom\).*kaput"):
+        sess.run(None, {"x": np.ones(2, np.float32)})
+    assert calls == {"before": 1, "boom": 1}
