@@ -11,44 +11,14 @@ import torch.nn.functional as F
 
 from kiln.ir import DType
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import FLOATS, TORCH_OF, const_tensor, is_float
+from kiln.ops.torch.arrays import FLOATS, TORCH_OF, const_tensor
 
 NI = NotImplemented
 
 
 # -- arithmetic ---------------------------------------------------------------------------
 
-@kernel("Add", 7)
-def add(a, b):
-    return a + b if a.dtype == b.dtype and a.dtype != torch.bool else NI
-
-
-@kernel("Sub", 7)
-def sub(a, b):
-    return a - b if a.dtype == b.dtype and a.dtype != torch.bool else NI
-
-
-@kernel("Mul", 7)
-def mul(a, b):
-    return a * b if a.dtype == b.dtype and a.dtype != torch.bool else NI
-
-
-@kernel("Div", 7)
-def div(a, b):
-    # Integer Div truncates; leave that (and its division by zero) to the NumPy kernel.
-    return a / b if a.dtype == b.dtype and a.dtype in FLOATS else NI
-
-
-@kernel("Pow", 7)
-def pow_(x, y):
-    if x.dtype not in FLOATS or not (y.dtype in FLOATS or y.dtype == torch.int64
-                                     or y.dtype == torch.int32):
-        return NI
-    r = torch.pow(x, y)
-    return r if r.dtype == x.dtype else r.to(x.dtype)
-
-
-@kernel("Mod", 10)
+@kernel("Mod", 10)  # 3.4x the generic kernel on floats (one torch.fmod, no abs/where)
 def mod(a, b, *, fmod=0):
     if a.dtype != b.dtype or a.dtype == torch.bool:
         return NI
@@ -70,19 +40,9 @@ def _variadic(fn):
     return run
 
 
+# 2.0x the generic kernel (torch.maximum/minimum directly, no namespace lookup)
 kernel("Max", 8)(_variadic(torch.maximum))
 kernel("Min", 8)(_variadic(torch.minimum))
-kernel("Sum", 8)(_variadic(torch.add))
-
-
-@kernel("Mean", 8)
-def mean(*xs):
-    if not is_float(*xs) or len({x.dtype for x in xs}) != 1:
-        return NI
-    r = xs[0]
-    for x in xs[1:]:
-        r = r + x
-    return r / len(xs)
 
 
 # -- unary --------------------------------------------------------------------------------
@@ -93,83 +53,74 @@ def _float_unary(fn):
     return run
 
 
-for _name, _fn in {"Sigmoid": torch.sigmoid, "Tanh": torch.tanh, "Exp": torch.exp,
-                   "Log": torch.log, "Sqrt": torch.sqrt, "Erf": torch.erf,
-                   "Reciprocal": torch.reciprocal, "Sin": torch.sin, "Cos": torch.cos,
-                   "Floor": torch.floor, "Ceil": torch.ceil, "Round": torch.round,
-                   "Softsign": F.softsign, "Tan": torch.tan, "Asin": torch.asin,
-                   "Acos": torch.acos, "Atan": torch.atan, "Sinh": torch.sinh,
-                   "Cosh": torch.cosh, "Asinh": torch.asinh, "Acosh": torch.acosh,
-                   "Atanh": torch.atanh}.items():
-    kernel(_name, 6 if _name in ("Sigmoid", "Tanh", "Exp", "Log", "Sqrt", "Reciprocal",
-                                 "Floor", "Ceil") else 1)(_float_unary(_fn))
+# The plain unary ops gain by skipping array_namespace (a few us a call), which shows on
+# (1, 16, 768) tensors; those gaining less than 1.15x (Tanh, Sinh, Cosh, the inverse trig
+# but Asin) run the generic kernel. Gains: docs/torch_overrides.json.
+for _name, _since, _fn in [
+    ("Sigmoid", 6, torch.sigmoid),  # 3.8x the generic kernel (fused op, not 1/(1+exp(-x)))
+    ("Exp", 6, torch.exp),  # 1.33x the generic kernel (no namespace lookup)
+    ("Log", 6, torch.log),  # 1.27x the generic kernel (no namespace lookup)
+    ("Sqrt", 6, torch.sqrt),  # 1.45x the generic kernel (no namespace lookup)
+    ("Erf", 1, torch.erf),  # the reference is NumPy-only: without this, a CPU fallback
+    ("Reciprocal", 6, torch.reciprocal),  # 2.4x the generic kernel (no 1.0 / x, no cast)
+    ("Sin", 1, torch.sin),  # 1.24x the generic kernel (no namespace lookup)
+    ("Cos", 1, torch.cos),  # 1.23x the generic kernel (no namespace lookup)
+    ("Tan", 1, torch.tan),  # 1.20x the generic kernel (no namespace lookup)
+    ("Asin", 1, torch.asin),  # 1.23x the generic kernel (no namespace lookup)
+    ("Floor", 6, torch.floor),  # 1.8x the generic kernel (no namespace lookup)
+    ("Ceil", 6, torch.ceil),  # 1.8x the generic kernel (no namespace lookup)
+    ("Round", 1, torch.round),  # 2.0x the generic kernel (no namespace lookup)
+    ("Softsign", 1, F.softsign),  # 1.36x the generic kernel (one op, no dtype check)
+]:
+    kernel(_name, _since)(_float_unary(_fn))
 
 
 _SIGNED = FLOATS + (torch.int8, torch.int16, torch.int32, torch.int64)
 
 
-@kernel("Neg", 6)
+@kernel("Neg", 6)  # 1.8x the generic kernel (no namespace lookup)
 def neg(x):
     return torch.neg(x) if x.dtype in _SIGNED else NI
 
 
-@kernel("Abs", 6)
+@kernel("Abs", 6)  # 1.8x the generic kernel (no namespace lookup)
 def abs_(x):
     return torch.abs(x) if x.dtype in _SIGNED or x.dtype == torch.uint8 else NI
 
 
-@kernel("Sign", 9)
+@kernel("Sign", 9)  # 8.6x the generic kernel (torch.sign; the namespace's is slow)
 def sign(x):
     return torch.sign(x) if x.dtype in _SIGNED else NI
 
 
-@kernel("Relu", 1)
+@kernel("Relu", 1)  # 7.2x the generic kernel (torch.relu, no maximum(x, 0) + cast)
 def relu(x):
     return torch.relu(x) if x.dtype in _SIGNED else NI
 
 
-@kernel("LeakyRelu", 6)
+@kernel("LeakyRelu", 6)  # 3.7x the generic kernel (one fused op, no x * alpha copy)
 def leaky_relu(x, *, alpha=0.01):
     return F.leaky_relu(x, alpha) if x.dtype in FLOATS else NI
 
 
-@kernel("Elu", 6)
+@kernel("Elu", 6)  # 1.9x the generic kernel (one fused op)
 def elu(x, *, alpha=1.0):
     return F.elu(x, alpha) if x.dtype in FLOATS else NI
 
 
-@kernel("Selu", 6)
-def selu(x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875):
-    if x.dtype not in FLOATS:
-        return NI
-    return gamma * torch.where(x > 0, x, alpha * torch.expm1(x))
-
-
-@kernel("Celu", 12)
+@kernel("Celu", 12)  # 2.2x the generic kernel (one fused op)
 def celu(x, *, alpha=1.0):
     return F.celu(x, alpha) if x.dtype in FLOATS else NI
 
 
-@kernel("HardSigmoid", 6)
+@kernel("HardSigmoid", 6)  # 3.3x the generic kernel (clamp, no maximum/minimum pair)
 def hard_sigmoid(x, *, alpha=0.2, beta=0.5):
     return torch.clamp(x * alpha + beta, 0, 1) if x.dtype in FLOATS else NI
 
 
-@kernel("HardSwish", 14)
+@kernel("HardSwish", 14)  # 3.0x the generic kernel (clamp, no maximum/minimum pair)
 def hard_swish(x):
     return x * torch.clamp(x * (1 / 6) + 0.5, 0, 1) if x.dtype in FLOATS else NI
-
-
-@kernel("Softplus", 1)
-def softplus(x):
-    # log1p(exp(x)) without overflow for large x
-    return torch.logaddexp(x, torch.zeros((), dtype=x.dtype, device=x.device)) \
-        if x.dtype in FLOATS else NI
-
-
-@kernel("Mish", 18)
-def mish(x):
-    return F.mish(x) if x.dtype in FLOATS else NI
 
 
 @kernel("Gelu", 20)
@@ -177,19 +128,14 @@ def gelu(x, *, approximate="none"):
     return F.gelu(x, approximate=approximate) if x.dtype in FLOATS else NI
 
 
-@kernel("PRelu", 9)
-def prelu(x, slope):
-    if x.dtype not in FLOATS or slope.dtype != x.dtype:
-        return NI
-    return torch.where(x < 0, x * slope, x)
-
-
+# Slower than the generic kernel (0.57x) but kept for results: the generic x * (x > alpha)
+# turns -inf into NaN where ONNX asks for 0.
 @kernel("ThresholdedRelu", 10)
 def thresholded_relu(x, *, alpha=1.0):
     return torch.where(x > alpha, x, torch.zeros_like(x)) if x.dtype in FLOATS else NI
 
 
-@kernel("Clip", 11)
+@kernel("Clip", 11)  # 2.6x the generic kernel (no namespace lookup, no casts)
 def clip(x, lo=None, hi=None):
     if x.dtype not in _SIGNED or any(t is not None and t.dtype != x.dtype for t in (lo, hi)):
         return NI
@@ -200,17 +146,17 @@ def clip(x, lo=None, hi=None):
     return x
 
 
-@kernel("Clip", 6, until=11)
+@kernel("Clip", 6, until=11)  # 7.7x the generic kernel (one clamp)
 def clip6(x, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):  # noqa: A002
     return torch.clamp(x, min, max) if x.dtype in FLOATS else NI
 
 
-@kernel("IsNaN", 9)
+@kernel("IsNaN", 9)  # 1.23x the generic kernel (no namespace lookup)
 def isnan(x):
     return torch.isnan(x) if x.dtype in FLOATS else NI
 
 
-@kernel("IsInf", 10)
+@kernel("IsInf", 10)  # 1.22x the generic kernel (torch.isposinf/isneginf, one op)
 def isinf(x, *, detect_negative=1, detect_positive=1):
     if x.dtype not in FLOATS:
         return NI
@@ -231,22 +177,19 @@ def _compare(fn):
     return run
 
 
-kernel("Equal", 11)(_compare(torch.eq))
-kernel("Less", 9)(_compare(torch.lt))
-kernel("Greater", 9)(_compare(torch.gt))
-kernel("LessOrEqual", 12)(_compare(torch.le))
-kernel("GreaterOrEqual", 12)(_compare(torch.ge))
+# 2.8x the generic kernel (no namespace lookup); torch's comparisons gain nothing (0.99x)
+# and run the generic kernel
 kernel("And", 7)(_compare(torch.logical_and))
 kernel("Or", 7)(_compare(torch.logical_or))
 kernel("Xor", 7)(_compare(torch.logical_xor))
 
 
-@kernel("Not", 1)
+@kernel("Not", 1)  # 1.95x the generic kernel (no namespace lookup)
 def not_(x):
     return torch.logical_not(x)
 
 
-@kernel("Where", 9)
+@kernel("Where", 9)  # 1.7x the generic kernel (no namespace lookup)
 def where(cond, x, y):
     if x.dtype != y.dtype or cond.dtype != torch.bool:
         return NI
@@ -290,6 +233,7 @@ def _lowp(site):
     return site.backend.compute_dtype
 
 
+# 2.3x the generic kernel, and computes in bf16/fp16 when the session asks for it
 @kernel("MatMul", 1, prepare=True)
 def matmul(site):
     low = _lowp(site)
@@ -311,6 +255,7 @@ def matmul(site):
     return run
 
 
+# 1.55x the generic kernel (F.linear with bias), computes in bf16/fp16 when asked
 @kernel("Gemm", 7, prepare=True)
 def gemm(site):
     alpha = float(site.attr("alpha", 1.0))
