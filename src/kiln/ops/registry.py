@@ -198,7 +198,9 @@ def _split(key: tuple[str, str], at: int) -> None:
     """Make opset ``at`` the start of a version of the op, if a version covers it."""
     versions = _OPS[key]
     for i, d in enumerate(versions):
-        if d.since < at and (d.until is None or at < d.until):
+        end = d.until if d.until is not None else \
+            versions[i + 1].since if i + 1 < len(versions) else None
+        if d.since < at and (end is None or at < end):
             later = replace(d, since=at, kernels=dict(d.kernels))
             d.until = at
             versions.insert(i + 1, later)

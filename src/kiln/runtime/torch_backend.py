@@ -232,7 +232,7 @@ class TorchBackend(Backend):
                     if a.__class__ is nd:
                         return nxt(c, *args)
                 r = fn(c, *(move(args) if move else args))
-                return nxt(c, *args) if r is ni else r
+                return nxt(c, *_arrays(args)) if r is ni else r
             return run_ctx
 
         def run(*args):
@@ -240,7 +240,7 @@ class TorchBackend(Backend):
                 if a.__class__ is nd:
                     return nxt(*args)
             r = fn(*(move(args) if move else args))
-            return nxt(*args) if r is ni else r
+            return nxt(*_arrays(args)) if r is ni else r
         return run
 
     def _cuda_mover(self, node) -> Callable | None:
@@ -406,6 +406,12 @@ class _FallbackContext(KernelContext):
         st = be.stats()
         outs = subgraph.run([be.upload(x, st) for x in inputs], outer=self.env)
         return [be.download(x, st) for x in outs]
+
+
+def _arrays(args: tuple) -> tuple:
+    """Arguments for the kernel after one that declined: host-parameter constants, which
+    the plan hands to torch kernels as tuples of Python numbers, become arrays again."""
+    return tuple(np.asarray(a) if isinstance(a, tuple) else a for a in args)
 
 
 def _with_ctx(fn: Callable, wants_ctx: bool) -> Callable:

@@ -327,15 +327,22 @@ def constant_of_shape(site):
 @kernel("Range", 11, prepare=True)
 def range_(site):
     dev = _out_device(site)
+    consts = [site.const(i) for i in range(3)]
+    if any(c is not None and c.dtype.kind not in "iu" for c in consts):
+        return None  # float ranges: the shared kernel's rounding is ONNX's
+    # Constant bounds arrive as Python numbers (host parameters): their dtype is the
+    # constant's, known now.
+    fixed = next((to_torch(c).dtype for c in consts if c is not None), None)
 
     def run(start, limit, delta):
-        if start.dtype not in _INTS:
+        dtype = fixed if fixed is not None else start.dtype
+        if dtype not in _INTS:
             return NI
         s, lim, d = scalar(start), scalar(limit), scalar(delta)
         if d == 0:
             return NI
         n = max(math.ceil((lim - s) / d), 0)
-        return s + torch.arange(n, dtype=start.dtype, device=dev) * d
+        return s + torch.arange(n, dtype=dtype, device=dev) * d
     return run
 
 
