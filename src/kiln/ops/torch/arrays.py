@@ -95,19 +95,3 @@ def const_tensor(site, i: int, dtype: torch.dtype | None = None):
     if not isinstance(t, torch.Tensor):
         return None
     return t.to(dtype) if dtype is not None else t
-
-
-def same_pads(in_sizes, kernel, strides, dilations, mode: str) -> list[int]:
-    """ONNX auto_pad SAME_UPPER / SAME_LOWER pads, [begins..., ends...]."""
-    begins, ends = [], []
-    for n, k, s, d in zip(in_sizes, kernel, strides, dilations):
-        out = -(-n // s)
-        total = max(0, (out - 1) * s + (k - 1) * d + 1 - n)
-        small, big = total // 2, total - total // 2
-        if mode == "SAME_UPPER":
-            begins.append(small)
-            ends.append(big)
-        else:
-            begins.append(big)
-            ends.append(small)
-    return begins + ends

@@ -15,8 +15,9 @@ import math
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.conv import conv_pads
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import FLOATS, axis, const_tensor, floats, ints, same_pads
+from kiln.ops.torch.arrays import FLOATS, axis, const_tensor, floats, ints
 
 NI = NotImplemented
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -35,15 +36,11 @@ _PREPACK_BF16 = _PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _pads(site, x_spatial, kernel_shape, strides, dilations) -> list[int]:
-    """The node's pads for this input size: explicit ones, or computed for auto_pad."""
-    n = len(x_spatial)
-    auto = site.attr("auto_pad", "NOTSET")
-    if auto in ("SAME_UPPER", "SAME_LOWER"):
-        return same_pads(x_spatial, kernel_shape, strides, dilations, auto)
-    if auto == "VALID":
-        return [0] * (2 * n)
-    p = site.attr("pads")
-    return list(p) if p else [0] * (2 * n)
+    """The node's [begins..., ends...] pads for this input size (the shared geometry of
+    kiln.ops.conv: explicit pads, or computed for auto_pad)."""
+    begin, end = conv_pads(x_spatial, kernel_shape, strides, dilations,
+                           site.attr("auto_pad", "NOTSET"), site.attr("pads"))
+    return begin + end
 
 
 def _torch_pad(begins, ends) -> list[int]:
