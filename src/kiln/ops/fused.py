@@ -22,7 +22,7 @@ from kiln.ir import TensorType
 from kiln.ir.symbolic import broadcast
 from kiln.ops import cost
 from kiln.ops.conv import CONV_ATTRS, convolve, prepare_winograd
-from kiln.ops.registry import KILN_DOMAIN, lookup, op
+from kiln.ops.registry import KILN_DOMAIN, op
 
 ACTIVATIONS = ("Relu", "LeakyRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Silu",
                "Gelu", "GeluTanh", "Tanh")
@@ -162,14 +162,6 @@ def _in_float32(kernel):
         return kernel(*args, **attrs).astype(dtype)
 
     return run
-
-
-def _standard_kernel(op_type: str):
-    d = lookup("", op_type, 10**6)
-    if d is None:
-        raise NotImplementedError(f"the fused op needs a kernel for {op_type}, which Kiln "
-                                  "does not have; optimize with that fusion disabled")
-    return d.kernel
 
 
 def _infer_as(ctx, op_type: str, n_inputs: int, drop: tuple[str, ...]):

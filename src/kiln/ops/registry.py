@@ -116,15 +116,8 @@ class OpDef:
     def reference(self) -> Kernel:
         return self.kernels[REFERENCE]
 
-    @property
-    def wants_ctx(self) -> bool:
-        return self.reference.wants_ctx
-
     def covers(self, opset: int) -> bool:
         return self.since <= opset and (self.until is None or opset < self.until)
-
-    def call_attrs(self, attrs: dict[str, Any]) -> dict[str, Any]:
-        return self.reference.call_attrs(attrs)
 
     def runs_on(self, backend: str) -> bool:
         """Whether ``backend`` has a kernel of its own for this op or can run the shared

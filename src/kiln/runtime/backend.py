@@ -39,8 +39,10 @@ class Backend:
         """The kernels to try for ``opdef``, best first: (placement label, kernel, why)."""
         return [(self.name, opdef.reference, "reference kernel")]
 
-    def chain(self, chain: list[Candidate], node) -> tuple[Callable, bool, LayerPlacement]:
-        """One callable for the node from the prepared candidates (the first, here)."""
+    def chain(self, chain: list[Candidate], node, host_inputs: frozenset[int] = frozenset()
+              ) -> tuple[Callable, bool, LayerPlacement]:
+        """One callable for the node from the prepared candidates (the first, here);
+        ``host_inputs``: the inputs its op reads on the host."""
         c = chain[0]
         return c.fn, c.wants_ctx, LayerPlacement(node.name or f"({node.op_type})",
                                                  node.op_type, self.device, c.how, c.why)

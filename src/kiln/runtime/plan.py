@@ -233,7 +233,7 @@ def bind(opdef: OpDef, site: Site, backend: Backend) -> tuple[Callable, bool, La
     if not chain:
         raise UnsupportedOpError(f"no kernel accepts layer {site.node.name!r} "
                                  f"({site.node.op_type})", [site.node.op_type])
-    return backend.chain(chain, site.node)
+    return backend.chain(chain, site.node, opdef.host_inputs)
 
 
 class FunctionCall:

@@ -201,7 +201,7 @@ class TorchBackend(Backend):
                     "outputs uploaded"))
         return out
 
-    def chain(self, chain: list[Candidate], node):
+    def chain(self, chain: list[Candidate], node, host_inputs: frozenset[int] = frozenset()):
         """Each candidate hands the calls it declines (NumPy-only inputs, NotImplemented)
         to the next; the last is the NumPy fallback behind conversions."""
         host = _host_step(node)
@@ -209,10 +209,10 @@ class TorchBackend(Backend):
         ctx = any(c.wants_ctx for c in chain)
         fns = [_with_ctx(c.fn, c.wants_ctx) if ctx else c.fn for c in chain]
         if chain[-1].how == "cpu-fallback":
-            fns[-1] = self._fallback(fns[-1], ctx, node, host)
+            fns[-1] = self._fallback(fns[-1], ctx, host)
         run = fns[-1]
         for fn in reversed(fns[:-1]):
-            run = self._guarded(fn, run, ctx, node)
+            run = self._guarded(fn, run, ctx, node, host_inputs)
         where = "cpu" if first.how == "cpu-fallback" else \
             "host" if host and self.is_cuda else self.device
         why = first.why + ("; host-resident outputs" if host and self.is_cuda
@@ -220,8 +220,8 @@ class TorchBackend(Backend):
         return run, ctx, LayerPlacement(node.name or f"({node.op_type})", node.op_type,
                                         where, first.how, why)
 
-    def _guarded(self, fn: Callable, nxt: Callable, ctx: bool, node) -> Callable:
-        move = self._cuda_mover(node) if self.is_cuda else None
+    def _guarded(self, fn: Callable, nxt: Callable, ctx: bool, node, host_inputs) -> Callable:
+        move = self._cuda_mover(node, host_inputs) if self.is_cuda else None
         # Traced for compile=True every value is a tensor (checked before the program
         # runs): no per-input type test for the tracer to guard on.
         nd = _NeverMatches if self.tracing else _ND
@@ -243,13 +243,11 @@ class TorchBackend(Backend):
             return nxt(*_arrays(args)) if r is ni else r
         return run
 
-    def _cuda_mover(self, node) -> Callable | None:
+    def _cuda_mover(self, node, params: frozenset[int]) -> Callable | None:
         """On CUDA: CPU tensors at data positions move to the device (counted); host
         parameters stay; for host-resident steps data moves to the host instead."""
         if node.op_type in ("Shape", "Size"):
             return None  # reads metadata only
-        opdef = registry.lookup(node.domain, node.op_type, 10**6)
-        params = opdef.host_inputs if opdef is not None else frozenset()
         dev, host, backend = self.tdevice, _host_step(node), self
 
         def move(args):
@@ -265,9 +263,9 @@ class TorchBackend(Backend):
             return out
         return move
 
-    def _fallback(self, k: Callable, ctx: bool, node, host: bool) -> Callable:
+    def _fallback(self, k: Callable, ctx: bool, host: bool) -> Callable:
         """The NumPy kernel behind conversions (its ctx runs subgraphs on NumPy values)."""
-        backend = self
+        backend, numpy = self, Backend()
 
         def convert(args, st):
             st.fallback_calls += 1
@@ -282,7 +280,7 @@ class TorchBackend(Backend):
             def run_ctx(c, *args):
                 st = backend.stats()
                 fctx = _FallbackContext(c.num_outputs, c.opset, c.env, c.runner, c.node,
-                                        Backend())
+                                        numpy)
                 fctx.owner = backend
                 return finish(k(fctx, *convert(args, st)), st)
             return run_ctx
