@@ -44,8 +44,7 @@ class Backend:
         """One callable for the node from the prepared candidates (the first, here);
         ``host_inputs``: the inputs its op reads on the host."""
         c = chain[0]
-        return c.fn, c.wants_ctx, LayerPlacement(node.name or f"({node.op_type})",
-                                                 node.op_type, self.device, c.how, c.why)
+        return c.fn, c.wants_ctx, LayerPlacement.of(node, self.device, c.how, c.why)
 
     def finish(self, plan) -> None:
         """Called once a plan's kernels are all prepared (torch: constants' placement)."""

@@ -25,6 +25,11 @@ class LayerPlacement:
     how: str  # "torch", "torch-generic", "cpu-fallback", "numpy", "function"
     why: str = ""
 
+    @classmethod
+    def of(cls, node, where: str, how: str, why: str = "") -> LayerPlacement:
+        """The placement of ``node`` (unnamed nodes are shown by their op type)."""
+        return cls(node.name or f"({node.op_type})", node.op_type, where, how, why)
+
 
 @dataclass
 class PlacementReport:

@@ -199,7 +199,6 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
             subs.append(sub)
     common = dict(node=node, inputs=tuple(node.inputs), outputs=tuple(node.outputs),
                   opset=opset, subplans=tuple(subs))
-    name = node.name or f"({node.op_type})"
     be = compiler.backend
     opdef = registry.lookup(node.domain, node.op_type, opset)
     if opdef is not None:
@@ -212,12 +211,12 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
         func = spec_function(node, opset)
     if func is None:
         compiler.missing[(node.domain, node.op_type, opset)] = None
-        return Step(fn=None, wants_ctx=False, layer=LayerPlacement(
-            name, node.op_type, "", "?", "no kernel"), **common)
+        return Step(fn=None, wants_ctx=False,
+                    layer=LayerPlacement.of(node, "", "?", "no kernel"), **common)
     call = FunctionCall(func, attrs, {**opsets, **func.opset_imports}, compiler)
     common["subplans"] = (call.plan,)
-    return Step(fn=call, wants_ctx=True, layer=LayerPlacement(
-        name, node.op_type, be.device, "function", f"body of function {func.name}"), **common)
+    return Step(fn=call, wants_ctx=True, layer=LayerPlacement.of(
+        node, be.device, "function", f"body of function {func.name}"), **common)
 
 
 def bind(opdef: OpDef, site: Site, backend: Backend) -> tuple[Callable, bool, LayerPlacement]:

@@ -217,8 +217,7 @@ class TorchBackend(Backend):
             "host" if host and self.is_cuda else self.device
         why = first.why + ("; host-resident outputs" if host and self.is_cuda
                            and first.how != "cpu-fallback" else "")
-        return run, ctx, LayerPlacement(node.name or f"({node.op_type})", node.op_type,
-                                        where, first.how, why)
+        return run, ctx, LayerPlacement.of(node, where, first.how, why)
 
     def _guarded(self, fn: Callable, nxt: Callable, ctx: bool, node, host_inputs) -> Callable:
         move = self._cuda_mover(node, host_inputs) if self.is_cuda else None
