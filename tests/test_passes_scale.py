@@ -23,6 +23,36 @@ def _identity_chain(n: int) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def _relu_add_chain(n: int) -> onnx.ModelProto:
+    """Relu, Add 1, Relu, Add 1...: nothing folds or fuses away, every node is typed."""
+    nodes, prev = [], "x"
+    for i in range(n):
+        out = f"v{i}" if i < n - 1 else "y"
+        nodes.append(helper.make_node("Relu", [prev], [out]) if i % 2 == 0 else
+                     helper.make_node("Add", [prev, "one"], [out]))
+        prev = out
+    one = helper.make_tensor("one", TensorProto.FLOAT, [8], [1.0] * 8)
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info(
+        "x", TensorProto.FLOAT, ["N", 8])], [helper.make_tensor_value_info(
+            "y", TensorProto.FLOAT, None)], [one])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_200k_node_chain_that_stays_is_typed_in_linear_time():
+    proto = _relu_add_chain(200_000)
+    t0 = time.perf_counter()
+    m = kiln.load(proto)
+    om, report = optimize_with_report(m, inplace=True)
+    seconds = time.perf_counter() - t0
+    assert report.nodes_after == 200_000 and om.check_uses() == []
+    y = om.graph.outputs[0].type
+    assert y.dtype == kiln.ir.DType.FLOAT and [str(d) for d in y.shape] == ["N", "8"]
+    assert seconds < 90, f"load and optimize took {seconds:.1f}s"
+    x = np.linspace(-2, 2, 16, dtype=np.float32).reshape(2, 8)
+    out = kiln.InferenceSession(om, optimize=False).run(None, {"x": x})[0]
+    np.testing.assert_allclose(out, np.maximum(x, 0) + 100_000, rtol=1e-6)
+
+
 def test_a_200k_node_chain_loads_and_optimizes_in_seconds():
     proto = _identity_chain(200_000)
     t0 = time.perf_counter()

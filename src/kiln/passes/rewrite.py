@@ -81,6 +81,7 @@ class Rewriter:
             else:
                 for key in r.roots:
                     self._by_root.setdefault(key, []).append(r)
+        self._rule_cache: dict[tuple[tuple[str, str], bool], tuple[tuple[str, Rule], ...]] = {}
         self._queue: deque[Node] = deque()
         self._seeds: dict[Node, int] = {}
         self._queued: set[Node] = set()
@@ -122,14 +123,23 @@ class Rewriter:
             self.records[owner].declined[f"{name}: {reason}"] += 1
         self.seconds = time.perf_counter() - t0
 
+    def _rules_for(self, op: tuple[str, str], full: bool) -> tuple[tuple[str, Rule], ...]:
+        """The rules a node of type ``op`` tries, with their labels (built once per type)."""
+        rules = self._rule_cache.get((op, full))
+        if rules is None:
+            found = (*self._by_root.get(op, ()), *self._any)
+            if not full:
+                found = tuple(r for r in found if id(r) in self._sweep)  # type: ignore[operator]
+            rules = self._rule_cache[(op, full)] = tuple(
+                (f"{r.owner}:{r.name}", r) for r in found)
+        return rules
+
     def _visit(self, n: Node) -> None:
-        rules = (*self._by_root.get((n.domain, n.op_type), ()), *self._any)
-        if self._sweep is not None and n not in self._full:
-            rules = tuple(r for r in rules if id(r) in self._sweep)
+        full = self._sweep is None or n in self._full
         self._full.discard(n)
-        for rule in rules:
+        for label, rule in self._rules_for((n.domain, n.op_type), full):
             m = rule.match(self, n)
-            key = (f"{rule.owner}:{rule.name}", n)
+            key = (label, n)
             if m is None:
                 self._declines.pop(key, None)
                 continue

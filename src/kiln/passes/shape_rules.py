@@ -5,7 +5,8 @@ whose dims are arithmetic on symbols (Reshape, Concat, Flatten, Expand, Constant
 Tile, Range, Slice, the broadcasting ops), and records with ``ctx.set_sym`` the symbolic
 values of small integer outputs (what ``Shape -> Gather -> Mul -> Concat`` computes), so
 that a Reshape target built from a Shape gives ``batch*12`` and not an unknown dim.
-A rule returns None for what ONNX's own inference already types.
+A rule returns None for what ONNX's own inference already types; a rule that types every
+output completely (the elementwise ops) spares the node ONNX's slower inference.
 
 Importing this module registers the rules; :mod:`kiln.passes.infer_shapes` does.
 """
@@ -119,14 +120,35 @@ def broadcasting(ctx: InferContext) -> TensorType | None:
     elif n.op_type == "Where":
         ctx.set_sym(0, _elementwise(lambda c, x, y: (x if c else y) if isinstance(c, int)
                                     else None, ctx.sym(0), ctx.sym(1), ctx.sym(2)))
-    known = ctx.out_type(0)
     shapes = [ctx.shape(i) for i in range(len(n.inputs))]
-    if known is None or not shapes or any(s is None for s in shapes):
+    dtype = DType.BOOL if n.op_type in _COMPARISONS else ctx.dtype(1 if n.op_type == "Where" else 0)
+    if dtype is None or not shapes or any(s is None for s in shapes):
         return None
     out = tuple(shapes[0])  # type: ignore[arg-type]
     for s in shapes[1:]:
         out = broadcast(out, s)  # type: ignore[arg-type]
-    return TensorType(known.dtype, out)
+    return TensorType(dtype, out)
+
+
+_COMPARISONS = frozenset({"Equal", "Less", "LessOrEqual", "Greater", "GreaterOrEqual"})
+
+# Ops whose single output has their first input's dtype and shape.
+_SAME_TYPE = ("Relu", "LeakyRelu", "Sigmoid", "HardSigmoid", "HardSwish", "Tanh",
+              "Elu", "Selu", "Celu", "Softplus", "Softsign", "Gelu", "Mish", "ThresholdedRelu",
+              "Abs", "Exp", "Log", "Sqrt", "Reciprocal", "Round", "Sign", "Erf", "Sin", "Cos",
+              "Tan", "Asin", "Acos", "Atan", "Sinh", "Cosh", "Asinh", "Acosh", "Atanh", "Not",
+              "BitwiseNot", "Clip", "Softmax", "LogSoftmax", "Hardmax", "Shrink")
+
+
+def _like_input(ctx: InferContext) -> TensorType | None:
+    t = ctx.tensor_type(0)
+    return t if t is not None and t.shape is not None else None
+
+
+@_rule(*_SAME_TYPE)
+def same_type(ctx: InferContext) -> TensorType | None:
+    """The output is typed like the first input."""
+    return _like_input(ctx)
 
 
 # ---------------------------------------------------------------- ops that only carry values
@@ -169,10 +191,10 @@ def constant(ctx: InferContext) -> None:
 
 
 @_rule("Identity", "Squeeze", "Unsqueeze", "Floor", "Ceil")
-def same_value(ctx: InferContext) -> None:
+def same_value(ctx: InferContext) -> TensorType | None:
     """Ops that keep the elements (of an integer tensor) as they are."""
     ctx.set_sym(0, ctx.sym(0))
-    return None
+    return _like_input(ctx) if ctx.node.op_type in ("Identity", "Floor", "Ceil") else None
 
 
 @_rule("Cast")
@@ -189,12 +211,12 @@ def cast(ctx: InferContext) -> None:
 
 
 @_rule("Neg")
-def negate(ctx: InferContext) -> None:
+def negate(ctx: InferContext) -> TensorType | None:
     """Negated elements."""
     s = ctx.sym(0)
     if s is not None:
         ctx.set_sym(0, tuple(None if d is None else -d for d in s))
-    return None
+    return _like_input(ctx)
 
 
 @_rule("Gather")

@@ -168,13 +168,12 @@ def static_shape(shape: Sequence[Dim] | None) -> tuple[int, ...] | None:
 
 class InferContext:
     """What an inference function with a first parameter named ``ctx`` sees of one node:
-    its inputs' types, constants and symbolic values, the opset, the output types known so
-    far (ONNX's), and where to put the symbolic values of its outputs (:meth:`set_sym`)."""
+    its inputs' types, constants and symbolic values, the opset, and where to put the
+    symbolic values of its outputs (:meth:`set_sym`)."""
 
-    def __init__(self, node, opset: int, out_types: list | None = None):
+    def __init__(self, node, opset: int):
         self.node = node
         self.opset = opset
-        self.out_types = out_types or []
         self.out_syms: dict[int, tuple[Dim, ...]] = {}
 
     def has_input(self, i: int) -> bool:
@@ -215,10 +214,6 @@ class InferContext:
     def sym(self, i: int) -> tuple[Dim, ...] | None:
         """Input ``i``'s symbolic value (see :func:`sym_of`)."""
         return sym_of(self.node.inputs[i]) if self.has_input(i) else None
-
-    def out_type(self, i: int):
-        """Output ``i``'s type as known before this rule (ONNX's inference)."""
-        return self.out_types[i] if i < len(self.out_types) else None
 
     def set_sym(self, i: int, elems: Sequence[Dim] | None) -> None:
         """Record the symbolic value of output ``i`` (None: unknown)."""
