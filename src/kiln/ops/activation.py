@@ -37,13 +37,13 @@ def _pos_part(xp, x):
     return xp.maximum(x, 0)
 
 
-@op("Relu", 1, generic=True, activation=True, cost=cost.elementwise)
+@op("Relu", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def relu(x):
     return _pos_part(namespace(x), x)
 
 
-@op("LeakyRelu", 1, generic=True, activation=True, cost=cost.elementwise)
+@op("LeakyRelu", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def leaky_relu(x, *, alpha=0.01):
     # For alpha <= 1 the larger of x and alpha*x is the right branch; else the smaller.
@@ -94,20 +94,20 @@ def selu(x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875)
     return (_pos_part(xp, x) + (xp.exp(_neg_part(xp, x)) - 1.0) * alpha) * gamma
 
 
-@op("Sigmoid", 1, generic=True, activation=True, cost=cost.elementwise)
+@op("Sigmoid", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def sigmoid(x):
     return _sigmoid(namespace(x), x)
 
 
-@op("HardSigmoid", 1, generic=True, activation=True, cost=cost.elementwise)
+@op("HardSigmoid", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def hard_sigmoid(x, *, alpha=0.2, beta=0.5):
     xp = namespace(x)
     return xp.minimum(xp.maximum(x * alpha + beta, 0.0), 1.0)
 
 
-@op("HardSwish", 14, generic=True, activation=True, cost=cost.elementwise)
+@op("HardSwish", 14, generic=True, cost=cost.elementwise)
 @keep_dtype
 def hard_swish(x):
     xp = namespace(x)
@@ -152,7 +152,7 @@ def shrink(x, *, bias=0.0, lambd=0.5):
     return xp.where(x < -lambd, x + bias, xp.where(x > lambd, x - bias, x * 0))
 
 
-@op("Gelu", 20, activation=True, cost=cost.elementwise)
+@op("Gelu", 20, cost=cost.elementwise)
 @keep_dtype
 def gelu(x, *, approximate="none"):
     xp = namespace(x)

@@ -104,7 +104,7 @@ def _unary(op_type: str, since: int, name: str) -> None:
     kernel.__name__ = kernel.__qualname__ = op_type.lower()
     discrete = op_type in ("Ceil", "Floor", "Round", "Sign", "IsNaN")
     op(op_type, since, generic=True, differentiable=not discrete,
-       activation=op_type == "Tanh", cost=cost.elementwise)(kernel)
+       cost=cost.elementwise)(kernel)
 
 
 for _op_type, _since, _name in [
@@ -145,8 +145,8 @@ def erf_(x):
 # -- clip and the variadic ops ----------------------------------------------------------
 
 
-@op("Clip", 1, generic=True, activation=True, cost=cost.elementwise)
-@op("Clip", 6, generic=True, activation=True, cost=cost.elementwise)
+@op("Clip", 1, generic=True, cost=cost.elementwise)
+@op("Clip", 6, generic=True, cost=cost.elementwise)
 def clip_attrs(x, *, min=None, max=None):
     # Bounds at or beyond float32's range are "no bound" (opset 6's defaults are +-FLT_MAX).
     lo = None if min is None or abs(min) >= 3.4e38 else min
@@ -157,7 +157,7 @@ def clip_attrs(x, *, min=None, max=None):
     return x if hi is None else xp.minimum(x, hi)
 
 
-@op("Clip", 11, generic=True, activation=True, cost=cost.elementwise)
+@op("Clip", 11, generic=True, cost=cost.elementwise)
 def clip(x, min=None, max=None):
     """min > max clips everything to max, as the spec asks (max applied last)."""
     xp = namespace(x)

@@ -6,15 +6,16 @@ place on the fresh output of the convolution or matrix product, attention keeps 
 buffer, LayerNorm/GELU compute in one place what ten small ops did. Each op's shape/type
 inference sits next to its kernel.
 
-Activations accepted by the ``activation`` attribute (``activation_params`` in brackets):
-Relu, LeakyRelu [alpha], Clip [min, max], Sigmoid, HardSigmoid [alpha, beta], HardSwish,
-Silu, Gelu, GeluTanh, Tanh. An empty string means none.
+The ``activation`` attribute names one of :data:`ACTIVATIONS` (an empty string means none);
+each backend registers its kernel for it there with :func:`activation`.
 """
 
 from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -23,9 +24,6 @@ from kiln.ir.symbolic import broadcast
 from kiln.ops import cost
 from kiln.ops.conv import CONV_ATTRS, convolve, prepare_winograd
 from kiln.ops.registry import KILN_DOMAIN, op
-
-ACTIVATIONS = ("Relu", "LeakyRelu", "Clip", "Sigmoid", "HardSigmoid", "HardSwish", "Silu",
-               "Gelu", "GeluTanh", "Tanh")
 
 _SQRT1_2 = 1 / math.sqrt(2)
 _SQRT_2_PI = math.sqrt(2 / math.pi)
@@ -86,55 +84,116 @@ def _sigmoid_into(y: np.ndarray) -> np.ndarray:
     return y
 
 
-def apply_activation(y: np.ndarray, activation: str, params=None) -> np.ndarray:
-    """Apply ``activation`` to ``y`` in place (``y`` must be owned) and return it."""
-    if not activation:
+@dataclass
+class Activation:
+    """A unary op the fused kernels apply in place to their fresh output. The fused ops'
+    ``activation`` attribute names it; ``activation_params`` holds its scalars, read from
+    the standard op's attributes ``attrs`` (name, default) when the optimizer fuses it.
+    ``kernels`` maps a backend to its ``(y, params) -> y``; NumPy's overwrites ``y``."""
+
+    attrs: tuple[tuple[str, float], ...] = ()
+    kernels: dict[str, Callable] = field(default_factory=dict)
+
+    def params(self, given) -> list:
+        """``given`` with the defaults of the parameters left out."""
+        p = list(given or [])
+        return p + [d for _, d in self.attrs[len(p):]]
+
+
+ACTIVATIONS: dict[str, Activation] = {}
+"""Every fusable activation, by the name the ``activation`` attribute uses."""
+
+
+def activation(name: str, backend: str = "numpy", **attrs: float) -> Callable:
+    """Decorator registering ``backend``'s kernel of activation ``name`` (the first
+    registration also gives its parameters and their defaults)."""
+
+    def register(fn: Callable) -> Callable:
+        ACTIVATIONS.setdefault(name, Activation(tuple(attrs.items()))).kernels[backend] = fn
+        return fn
+
+    return register
+
+
+def apply_activation(y: np.ndarray, name: str, params=None) -> np.ndarray:
+    """Apply activation ``name`` to ``y`` in place (``y`` must be owned) and return it."""
+    if not name:
         return y
-    p = list(params or [])
-    if activation == "Relu":
-        np.maximum(y, 0, out=y)
-    elif activation == "LeakyRelu":
-        alpha = p[0] if p else 0.01
-        t = y * y.dtype.type(alpha)
-        (np.maximum if alpha <= 1 else np.minimum)(y, t, out=y)
-    elif activation == "Clip":
-        lo = p[0] if len(p) > 0 and p[0] is not None else -np.inf
-        hi = p[1] if len(p) > 1 and p[1] is not None else np.inf
-        np.clip(y, lo, hi, out=y)
-    elif activation == "Sigmoid":
-        _sigmoid_into(y)
-    elif activation == "HardSigmoid":
-        alpha, beta = (p + [0.2, 0.5][len(p):])[:2]
-        y *= y.dtype.type(alpha)
-        y += y.dtype.type(beta)
-        np.clip(y, 0, 1, out=y)
-    elif activation == "HardSwish":
-        t = y * y.dtype.type(1 / 6)
-        t += y.dtype.type(0.5)
-        np.clip(t, 0, 1, out=t)
-        y *= t
-    elif activation == "Silu":
-        y *= _sigmoid_into(y.copy())
-    elif activation == "Gelu":
-        t = y * y.dtype.type(_SQRT1_2)
-        erf(t, out=t)
-        t += 1
-        t *= y.dtype.type(0.5)
-        y *= t
-    elif activation == "GeluTanh":
-        t = np.square(y)
-        t *= y.dtype.type(0.044715 * _SQRT_2_PI)
-        t += y.dtype.type(_SQRT_2_PI)
-        t *= y
-        np.tanh(t, out=t)
-        t += 1
-        t *= y.dtype.type(0.5)
-        y *= t
-    elif activation == "Tanh":
-        np.tanh(y, out=y)
-    else:
-        raise ValueError(f"unknown fused activation {activation!r}")
+    act = ACTIVATIONS.get(name)
+    if act is None:
+        raise ValueError(f"unknown fused activation {name!r}")
+    return act.kernels["numpy"](y, act.params(params))
+
+
+@activation("Relu")
+def _relu(y, p):
+    return np.maximum(y, 0, out=y)
+
+
+@activation("LeakyRelu", alpha=0.01)
+def _leaky_relu(y, p):
+    t = y * y.dtype.type(p[0])
+    return (np.maximum if p[0] <= 1 else np.minimum)(y, t, out=y)
+
+
+@activation("Clip", min=-math.inf, max=math.inf)
+def _clip(y, p):
+    return np.clip(y, p[0], p[1], out=y)
+
+
+@activation("Sigmoid")
+def _sigmoid(y, p):
+    return _sigmoid_into(y)
+
+
+@activation("HardSigmoid", alpha=0.2, beta=0.5)
+def _hard_sigmoid(y, p):
+    y *= y.dtype.type(p[0])
+    y += y.dtype.type(p[1])
+    return np.clip(y, 0, 1, out=y)
+
+
+@activation("HardSwish")
+def _hard_swish(y, p):
+    t = y * y.dtype.type(1 / 6)
+    t += y.dtype.type(0.5)
+    np.clip(t, 0, 1, out=t)
+    y *= t
     return y
+
+
+@activation("Silu")
+def _silu(y, p):
+    y *= _sigmoid_into(y.copy())
+    return y
+
+
+@activation("Gelu")
+def _gelu(y, p):
+    t = y * y.dtype.type(_SQRT1_2)
+    erf(t, out=t)
+    t += 1
+    t *= y.dtype.type(0.5)
+    y *= t
+    return y
+
+
+@activation("GeluTanh")
+def _gelu_tanh(y, p):
+    t = np.square(y)
+    t *= y.dtype.type(0.044715 * _SQRT_2_PI)
+    t += y.dtype.type(_SQRT_2_PI)
+    t *= y
+    np.tanh(t, out=t)
+    t += 1
+    t *= y.dtype.type(0.5)
+    y *= t
+    return y
+
+
+@activation("Tanh")
+def _tanh(y, p):
+    return np.tanh(y, out=y)
 
 
 def _add_into(y: np.ndarray, z) -> np.ndarray:
@@ -286,7 +345,7 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     return d
 
 
-@op("Gelu", 1, domain=KILN_DOMAIN, infer=_same_as_first, activation=True, cost=cost.elementwise)
+@op("Gelu", 1, domain=KILN_DOMAIN, infer=_same_as_first, cost=cost.elementwise)
 @_in_float32
 def gelu(x, *, approximate="none"):
     """GELU (ONNX opset 20's op) for models of older opsets."""

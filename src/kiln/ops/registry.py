@@ -1,9 +1,10 @@
 """The op registry: one definition per operator version, keyed by (domain, op type) and
 the opset range it covers. A definition (:class:`OpDef`) holds everything Kiln knows about
 the op: its kernels for every backend, shape/type inference, which inputs are read on the
-host, whether it is deterministic and differentiable, whether fused ops may absorb it as
-an activation, and its cost. Every table elsewhere (host-read inputs, folding rules, FLOP
-counts, backend capabilities) is derived from these definitions.
+host, whether it is deterministic and differentiable, and its cost. Every table elsewhere
+(host-read inputs, folding rules, FLOP counts, backend capabilities) is derived from these
+definitions. (What fused ops apply in place as their activation, per backend, is
+:data:`kiln.ops.fused.ACTIVATIONS`.)
 
 The kernel protocol is the same for every backend. A kernel is either
 
@@ -101,8 +102,6 @@ class OpDef:
     """False for random ops: never folded into constants, never merged by CSE."""
     differentiable: bool = True
     """Whether gradients flow through the op (False for integer, boolean and index ops)."""
-    activation: bool = False
-    """An elementwise activation fused ops may absorb (FusedConv/FusedGemm/FusedMatMul)."""
     cost: Callable | None = None
     """``cost(node, input_shapes, output_shapes) -> FLOPs`` with concrete shapes (None
     where unknown); a multiply-add counts 2."""
@@ -141,7 +140,7 @@ def _norm_domain(domain: str) -> str:
 def op(op_type: str, since: int = 1, *, domain: str = "", until: int | None = None,
        generic: bool = False, infer: Callable | None = None, prepare: bool = False,
        host_inputs: tuple[int, ...] = (), deterministic: bool = True,
-       differentiable: bool = True, activation: bool = False,
+       differentiable: bool = True,
        cost: Callable | None = None) -> Callable[[Callable], Callable]:
     """Decorator registering the reference kernel of ``op_type`` from opset ``since`` (up
     to ``until``) with the op's facts (see :class:`OpDef`)."""
@@ -150,7 +149,7 @@ def op(op_type: str, since: int = 1, *, domain: str = "", until: int | None = No
         add(OpDef(_norm_domain(domain), op_type, since, until, fn, infer=infer,
                   generic=generic, prepare=prepare, host_inputs=frozenset(host_inputs),
                   deterministic=deterministic, differentiable=differentiable,
-                  activation=activation, cost=cost))
+                  cost=cost))
         return fn
 
     return register

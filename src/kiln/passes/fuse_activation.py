@@ -273,42 +273,26 @@ def _build(ch: _Chain) -> Node:
                 name=name)
 
 
-def _params(m: Node, opset: int) -> list[float] | None:
-    """The fused kernel's parameters for activation ``m`` (None: not expressible)."""
-    op = m.op_type
-    if op == "LeakyRelu":
-        return [m.attrs.get("alpha", 0.01)]
-    if op == "HardSigmoid":
-        return [m.attrs.get("alpha", 0.2), m.attrs.get("beta", 0.5)]
-    if op != "Clip":
-        return []
-    if opset < 11:
-        return [m.attrs.get("min", -math.inf), m.attrs.get("max", math.inf)]
+def _single_activation(m: Node, opset: int) -> tuple[str, list[float]] | None:
+    """The fused-activation name and parameters ``m`` computes, if it is one of the
+    activations the fused kernels apply (``kiln.ops.fused.ACTIVATIONS``)."""
+    name = m.op_type
+    if name == "Gelu":
+        name = "GeluTanh" if m.attrs.get("approximate") == "tanh" else "Gelu"
+    act = ACTIVATIONS.get(name)
+    if act is None or m.domain not in ("", KILN_DOMAIN) or lookup(m.domain, m.op_type,
+                                                                   opset) is None:
+        return None
+    if name != "Clip" or opset < 11:
+        return name, [float(m.attrs.get(k, d)) for k, d in act.attrs]
     bounds = []
     for i, default in ((1, -math.inf), (2, math.inf)):
         v = m.inputs[i] if len(m.inputs) > i else None
-        if v is None:
-            bounds.append(default)
-            continue
-        s = scalar_value(v)
+        s = default if v is None else scalar_value(v)
         if s is None:
             return None
         bounds.append(s)
-    return bounds
-
-
-def _single_activation(m: Node, opset: int) -> tuple[str, list[float]] | None:
-    """The fused-activation name and parameters ``m`` computes, if its op definition says
-    fused ops may absorb it (``OpDef.activation``)."""
-    d = lookup(m.domain, m.op_type, opset)
-    if d is None or not getattr(d, "activation", False):
-        return None
-    if m.op_type == "Gelu":
-        return ("GeluTanh" if m.attrs.get("approximate") == "tanh" else "Gelu"), []
-    params = _params(m, opset)
-    if params is None or m.op_type not in ACTIVATIONS:
-        return None  # an activation the fused kernels do not implement (yet)
-    return m.op_type, params
+    return name, bounds
 
 
 def _channel_vector(c: np.ndarray, rank: int) -> np.ndarray | None:

@@ -7,11 +7,13 @@ elsewhere the activation is applied by torch right after the product.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.fused import ACTIVATIONS, activation
 from kiln.ops.registry import KILN_DOMAIN, Site
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS
@@ -23,56 +25,84 @@ from kiln.ops.torch.nn import conv as _conv_builder
 NI = NotImplemented
 
 
+@activation("Relu", "torch")
+def _relu(y, p):
+    return torch.relu(y)
+
+
+@activation("LeakyRelu", "torch")
+def _leaky_relu(y, p):
+    return F.leaky_relu(y, p[0])
+
+
+@activation("Clip", "torch")
+def _clip(y, p):
+    return torch.clamp(y, p[0], p[1])
+
+
+@activation("Sigmoid", "torch")
+def _sigmoid(y, p):
+    return torch.sigmoid(y)
+
+
+@activation("HardSigmoid", "torch")
+def _hard_sigmoid(y, p):
+    return torch.clamp(y * p[0] + p[1], 0, 1)
+
+
+@activation("HardSwish", "torch")
+def _hard_swish(y, p):
+    return y * torch.clamp(y * (1 / 6) + 0.5, 0, 1)
+
+
+@activation("Silu", "torch")
+def _silu(y, p):
+    return F.silu(y)
+
+
+@activation("Gelu", "torch")
+def _gelu(y, p):
+    return F.gelu(y)
+
+
+@activation("GeluTanh", "torch")
+def _gelu_tanh(y, p):
+    return F.gelu(y, approximate="tanh")
+
+
+@activation("Tanh", "torch")
+def _tanh(y, p):
+    return torch.tanh(y)
+
+
 def activation_fn(name: str, params):
-    """A torch function applying the fused ``activation`` (see kiln/ops/fused.py)."""
-    p = list(params or [])
+    """``y -> activation(y)`` in torch; None for no activation, False for one torch has no
+    kernel for (the fused op then runs on the NumPy kernel, which names the error)."""
     if not name:
         return None
-    if name == "Relu":
-        return torch.relu
-    if name == "LeakyRelu":
-        alpha = p[0] if p else 0.01
-        return lambda y: F.leaky_relu(y, alpha)
-    if name == "Clip":
-        lo = p[0] if len(p) > 0 and p[0] is not None else None
-        hi = p[1] if len(p) > 1 and p[1] is not None else None
-        return lambda y: torch.clamp(y, lo, hi)
-    if name == "Sigmoid":
-        return torch.sigmoid
-    if name == "HardSigmoid":
-        alpha, beta = (p + [0.2, 0.5][len(p):])[:2]
-        return lambda y: torch.clamp(y * alpha + beta, 0, 1)
-    if name == "HardSwish":
-        return lambda y: y * torch.clamp(y * (1 / 6) + 0.5, 0, 1)
-    if name == "Silu":
-        return F.silu
-    if name == "Gelu":
-        return F.gelu
-    if name == "GeluTanh":
-        return lambda y: F.gelu(y, approximate="tanh")
-    if name == "Tanh":
-        return torch.tanh
-    return False  # unknown: let the NumPy kernel raise its error
+    act = ACTIVATIONS.get(name)
+    fn = act.kernels.get("torch") if act is not None else None
+    if fn is None:
+        return False
+    p = act.params(params)
+    return lambda y: fn(y, p)
+
+
+# oneDNN's convolution post-op (attr, scalars, algorithm) for an activation and its params.
+_ONEDNN: dict[str, Callable] = {
+    "": lambda p: ("none", [], ""), "Relu": lambda p: ("relu", [], ""),
+    "Sigmoid": lambda p: ("sigmoid", [], ""), "Tanh": lambda p: ("tanh", [], ""),
+    "HardSwish": lambda p: ("hardswish", [], ""), "Silu": lambda p: ("swish", [], ""),
+    "LeakyRelu": lambda p: ("leaky_relu", [p[0]], ""),
+    "Clip": lambda p: ("hardtanh", [float(p[0]), float(p[1])], ""),
+    "Gelu": lambda p: ("gelu", [], "none"), "GeluTanh": lambda p: ("gelu", [], "tanh"),
+}
 
 
 def _onednn_unary(name: str, params):
     """(attr, scalars, algorithm) of oneDNN's conv post-op for ``name``, or None."""
-    p = list(params or [])
-    if not name:
-        return "none", [], ""
-    simple = {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "HardSwish": "hardswish",
-              "Silu": "swish"}
-    if name in simple:
-        return simple[name], [], ""
-    if name == "LeakyRelu":
-        return "leaky_relu", [p[0] if p else 0.01], ""
-    if name == "Clip" and len(p) == 2 and None not in p:
-        return "hardtanh", [float(p[0]), float(p[1])], ""
-    if name == "Gelu":
-        return "gelu", [], "none"
-    if name == "GeluTanh":
-        return "gelu", [], "tanh"
-    return None
+    post = _ONEDNN.get(name)
+    return None if post is None else post(ACTIVATIONS[name].params(params) if name else [])
 
 
 def _sub_site(site: Site, n_inputs: int, drop=("activation", "activation_params")) -> Site:
