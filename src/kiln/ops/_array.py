@@ -12,8 +12,22 @@ def namespace(*arrays):
     """The array-API namespace (NumPy's or torch's) for the given arrays."""
     for a in arrays:  # fast path: plain NumPy arrays (array_namespace costs ~2us a call)
         if a is not None and type(a) is not np.ndarray:
+            kind = type(a)
+            if all(b is None or type(b) is kind for b in arrays):
+                return _namespace_of(kind, a)
             return array_namespace(*[a for a in arrays if a is not None])
     return _NUMPY_NS
+
+
+def _namespace_of(kind: type, example):
+    """One array type's namespace, looked up once per type (a pure function of the type)."""
+    ns = _BY_TYPE.get(kind)
+    if ns is None:
+        ns = _BY_TYPE[kind] = array_namespace(example)
+    return ns
+
+
+_BY_TYPE: dict[type, object] = {}
 
 
 def ints(x) -> list[int]:

@@ -25,54 +25,15 @@ from kiln.ops.torch.nn import conv as _conv_builder
 NI = NotImplemented
 
 
-@activation("Relu", "torch")
-def _relu(y, p):
-    return torch.relu(y)
-
-
-@activation("LeakyRelu", "torch")
-def _leaky_relu(y, p):
-    return F.leaky_relu(y, p[0])
-
-
-@activation("Clip", "torch")
-def _clip(y, p):
-    return torch.clamp(y, p[0], p[1])
-
-
-@activation("Sigmoid", "torch")
-def _sigmoid(y, p):
-    return torch.sigmoid(y)
-
-
-@activation("HardSigmoid", "torch")
-def _hard_sigmoid(y, p):
-    return torch.clamp(y * p[0] + p[1], 0, 1)
-
-
-@activation("HardSwish", "torch")
-def _hard_swish(y, p):
-    return y * torch.clamp(y * (1 / 6) + 0.5, 0, 1)
-
-
-@activation("Silu", "torch")
-def _silu(y, p):
-    return F.silu(y)
-
-
-@activation("Gelu", "torch")
-def _gelu(y, p):
-    return F.gelu(y)
-
-
-@activation("GeluTanh", "torch")
-def _gelu_tanh(y, p):
-    return F.gelu(y, approximate="tanh")
-
-
-@activation("Tanh", "torch")
-def _tanh(y, p):
-    return torch.tanh(y)
+for _name, _fn in {
+    "Relu": lambda y, p: torch.relu(y), "LeakyRelu": lambda y, p: F.leaky_relu(y, p[0]),
+    "Clip": lambda y, p: torch.clamp(y, p[0], p[1]), "Sigmoid": lambda y, p: torch.sigmoid(y),
+    "HardSigmoid": lambda y, p: torch.clamp(y * p[0] + p[1], 0, 1),
+    "HardSwish": lambda y, p: y * torch.clamp(y * (1 / 6) + 0.5, 0, 1),
+    "Silu": lambda y, p: F.silu(y), "Gelu": lambda y, p: F.gelu(y),
+    "GeluTanh": lambda y, p: F.gelu(y, approximate="tanh"), "Tanh": lambda y, p: torch.tanh(y),
+}.items():
+    activation(_name, "torch")(_fn)
 
 
 def activation_fn(name: str, params):

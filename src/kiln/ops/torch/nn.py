@@ -444,7 +444,7 @@ def resize(site):
     return run
 
 
-@kernel("Flatten", 1)  # 1.9x the generic kernel (no namespace lookup)
+@kernel("Flatten", 1)  # Tensor op, not array_api_compat's wrapper
 def flatten(x, *, axis=1):
     a = axis + x.dim() if axis < 0 else axis
     return x.reshape(math.prod(x.shape[:a]), math.prod(x.shape[a:]))

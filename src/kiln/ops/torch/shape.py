@@ -45,7 +45,7 @@ def size(x):
     return torch.from_numpy(np.array(x.numel(), np.int64))
 
 
-@kernel("Reshape", 5)  # 2.4x the generic kernel (no namespace lookup, no NumPy shape)
+@kernel("Reshape", 5)  # 2.4x the generic kernel (Tensor.reshape, no NumPy shape)
 def reshape(x, shape, *, allowzero=0):
     s = ints(shape)
     if not allowzero:
@@ -55,7 +55,7 @@ def reshape(x, shape, *, allowzero=0):
     return x.reshape(s)
 
 
-@kernel("Transpose", 1)  # 1.8x the generic kernel (permute, no namespace lookup)
+@kernel("Transpose", 1)  # 1.8x the generic kernel (permute)
 def transpose(x, *, perm=None):
     if perm is None:
         perm = list(range(x.dim()))[::-1]
@@ -71,12 +71,12 @@ def _squeeze(x, axes):
     return x.squeeze(dims) if dims else x
 
 
-@kernel("Squeeze", 13)  # 1.8x the generic kernel (no namespace lookup)
+@kernel("Squeeze", 13)  # Tensor op, not array_api_compat's wrapper
 def squeeze13(x, axes=None):
     return _squeeze(x, None if axes is None else ints(axes))
 
 
-@kernel("Squeeze", 1, until=13)  # 1.7x the generic kernel (no namespace lookup)
+@kernel("Squeeze", 1, until=13)  # Tensor op, not array_api_compat's wrapper
 def squeeze1(x, *, axes=None):
     return _squeeze(x, axes)
 
@@ -88,12 +88,12 @@ def _unsqueeze(x, axes):
     return x
 
 
-@kernel("Unsqueeze", 13)  # 2.7x the generic kernel (no namespace lookup)
+@kernel("Unsqueeze", 13)  # Tensor op, not array_api_compat's wrapper
 def unsqueeze13(x, axes):
     return _unsqueeze(x, ints(axes))
 
 
-@kernel("Unsqueeze", 1, until=13)  # 2.5x the generic kernel (no namespace lookup)
+@kernel("Unsqueeze", 1, until=13)  # Tensor op, not array_api_compat's wrapper
 def unsqueeze1(x, *, axes=None):
     return _unsqueeze(x, list(axes or []))
 
@@ -149,7 +149,7 @@ def _slice(x, starts, ends, axes, steps):
     return y
 
 
-@kernel("Slice", 10)  # 1.7x the generic kernel (one indexing, no namespace lookup)
+@kernel("Slice", 10)  # 1.7x the generic kernel (one indexing)
 def slice10(x, starts, ends, axes=None, steps=None):
     return _slice(x, ints(starts), ints(ends), None if axes is None else ints(axes),
                   None if steps is None else ints(steps))
@@ -160,7 +160,7 @@ def slice1(x, *, axes=None, ends=None, starts=None):
     return _slice(x, list(starts), list(ends), None if axes is None else list(axes), None)
 
 
-@kernel("Gather", 1)  # 1.75x the generic kernel (index_select, no namespace lookup)
+@kernel("Gather", 1)  # 1.75x the generic kernel (index_select)
 def gather(x, indices, *, axis=0):
     if indices.dtype not in (torch.int32, torch.int64):
         return NI
@@ -184,7 +184,7 @@ def gather_elements(x, indices, *, axis=0):
     return torch.gather(x, a, idx)
 
 
-@kernel("Tile", 6)  # 1.4x the generic kernel (Tensor.repeat, no namespace lookup)
+@kernel("Tile", 6)  # 1.4x the generic kernel (Tensor.repeat)
 def tile(x, repeats):
     return x.repeat(ints(repeats))
 
@@ -412,7 +412,7 @@ def _arg_kernel(fn):
     return run
 
 
-# 1.5x the generic kernel (no namespace lookup, no int64 cast)
+# 1.3x the generic kernel (no int64 cast)
 kernel("ArgMax", 11)(_arg_kernel(torch.argmax))
 kernel("ArgMin", 11)(_arg_kernel(torch.argmin))
 
