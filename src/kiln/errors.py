@@ -33,3 +33,25 @@ class ShapeError(KilnError):
 
 class KernelError(KilnError):
     """An operator failed while running; the message names the layer."""
+
+
+class MissingDependencyError(KilnError, ImportError):
+    """An optional package Kiln needs for what was asked is not installed.
+
+    ``module`` is the package that failed to import and ``install`` the command that
+    installs it (``pip install -e ".[zoo]"``); the message names both in one line. It is
+    also an ``ImportError``, so code that treats a missing import as "not available" keeps
+    working.
+    """
+
+    def __init__(self, module: str, install: str, needed_for: str):
+        super().__init__(f"{needed_for} needs {module}, which is not installed: {install}")
+        self.module = module
+        self.name = module  # ImportError's own attribute for the module that is missing
+        self.install = install
+        self.needed_for = needed_for
+
+
+class OptionError(KilnError, ValueError):
+    """An option that is not valid: an unknown backend, a device or precision the backend
+    does not offer. The message says which values are accepted."""

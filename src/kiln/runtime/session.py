@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -9,8 +10,8 @@ from typing import Any
 import numpy as np
 import onnx
 
-from kiln.errors import InputError
-from kiln.ir import DType, Model, TensorType, Value, plain_shape
+from kiln.errors import InputError, MissingDependencyError, OptionError
+from kiln.ir import DType, Model, SymDim, TensorType, Value, plain_shape
 from kiln.onnxio import load
 from kiln.runtime.backend import Backend
 from kiln.runtime.placement import PlacementReport
@@ -35,13 +36,29 @@ def _node_arg(v: Value) -> NodeArg:
 def make_backend(name: str, **options: Any) -> Backend:
     """The backend object for ``name`` ("numpy", or "torch" when installed)."""
     if name == "numpy":
+        device = options.pop("device", "cpu")
+        if device != "cpu":
+            raise OptionError(f"the numpy backend runs on the CPU only; for device "
+                              f"{device!r} use backend='torch'")
         if options:
-            raise TypeError(f"the numpy backend takes no options (got {sorted(options)})")
+            raise OptionError(f"the numpy backend takes no options (got {sorted(options)}); "
+                              "threads, precision and compile are the torch backend's")
         return Backend()
     if name == "torch":
-        from kiln.runtime.torch_backend import TorchBackend
+        try:
+            from kiln.runtime.torch_backend import TorchBackend
+        except ModuleNotFoundError as e:
+            if e.name != "torch":
+                raise
+            raise MissingDependencyError("torch", 'pip install -e ".[torch]"',
+                                         "the torch backend") from None
+        unknown = sorted(set(options) - set(inspect.signature(TorchBackend).parameters))
+        if unknown:
+            raise OptionError(f"the torch backend has no option {', '.join(unknown)}; it takes "
+                              "device, precision, compile, threads and channels_last")
         return TorchBackend(**options)
-    raise ValueError(f"unknown backend {name!r}; choose 'numpy' or 'torch'")
+    hint = " (a GPU is backend='torch', device='cuda')" if name.startswith("cuda") else ""
+    raise OptionError(f"unknown backend {name!r}; choose 'numpy' or 'torch'{hint}")
 
 
 class InferenceSession:
@@ -67,6 +84,7 @@ class InferenceSession:
         self._overridable = {v.name: v for v in g.initializers.values()
                              if v.meta.get("overridable")}
         self._by_name = {v.name: v for v in self._inputs}
+        self._shared_dims = _shared_dims(self._inputs)
         self._outputs = {v.name: i for i, v in enumerate(g.outputs)}
 
     def get_inputs(self) -> list[NodeArg]:
@@ -141,7 +159,15 @@ class InferenceSession:
         if missing:
             raise InputError(f"missing input(s) {missing}: feed a value for each of "
                              f"{[v.name for v in self._inputs]}")
-        return [self._check_one(v, feed[v.name]) for v in self._inputs]
+        values = [self._check_one(v, feed[v.name]) for v in self._inputs]
+        for name, places in self._shared_dims.items():
+            sizes = {(i, d): int(values[i].shape[d]) for i, d in places}
+            if len(set(sizes.values())) > 1:
+                said = ", ".join(f"{self._inputs[i].name!r} dim {d} is {n}"
+                                 for (i, d), n in sizes.items())
+                raise InputError(f"inputs share the dim {name!r} but disagree on it: {said}; "
+                                 "feed arrays of matching sizes")
+        return values
 
     def _check_one(self, v: Value, x: Any):
         t = v.type
@@ -165,6 +191,18 @@ class InferenceSession:
                         f"input {v.name!r} dim {i} is fixed to {want} {_fmt(t.shape)} but got "
                         f"shape {shape}")
         return x
+
+
+def _shared_dims(inputs: list[Value]) -> dict[str, list[tuple[int, int]]]:
+    """Symbolic dim names that two or more input positions share, with those positions
+    (input index, axis): a run must give them one size."""
+    places: dict[str, list[tuple[int, int]]] = {}
+    for i, v in enumerate(inputs):
+        if isinstance(v.type, TensorType) and v.type.shape is not None:
+            for axis, d in enumerate(v.type.shape):
+                if isinstance(d, SymDim) and d.symbol is not None:
+                    places.setdefault(d.symbol, []).append((i, axis))
+    return {name: p for name, p in places.items() if len(p) > 1}
 
 
 def _fmt(shape) -> str:

@@ -24,7 +24,7 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, OptionError
 from kiln.ir import DType
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef
@@ -71,7 +71,7 @@ class TorchBackend(Backend):
         except (RuntimeError, TypeError):
             dev = None
         if dev is None or dev.type not in ("cpu", "cuda"):
-            raise ValueError(f"unsupported device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
+            raise OptionError(f"unsupported device {device!r}; use 'cpu', 'cuda' or 'cuda:N'")
         if dev.type == "cuda":
             if not torch.cuda.is_available():
                 raise KilnError(f"device {device!r} asked for but torch sees no CUDA device "
@@ -79,7 +79,7 @@ class TorchBackend(Backend):
             if dev.index is None:
                 dev = torch.device("cuda", torch.cuda.current_device())
         if precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+            raise OptionError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
         self.tdevice = dev
         self.device = str(dev)
         self.is_cuda = dev.type == "cuda"

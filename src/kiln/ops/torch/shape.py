@@ -139,8 +139,8 @@ def _slice(x, starts, ends, axes, steps):
         st = steps[i] if steps is not None else 1
         if st == 0:
             return NI
-        if st > 0:
-            idx[a] = slice(s, e, st)
+        if st > 0:  # clamped first: torch warns about bounds beyond int64 (INT64_MIN)
+            idx[a] = slice(*slice(s, e, st).indices(x.shape[a]))
         else:
             flips.append((a, range(*slice(s, e, st).indices(x.shape[a]))))
     y = x[tuple(idx)]
