@@ -3,12 +3,19 @@
 from __future__ import annotations
 
 import os
+import re
+import tempfile
+import uuid
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 from onnx import helper
+from onnx.external_data_helper import (
+    convert_model_to_external_data,
+    write_external_data_tensors,
+)
 
 from kiln.ir import (
     AttrRef,
@@ -187,18 +194,66 @@ def _function(f: Function) -> onnx.FunctionProto:
 
 def save(model: Model, path: str | os.PathLike, external_data: bool | None = None,
          size_threshold: int = 1024) -> Path:
-    """Write ``model`` as an ONNX file. Weights go to ``<file>.data`` beside it when
-    ``external_data`` is True, or (by default) when the model would not fit in one protobuf."""
+    """Write ``model`` as an ONNX file. Weights go to a ``.data`` file beside it when
+    ``external_data`` is True, or (by default) when the model would not fit in one protobuf.
+
+    The save is atomic: everything is written under temporary names in the target folder,
+    flushed to disk, then renamed into place (the data file before the model), so a crash
+    at any point leaves the previous model or the new one, each loadable. Re-saving over a
+    model with external data writes the weights under a fresh name
+    (``<file>.<token>.data``), because the old model keeps reading its own data file until
+    the new model replaces it; the old data file is removed afterwards."""
     path = Path(path)
     proto = to_proto(model)
     if external_data is None:
         external_data = proto.ByteSize() > 1_800_000_000
-    path.parent.mkdir(parents=True, exist_ok=True)
-    if external_data:
-        location = path.name + ".data"
-        (path.parent / location).unlink(missing_ok=True)
-        onnx.save_model(proto, str(path), save_as_external_data=True, all_tensors_to_one_file=True,
-                        location=location, size_threshold=size_threshold)
-    else:
-        onnx.save_model(proto, str(path))
+    folder = path.parent
+    folder.mkdir(parents=True, exist_ok=True)
+    stale = _kiln_data_files(path)
+    with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=folder) as tmp:
+        moves: list[tuple[Path, Path]] = []
+        if external_data:
+            location = path.name + ".data"
+            if (folder / location).exists():
+                location = f"{path.name}.{uuid.uuid4().hex[:8]}.data"
+            convert_model_to_external_data(proto, all_tensors_to_one_file=True,
+                                           location=location, size_threshold=size_threshold)
+            write_external_data_tensors(proto, tmp)
+            if (Path(tmp) / location).exists():
+                moves.append((Path(tmp) / location, folder / location))
+                stale.discard(folder / location)
+        staged = Path(tmp) / path.name
+        staged.write_bytes(proto.SerializeToString())
+        moves.append((staged, path))
+        for src, _ in moves:
+            _fsync(src)
+        for src, dst in moves:
+            os.replace(src, dst)
+        _fsync(folder)
+    for old in stale:  # data the replaced model read; nothing references it now
+        old.unlink(missing_ok=True)
     return path
+
+
+def _kiln_data_files(path: Path) -> set[Path]:
+    """The external-data files earlier saves of ``path`` wrote (``<file>.data``,
+    ``<file>.<token>.data``)."""
+    pattern = re.compile(re.escape(path.name) + r"(\.[0-9a-f]{8})?\.data")
+    if not path.parent.is_dir():
+        return set()
+    return {p for p in path.parent.iterdir() if pattern.fullmatch(p.name)}
+
+
+def _fsync(p: Path) -> None:
+    """Flush ``p`` (a file, or a folder's entries) to disk; folders cannot be opened for
+    this on Windows, where the rename is already durable enough."""
+    try:
+        fd = os.open(p, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
