@@ -19,7 +19,16 @@ def _wrap(idx, dim: int):
     idx = np.asarray(idx)
     if idx.dtype != np.int64:
         idx = idx.astype(np.int64)
-    return np.where(idx < 0, idx + dim, idx)
+    return _in_range(np, np.where(idx < 0, idx + dim, idx), dim)
+
+
+def _in_range(xp, idx, dim: int):
+    """``idx`` (already wrapped) when every index addresses one of ``dim`` entries; NumPy
+    would otherwise wrap -11 on 10 rows around a second time."""
+    if bool(xp.any((idx < 0) | (idx >= dim))):
+        raise IndexError(f"an index is out of range: indices must lie in [{-dim}, {dim - 1}] "
+                         f"for an axis of {dim} entries")
+    return idx
 
 
 # -- gathers ----------------------------------------------------------------------------
@@ -30,7 +39,7 @@ def gather(data, indices, *, axis=0):
     xp = namespace(data, indices)
     ax = norm_axis(axis, data.ndim)
     dim = data.shape[ax]
-    idx = xp.where(indices < 0, indices + dim, indices)
+    idx = _in_range(xp, xp.where(indices < 0, indices + dim, indices), dim)
     flat = xp.reshape(idx, (-1,))
     out = xp.take(data, flat, axis=ax)
     shape = tuple(data.shape[:ax]) + tuple(indices.shape) + tuple(data.shape[ax + 1:])

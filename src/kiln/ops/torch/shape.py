@@ -274,8 +274,13 @@ def gather_nd(data, indices, *, batch_dims=0):
         idx = idx.to(d.device)
     cols = []
     for i in range(k):
+        n = d.shape[1 + i]
         c = idx[..., i]
-        cols.append(torch.where(c < 0, c + d.shape[1 + i], c))
+        c = torch.where(c < 0, c + n, c)
+        if bool(((c < 0) | (c >= n)).any()):  # tensor indexing would wrap -11 around again
+            raise IndexError(f"an index is out of range: indices must lie in [{-n}, {n - 1}] "
+                             f"for an axis of {n} entries")
+        cols.append(c)
     bidx = torch.arange(nb, device=d.device).reshape(nb, 1)
     y = d[(bidx, *cols)]
     return y.reshape(tuple(indices.shape[:-1]) + tuple(data.shape[b + k:]))
