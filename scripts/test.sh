@@ -1,11 +1,24 @@
 #!/usr/bin/env bash
-# Install Kiln with its test dependencies and run the whole test suite.
-# Works on a fresh machine: Debian's chromium (for the HTML-report browser test) is installed
-# when apt is available, and the PyTorch CPU wheel is pinned in pyproject.toml.
+# Install Kiln's test dependencies and run the test suite: the README's second command, and
+# what CI runs (.ci/run). In order:
+#   1. scripts/install_test_deps.sh: `apt-get install chromium chromium-driver` (through sudo
+#      when not root) for the HTML-report browser test. Skipped when both are installed;
+#      without apt-get or root it only says so, and the browser test then skips.
+#   2. pip install -e ".[test]": Kiln with PyTorch (the CPU wheel pinned in pyproject.toml),
+#      onnxruntime, transformers, onnxscript, selenium, ...
+#   3. pytest -m "not slow": every test except those marked slow (vgg16 and resnet50, the
+#      build checks of all but two zoo models, the optimizer's differential test on ONNX's
+#      light models and on the heavier zoo models). The zoo models the tests use are built
+#      into the zoo cache ($KILN_ZOO_DIR, else ~/.cache/kiln/zoo) when missing there or
+#      built by other package versions.
+# Usage: bash scripts/test.sh [--slow] [PYTEST ARGS...]   (--slow: run the slow tests too)
 set -euo pipefail
 cd "$(dirname "$0")/.."
-if [ -x scripts/install_test_deps.sh ] || [ -f scripts/install_test_deps.sh ]; then
-  bash scripts/install_test_deps.sh
+select=(-m "not slow")
+if [ "${1:-}" = "--slow" ]; then
+  select=()
+  shift
 fi
+bash scripts/install_test_deps.sh
 python3 -m pip install -q -e ".[test]"
-python3 -m pytest -q -m "not slow" "$@"
+python3 -m pytest -q ${select[@]+"${select[@]}"} "$@"

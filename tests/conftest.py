@@ -1,8 +1,11 @@
-"""Shared test helpers: small models built with onnx.helper, and onnxruntime as oracle."""
+"""Shared test helpers: small models built with onnx.helper, onnxruntime as oracle, and
+zoo models built on demand (the ``zoo_model`` fixture)."""
 
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -44,3 +47,42 @@ def mlp_model() -> onnx.ModelProto:
     return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["batch", 4])],
                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["batch", 3])],
                       [w1, b1, w2])
+
+
+# (zoo cache folder, model name) -> model.onnx, for the models this run has made sure of.
+_ZOO_READY: dict[tuple[str, str], Path] = {}
+
+
+def zoo_model_path(name: str) -> Path:
+    """``model.onnx`` of zoo model ``name``, built now if the cache lacks it or holds a
+    stale build (another torch/onnxruntime/... version, another exporter or opset).
+
+    The cache is the zoo's own (``$KILN_ZOO_DIR`` or ``~/.cache/kiln/zoo``): building is
+    deterministic (seeded weights and inputs; two builds give the same reference outputs),
+    so a current cached entry is what a fresh build would give, and a test's result does not
+    depend on what an earlier run left there or on which test asked first. Skips, saying
+    what to install, only when a package the build needs is missing.
+    """
+    zoo = pytest.importorskip("kiln.zoo")
+    from kiln.errors import MissingDependencyError
+    from kiln.zoo.build import require_builder, stale_reason
+    from kiln.zoo.registry import get_entry
+
+    key = (str(zoo.cache_dir()), name)
+    if key not in _ZOO_READY:
+        if stale_reason(name) is not None:
+            try:
+                require_builder(get_entry(name))
+            except MissingDependencyError as e:
+                pytest.skip(str(e))
+            zoo.build([name], force=True, progress=False)
+            assert stale_reason(name) is None, f"{name}: {stale_reason(name)} after a build"
+        _ZOO_READY[key] = zoo.path(name, progress=False)
+    return _ZOO_READY[key]
+
+
+@pytest.fixture(scope="session")
+def zoo_model() -> Callable[[str], Path]:
+    """``zoo_model(name) -> Path``: the zoo model, built on demand once per run (see
+    :func:`zoo_model_path`). Every test that needs a zoo model goes through this."""
+    return zoo_model_path

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -23,9 +24,11 @@ from kiln import tools
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 
 
-def kiln_cli(*args: str, cwd=None, timeout: int = 300) -> subprocess.CompletedProcess:
-    """``kiln ARGS`` as a user runs it (``python -m kiln.cli`` of this interpreter)."""
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+def kiln_cli(*args: str, cwd=None, timeout: int = 300,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    """``kiln ARGS`` as a user runs it (``python -m kiln.cli`` of this interpreter), with
+    ``env`` added to the environment."""
+    env = {**os.environ, "PYTHONWARNINGS": "ignore", **(env or {})}
     return subprocess.run([sys.executable, "-m", "kiln.cli", *map(str, args)], cwd=cwd,
                           capture_output=True, text=True, timeout=timeout, env=env)
 
@@ -365,9 +368,37 @@ def test_bench_vs_onnxruntime(runnable):
         assert 0 < st["min_ms"] <= st["p50_ms"] <= st["p90_ms"] <= st["p99_ms"]
         assert st["throughput_per_s"] > 0
     assert b["other"]["engine"] == "onnxruntime"
-    assert b["speedup"] == pytest.approx(b["other"]["p50_ms"] / b["kiln"]["p50_ms"])
+    # Kiln / other, as docs/performance.md has it: above 1 means Kiln takes longer
+    assert b["ratio"] == pytest.approx(b["kiln"]["p50_ms"] / b["other"]["p50_ms"])
+    assert b["comparison"].endswith(f"(Kiln / onnxruntime = {b['ratio']:.3f})")
     out = ok(kiln_cli("bench", runnable, "--vs", "onnxruntime", "--runs", "3", "--warmup", "0"))
-    assert "p50 ms" in out and "onnxruntime" in out and "than onnxruntime" in out
+    assert "p50 ms" in out and "onnxruntime" in out
+    line = [x for x in out.splitlines() if x.startswith("Kiln ")]
+    assert len(line) == 1 and "/ kiln" not in out, out
+    m = re.search(r"\(Kiln / onnxruntime = ([0-9.]+)\)$", line[0])
+    assert m, line
+    ratio = float(m.group(1))
+    if ratio > 1:
+        assert f"Kiln takes {ratio:.2f}x as long as onnxruntime" in line[0]
+    else:
+        assert "Kiln is" in line[0] and "faster than onnxruntime" in line[0]
+
+
+@pytest.mark.parametrize("kiln_ms, ort_ms, words", [
+    (4.6, 1.0, "Kiln takes 4.60x as long as onnxruntime at p50 (Kiln / onnxruntime = 4.600)"),
+    (1.0, 1.3, "Kiln is 1.30x faster than onnxruntime at p50 (Kiln / onnxruntime = 0.769)"),
+])
+def test_bench_comparison_words(kiln_ms, ort_ms, words):
+    """The ratio is Kiln / other everywhere, and said in words both ways round."""
+    from kiln.cli.format import bench_text
+    from kiln.tools.benchmark import BenchResult, Stats
+
+    r = BenchResult("m", "numpy", "cpu", 1, 1, 0, Stats("kiln", [kiln_ms] * 3),
+                    Stats("onnxruntime", [ort_ms] * 3))
+    assert r.ratio == pytest.approx(kiln_ms / ort_ms)
+    assert r.comparison() == words
+    assert bench_text(r).splitlines()[-1] == words
+    assert r.to_dict()["ratio"] == r.ratio
 
 
 def test_bench_batch_must_fit_a_fixed_dim(tmp_path):
@@ -382,6 +413,21 @@ def test_bench_progress_without_tqdm(runnable, monkeypatch, capsys):
     r = tools.bench(runnable, runs=4, warmup=1, progress=True)
     assert len(r.kiln.latencies_ms) == 4 and r.other is None
     assert "5/5" in capsys.readouterr().err
+
+
+def test_bench_draws_no_bar_off_a_terminal(runnable, capsys):
+    """By default the bar is drawn only on a terminal: pytest's captured stderr is not one,
+    as a log file or a pipe is not."""
+    tools.bench(runnable, runs=3, warmup=1)
+    assert capsys.readouterr().err == ""
+    tools.bench(runnable, runs=3, warmup=1, progress=True)  # asked for: drawn anyway
+    assert "bench" in capsys.readouterr().err
+
+
+def test_cli_bench_into_a_pipe_has_no_bar(runnable):
+    r = kiln_cli("bench", runnable, "--runs", "3", "--warmup", "1")
+    ok(r)
+    assert r.stderr == ""
 
 
 # -- optimize ---------------------------------------------------------------------------
@@ -424,8 +470,13 @@ def test_report_cli(runnable, tmp_path):
 
 
 def test_report_unprofiled_draws_the_file(tiny, tmp_path):
-    page = tools.report(tiny, tmp_path / "r.html")
-    assert page == (tmp_path / "r.html").read_text()
+    r = tools.report(tiny, tmp_path / "r.html")
+    # a small data object about the file, not the page's text
+    assert isinstance(r, tools.HtmlReport) and r.path == tmp_path / "r.html"
+    assert os.fspath(r) == str(tmp_path / "r.html")
+    page = r.path.read_text()
+    assert r.size_bytes == len(page.encode()) and r.layers == 9 and not r.profiled
+    assert r.to_dict()["path"] == str(tmp_path / "r.html") and len(repr(r)) < 300
     assert_self_contained(page)
     assert page.count('class="layer"') == 9
     assert page.count('class="edge"') >= 9
@@ -462,3 +513,168 @@ def test_report_layout_puts_constants_by_their_reader():
     boxes = layout(m.graph)[0]
     row = {n.name: b.row for n, b in zip(m.graph.nodes, boxes)}
     assert row["add"] == 4 and row["const"] == 3
+
+
+# -- the first ten minutes: help, typos, missing extras, long builds -----------------------
+
+def test_every_option_has_help():
+    """Each option of each command says what it is for in ``--help``."""
+    from kiln.cli import build_parser
+
+    ap = build_parser()
+    sub = next(a for a in ap._actions if isinstance(a, argparse._SubParsersAction))
+    missing = [f"kiln {name} {'/'.join(a.option_strings) or a.dest}"
+               for name, p in sub.choices.items() for a in p._actions
+               if not a.help and name != "zoo"]
+    assert missing == []
+
+
+def test_report_output_option_is_described():
+    out = " ".join(ok(kiln_cli("report", "-h")).split())
+    assert "-o REPORT.html, --output REPORT.html the HTML file to write" in out
+
+
+def test_inspect_backend_help_says_nothing_runs():
+    inspect_help = " ".join(ok(kiln_cli("inspect", "-h")).split())
+    assert "backend to run on" not in inspect_help
+    assert "nothing is run" in inspect_help and "fusions" in inspect_help
+    run_help = " ".join(ok(kiln_cli("run", "-h")).split())
+    assert "backend to run on" in run_help  # commands that do run keep saying so
+
+
+def test_zoo_name_typo_suggests_the_name(tmp_path):
+    r = kiln_cli("inspect", "resnet", cwd=tmp_path)
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert "did you mean the zoo model resnet18" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1
+    r = kiln_cli("zoo", "build", "resnt18")
+    assert r.returncode == 2 and "did you mean resnet18" in r.stderr, r.stderr
+    # a name close to nothing gets no made-up suggestion
+    r = kiln_cli("inspect", "qqqqqq", cwd=tmp_path)
+    assert r.returncode == 1 and "did you mean" not in r.stderr
+
+
+def blocked_modules(tmp_path, *names: str) -> dict[str, str]:
+    """Environment for a subprocess in which importing each of ``names`` fails as if it
+    were not installed: a module of that name first on the path raises ImportError."""
+    d = tmp_path / "blocked"
+    d.mkdir(exist_ok=True)
+    for n in names:
+        msg = f"No module named {n!r} (blocked by the test)"
+        (d / f"{n}.py").write_text(f"raise ImportError({msg!r})\n")
+    old = os.environ.get("PYTHONPATH")
+    return {"PYTHONPATH": str(d) + (os.pathsep + old if old else "")}
+
+
+def one_line_error(r: subprocess.CompletedProcess) -> str:
+    """The single ``kiln: error:`` line of a failed command, without a traceback."""
+    assert r.returncode == 1, f"exit {r.returncode}\n{r.stdout}\n{r.stderr}"
+    assert "Traceback" not in r.stderr, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(("kiln: error:", "kiln zoo: error:")), r.stderr
+    return lines[0]
+
+
+def test_missing_onnxruntime_names_the_extra(tmp_path):
+    """After the README's first command (no zoo extra), asking for a zoo model that is not
+    built says in one line which extra to install (it was a ModuleNotFoundError traceback,
+    and ``kiln zoo build`` said only ``FAILED ModuleNotFoundError``)."""
+    pytest.importorskip("torch")
+    env = {**blocked_modules(tmp_path, "onnxruntime"), "KILN_ZOO_DIR": str(tmp_path / "zoo")}
+    for args in (["inspect", "resnet18"], ["run", "emotion_ferplus", "--random"],
+                 ["zoo", "build", "resnet18"]):
+        line = one_line_error(kiln_cli(*args, env=env, cwd=tmp_path))
+        assert "needs onnxruntime, which is not installed" in line, line
+        assert line.endswith('pip install -e ".[zoo]"'), line
+    assert not (tmp_path / "zoo" / "resnet18").exists()
+    r = subprocess.run([sys.executable, "-m", "kiln.zoo", "build", "resnet18"], cwd=tmp_path,
+                       capture_output=True, text=True, env={**os.environ, **env}, timeout=300)
+    assert 'pip install -e ".[zoo]"' in one_line_error(r)
+
+
+def test_missing_torch_and_onnxruntime_for_backends(tmp_path, tiny):
+    env = blocked_modules(tmp_path, "torch", "onnxruntime")
+    line = one_line_error(kiln_cli("inspect", tiny, "--backend", "torch", env=env))
+    assert "the torch backend needs torch" in line and line.endswith('pip install -e ".[torch]"')
+    line = one_line_error(kiln_cli("run", tiny, "--random", "--backend", "torch", env=env))
+    assert line.endswith('pip install -e ".[torch]"'), line
+    line = one_line_error(kiln_cli("bench", tiny, "--vs", "onnxruntime", env=env))
+    assert "--vs onnxruntime needs onnxruntime" in line and line.endswith("pip install onnxruntime")
+
+
+def test_missing_dependency_error_is_a_kiln_error_and_an_import_error():
+    from kiln.errors import KilnError, MissingDependencyError
+
+    e = MissingDependencyError("onnxruntime", 'pip install -e ".[zoo]"', "building zoo model x")
+    assert isinstance(e, KilnError) and isinstance(e, ImportError) and e.name == "onnxruntime"
+    assert str(e) == ('building zoo model x needs onnxruntime, which is not installed: '
+                      'pip install -e ".[zoo]"')
+
+
+def test_building_on_demand_says_what_it_does(tmp_path):
+    """A zoo model used before it is built is built first, and stderr says so: what is being
+    built, where, each step, how long it took -- as plain lines, not a redrawn bar, since
+    stderr is a pipe here. stdout is the command's usual output."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    env = {"KILN_ZOO_DIR": str(tmp_path / "zoo")}
+    r = kiln_cli("run", "emotion_ferplus", "--random", env=env)
+    out = ok(r)
+    assert out.startswith("ran ") and "logits" in out
+    err = r.stderr
+    assert "\r" not in err and "\x1b" not in err
+    lines = err.strip().splitlines()
+    assert lines[0].startswith("kiln: zoo model emotion_ferplus is not built yet; building it "
+                               f"into {tmp_path / 'zoo' / 'emotion_ferplus'}"), err
+    steps = [x for x in lines if x.startswith("building emotion_ferplus: [")]
+    assert [x.split("]")[0][-3:] for x in steps] == ["1/5", "2/5", "3/5", "4/5", "5/5"], err
+    assert any("exporting to ONNX (torchscript exporter" in x for x in steps), err
+    assert re.fullmatch(r"building emotion_ferplus: built in [0-9.]+ s", lines[-1]), err
+    r = kiln_cli("run", "emotion_ferplus", "--random", env=env)  # now cached: nothing said
+    ok(r)
+    assert r.stderr == ""
+
+
+def test_zoo_build_into_a_pipe_draws_no_bar(tmp_path):
+    """``kiln zoo build`` in a log or a pipe: one plain line per model, no tqdm bar."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    env = {"KILN_ZOO_DIR": str(tmp_path / "zoo")}
+    r = kiln_cli("zoo", "build", "emotion_ferplus", env=env)
+    out = ok(r)
+    assert out.strip() == str(tmp_path / "zoo" / "emotion_ferplus" / "model.onnx")
+    assert "\r" not in r.stderr and "model/s" not in r.stderr and "it/s" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert lines[0].startswith("emotion_ferplus") and "exporting to ONNX" in lines[0]
+    assert re.match(r"emotion_ferplus\s+built in [0-9.]+s", lines[-1]), r.stderr
+    r = kiln_cli("zoo", "build", "emotion_ferplus", "-q", env=env)
+    assert ok(r) == out and r.stderr == ""
+
+
+def test_step_reporter_ticks_on_a_terminal_and_writes_lines_off_it():
+    import io
+    import time as _time
+
+    from kiln.tools.progress import StepReporter
+
+    class Tty(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty = Tty()
+    with StepReporter("building m", 2, stream=tty) as rep:
+        rep.step("exporting")
+        _time.sleep(2.0)  # one long step: the clock keeps ticking (every 0.5 s) meanwhile
+        rep.done("built")
+    text = tty.getvalue()
+    # drawn at the step, then redrawn in place while it runs (>= 2 of ~4 ticks, on a busy box)
+    assert text.count("\rbuilding m: [1/2] exporting") >= 3, text
+    assert text.endswith("building m: built\n")
+    log = io.StringIO()  # not a terminal: plain lines only
+    with StepReporter("building m", 2, stream=log) as rep:
+        rep.step("exporting")
+        rep.step("checking")
+        rep.done("built")
+    assert log.getvalue() == ("building m: [1/2] exporting\nbuilding m: [2/2] checking\n"
+                              "building m: built\n")

@@ -2,7 +2,8 @@
 optimized and unoptimized on Kiln's NumPy backend, and the outputs must agree within
 float tolerance. Models: ONNX's light models (random float32 inputs of the declared
 shape), ONNX's ``simple`` and ``pytorch-converted`` model tests (their stored inputs), and
-the Kiln zoo models when they are in the cache (their reference inputs).
+the Kiln zoo models (their reference inputs), built on demand by conftest's ``zoo_model``
+fixture, so the counts do not depend on what the cache held before the run.
 
 A model Kiln cannot run unoptimized (an op still missing) is skipped with the reason. Each
 case prints the optimizer's report (node counts before/after, what each pass did); run
@@ -14,6 +15,8 @@ from __future__ import annotations
 import glob
 import os
 import sys
+from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import onnx
@@ -82,17 +85,18 @@ def _read(path: str, tp: onnx.TypeProto):
     return numpy_helper.to_array(p)
 
 
-def load_case(kind: str, name: str, where: str | None):
-    """(model path or proto, feeds dict, rtol, atol) for one case; skips when unavailable."""
+def load_case(kind: str, name: str, where: str | None,
+              zoo_model: Callable[[str], Path] | None = None):
+    """(model path or proto, feeds dict, rtol, atol) for one case; skips when unavailable.
+    ``zoo_model`` builds a zoo model on demand (the conftest fixture; default
+    ``kiln.zoo.path``, which builds a missing one too)."""
     if kind == "zoo":
         from kiln import zoo
-        from kiln.zoo.build import is_built
 
-        if not is_built(name):
-            pytest.skip(f"zoo model {name} is not in the cache (python -m kiln.zoo build)")
+        path = (zoo_model or zoo.path)(name)
         inputs, _, meta = zoo.load_reference(name)
         tol = meta.get("tolerance", {})
-        return str(zoo.path(name)), dict(inputs), tol.get("rtol", 1e-3), tol.get("atol", 1e-4)
+        return str(path), dict(inputs), tol.get("rtol", 1e-3), tol.get("atol", 1e-4)
     if kind == "light":
         model = onnx.load(where)
         inits = {i.name for i in model.graph.initializer}
@@ -132,10 +136,10 @@ def _compare(a, b, rtol, atol, what):
 
 
 def run_case(kind: str, name: str, where: str | None, verbose: bool = True,
-             fixed: bool = False):
+             fixed: bool = False, zoo_model: Callable[[str], Path] | None = None):
     """Run one model both ways and compare; returns the optimizer's report. ``fixed``:
     optimize with the inputs' shapes fixed to those of the feeds."""
-    source, feeds, rtol, atol = load_case(kind, name, where)
+    source, feeds, rtol, atol = load_case(kind, name, where, zoo_model)
     shapes = {k: list(np.shape(v)) for k, v in feeds.items()} if fixed else None
     model = kiln.load(source)
     try:
@@ -157,11 +161,12 @@ def run_case(kind: str, name: str, where: str | None, verbose: bool = True,
     return report
 
 
-def ort_level1_case(kind: str, name: str, where: str | None, tmp_path) -> None:
+def ort_level1_case(kind: str, name: str, where: str | None, tmp_path,
+                    zoo_model: Callable[[str], Path] | None = None) -> None:
     """The level-1 optimized model (standard ONNX only) saved and run by onnxruntime
     agrees with onnxruntime on the original: an oracle independent of Kiln's kernels."""
     ort = pytest.importorskip("onnxruntime")
-    source, feeds, rtol, atol = load_case(kind, name, where)
+    source, feeds, rtol, atol = load_case(kind, name, where, zoo_model)
     try:
         ref = ort.InferenceSession(source if isinstance(source, str) else
                                    source.SerializeToString(),
@@ -179,18 +184,18 @@ def ort_level1_case(kind: str, name: str, where: str | None, tmp_path) -> None:
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_optimized_matches_unoptimized(case):
-    run_case(*case)
+def test_optimized_matches_unoptimized(case, zoo_model):
+    run_case(*case, zoo_model=zoo_model)
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c.id.startswith(("zoo:", "light:"))])
-def test_fixed_input_shapes_match_unoptimized(case):
-    run_case(*case, fixed=True)
+def test_fixed_input_shapes_match_unoptimized(case, zoo_model):
+    run_case(*case, fixed=True, zoo_model=zoo_model)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_basic_level_output_runs_on_onnxruntime(case, tmp_path):
-    ort_level1_case(*case, tmp_path)
+def test_basic_level_output_runs_on_onnxruntime(case, tmp_path, zoo_model):
+    ort_level1_case(*case, tmp_path, zoo_model=zoo_model)
 
 
 def test_every_zoo_and_light_model_is_covered():

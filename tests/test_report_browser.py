@@ -13,9 +13,10 @@ from pathlib import Path
 
 import onnx
 import pytest
+from onnx import TensorProto, helper
 
 import kiln
-from conftest import LIGHT_DIR
+from conftest import LIGHT_DIR, make_model
 from kiln import tools
 from test_cli import tiny_cnn
 
@@ -124,3 +125,65 @@ def test_few_hundred_nodes_report(browser, tmp_path):
     assert "outputs" in text
     assert console_errors(browser) == []
     assert browser.save_screenshot(str(tmp_path / "inception.png"))
+
+
+def relu_chain(n: int) -> onnx.ModelProto:
+    """x -> Relu x ``n`` -> Softmax: one op type with many layers, so a long count."""
+    names = ["x", *[f"r{i}" for i in range(n)]]
+    nodes = [helper.make_node("Relu", [a], [b], name=f"relu{i}")
+             for i, (a, b) in enumerate(zip(names, names[1:]))]
+    nodes.append(helper.make_node("Softmax", [names[-1]], ["y"], name="softmax", axis=-1))
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [64, 256])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [64, 256])])
+
+
+# Every text of the bar charts as the browser laid it out: (text, left, right) in the
+# chart's own coordinates, the chart's drawn width, and the chart's box against the
+# column it sits in (on the page, in CSS pixels).
+_CHART_GEOMETRY = """
+var out = [];
+document.querySelectorAll('svg.bars').forEach(function (svg) {
+  var vb = svg.viewBox.baseVal;
+  var left = vb && vb.width ? vb.x : 0;
+  var right = vb && vb.width ? vb.x + vb.width : svg.width.baseVal.value;
+  var texts = [];
+  svg.querySelectorAll('text').forEach(function (t) {
+    var b = t.getBBox();
+    texts.push([t.textContent, b.x, b.x + b.width]);
+  });
+  var box = svg.getBoundingClientRect(), col = svg.parentElement.getBoundingClientRect();
+  out.push({left: left, right: right, texts: texts, box: [box.left, box.right],
+            column: [col.left, col.right]});
+});
+return out;
+"""
+
+
+@pytest.mark.parametrize("window", [(1400, 900), (900, 900)], ids=["wide", "narrow"])
+def test_bar_chart_labels_fit(browser, tmp_path, window):
+    """The "time by op type" value texts ("0.422 ms · 74.9% · ×117") are drawn whole: every
+    text of the chart lies inside the chart's drawing, and the chart inside its column.
+    (The text after the longest bar was cut at the chart's edge, "×17" shown as "×1";
+    117 layers make the count long enough to be cut whatever the font.)"""
+    src = tmp_path / "relus.onnx"
+    onnx.save(relu_chain(117), str(src))
+    if tools.inspect(str(src)).unsupported:
+        pytest.skip("Relu/Softmax kernels are missing")
+    page = tmp_path / "relus.html"
+    tools.report(str(src), page, profile=True, runs=2, optimize=False)  # keep every Relu
+    browser.set_window_size(*window)
+    try:
+        open_report(browser, page)
+        charts = browser.execute_script(_CHART_GEOMETRY)
+    finally:
+        browser.set_window_size(1400, 900)
+    assert len(charts) == 1
+    chart = charts[0]
+    values = [t for t in chart["texts"] if "×" in t[0]]
+    assert any(t[0].endswith("×117") for t in values), values
+    for text, lo, hi in chart["texts"]:
+        assert chart["left"] <= lo and hi <= chart["right"] + 0.5, \
+            f"{text!r} spans {lo:.1f}..{hi:.1f}, the chart {chart['left']}..{chart['right']}"
+    assert chart["column"][0] - 0.5 <= chart["box"][0] and \
+        chart["box"][1] <= chart["column"][1] + 0.5, chart
+    assert console_errors(browser) == []

@@ -100,6 +100,31 @@ def test_cache_reuse_and_cli(zoo_dir, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["build", "no_such_model"]) == 2
 
 
+def test_stale_reason(zoo_dir) -> None:
+    """A cached entry is current only when built by the installed torch/onnx/onnxruntime/...
+    for the registry's exporter and opset: what the tests' ``zoo_model`` fixture rebuilds."""
+    assert zoo.stale_reason("emotion_ferplus") is None
+    assert zoo.stale_reason("gpt2") == "not built"
+    meta_file = zoo_dir / "emotion_ferplus" / "meta.json"
+    original = meta_file.read_text()
+    try:
+        meta = json.loads(original)
+        meta["versions"]["onnxruntime"] = "0.0.1"
+        meta_file.write_text(json.dumps(meta))
+        assert zoo.stale_reason("emotion_ferplus") == (
+            f"built with onnxruntime 0.0.1, installed is {ort.__version__}")
+        meta = json.loads(original)
+        meta["versions"]["transformers"] = "0.0.1"  # not used to build a vision model
+        meta_file.write_text(json.dumps(meta))
+        assert zoo.stale_reason("emotion_ferplus") is None
+        meta["opset"] = 9
+        meta_file.write_text(json.dumps(meta))
+        assert "opset 9" in zoo.stale_reason("emotion_ferplus")
+    finally:
+        meta_file.write_text(original)
+    assert zoo.stale_reason("emotion_ferplus") is None
+
+
 def test_registry() -> None:
     entries = zoo.list_models()
     names = [e.name for e in entries]
@@ -111,6 +136,9 @@ def test_registry() -> None:
     assert {e.exporter for e in entries} == {"torchscript", "dynamo"}
     with pytest.raises(KeyError, match="unknown zoo model"):
         zoo.build(["nope"], progress=False)
+    assert zoo.close_names("resnet") == ["resnet18", "resnet50"]
+    assert zoo.close_names("gpt2dynamo")[0] == "gpt2_dynamo"
+    assert zoo.close_names("qqqqqq") == []
     a, b = zoo.make_inputs("gpt2", 2, 16, seed=1), zoo.make_inputs("gpt2", 2, 16, seed=1)
     assert all(np.array_equal(a[k], b[k]) for k in a)
 

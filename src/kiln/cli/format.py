@@ -42,6 +42,7 @@ def _ms(x: float) -> str:
 
 
 def summary_text(s: ModelSummary, layers: bool = True) -> str:
+    """``kiln inspect``'s text: I/O, layers (unless ``layers`` is False), totals, support."""
     head = [f"{s.name}  opset {s.opset} · ir {s.ir_version}"
             + (f" · {s.producer}" if s.producer else "")]
     out = head + ["", "inputs"]
@@ -83,6 +84,7 @@ def summary_text(s: ModelSummary, layers: bool = True) -> str:
 
 
 def profile_text(p: Profile, top: int = 0) -> str:
+    """``kiln profile``'s text: every layer (or the ``top`` slowest), then totals by op."""
     total = p.layer_total_ms
     out = [f"{p.model} on {p.backend} ({p.device}): {p.runs} run(s) after {p.warmup} warm-up; "
            f"mean run {_ms(p.wall_mean_ms)} ms, of which {_ms(total)} ms in layers"]
@@ -101,6 +103,7 @@ def profile_text(p: Profile, top: int = 0) -> str:
 
 
 def bench_text(b: BenchResult) -> str:
+    """``kiln bench``'s text: percentiles per engine, then the Kiln / other ratio in words."""
     out = [f"{b.model}: batch {b.batch}, {b.threads} thread(s), {len(b.kiln.latencies_ms)} "
            f"run(s) after {b.warmup} warm-up" + (", alternating" if b.other else "")]
     stats = [b.kiln] + ([b.other] if b.other else [])
@@ -111,11 +114,9 @@ def bench_text(b: BenchResult) -> str:
                      f"{st.throughput:,.1f}"])
     out.append(table(["engine", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s"], rows,
                      right=(1, 2, 3, 4, 5)))
-    if b.speedup is not None:
-        word = "faster" if b.speedup >= 1 else "slower"
-        factor = b.speedup if b.speedup >= 1 else 1 / b.speedup
-        out.append(f"kiln is {factor:.2f}x {word} than {b.other.engine} at p50 "
-                   f"(ratio {b.other.engine} / kiln = {b.speedup:.3f})")
+    words = b.comparison()  # Kiln / other, as everywhere in Kiln's docs
+    if words is not None:
+        out.append(words)
     return "\n".join(out)
 
 

@@ -79,14 +79,23 @@ def _count(text: str) -> int:
 
 def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", metavar="MODEL",
-                   help="an .onnx file, or the name of a built zoo model (see `kiln zoo list`)")
+                   help="an .onnx file, or the name of a zoo model (`kiln zoo list`; built "
+                        "on first use)")
 
 
-def _add_backend(p: argparse.ArgumentParser) -> None:
+def _add_backend(p: argparse.ArgumentParser, runs: bool = True) -> None:
+    if runs:
+        backend_help = "backend to run on (default: numpy)"
+        device_help = "torch device: cpu, cuda or cuda:N (default: cpu)"
+    else:  # inspect runs nothing: the backend only decides what the report says
+        backend_help = ("whose kernels to describe: which layers it supports and where it "
+                        "would place them, and with --optimize the fusions it gets; "
+                        "nothing is run (default: numpy)")
+        device_help = "torch device to describe placement for: cpu, cuda or cuda:N " \
+                      "(default: cpu)"
     p.add_argument("--backend", choices=["numpy", "torch"], default="numpy",
-                   help="backend to run on (default: numpy)")
-    p.add_argument("--device", default=None,
-                   help="torch device: cpu, cuda or cuda:N (default: cpu)")
+                   help=backend_help)
+    p.add_argument("--device", default=None, help=device_help)
 
 
 def _add_dims(p: argparse.ArgumentParser) -> None:
@@ -121,7 +130,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "parameters, FLOPs, backend support",
                        description="Describe a model without running it.")
     _add_model(p)
-    _add_backend(p)
+    _add_backend(p, runs=False)
     _add_dims(p)
     p.add_argument("--optimize", action="store_true",
                    help="describe the model as a session runs it, after Kiln's optimizer")
@@ -189,14 +198,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup", type=_count, default=5, help="unmeasured runs (default 5)")
     _add_inputs(p)
     _add_no_optimize(p)
-    p.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    p.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress bar (it is drawn only when stderr is a terminal)")
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_bench, parser=p)
 
     p = sub.add_parser("report", help="a self-contained HTML page: the graph, time by op, "
                        "the summary", description="Write an HTML report of a model.")
     _add_model(p)
-    p.add_argument("-o", "--output", required=True, metavar="REPORT.html")
+    p.add_argument("-o", "--output", required=True, metavar="REPORT.html",
+                   help="the HTML file to write (one self-contained page, no network needed)")
     p.add_argument("--profile", action="store_true",
                    help="run the model and color each layer by its share of the time")
     p.add_argument("--runs", type=_positive, default=5, help="profiled runs (default 5)")
@@ -379,7 +390,7 @@ def cmd_bench(args) -> int:
     r = bench(args.model, backend=args.backend, device=args.device, feeds=feeds,
               runs=args.runs, warmup=args.warmup, batch=args.batch, threads=args.threads,
               vs=args.vs, dims=_dims(args), optimize=not args.no_optimize,
-              progress=not args.quiet and not args.json and sys.stderr.isatty())
+              progress=False if args.quiet or args.json else None)
     if args.json:
         _emit_json(r.to_dict())
     else:
@@ -394,10 +405,11 @@ def cmd_report(args) -> int:
     feeds = None
     if args.input:
         feeds = _feeds(args, load_model(args.model), True)
-    report(args.model, args.output, profile=args.profile, backend=args.backend,
-           device=args.device, runs=args.runs, feeds=feeds, dims=_dims(args),
-           optimize=not args.no_optimize)
-    print(f"report written to {args.output}")
+    r = report(args.model, args.output, profile=args.profile, backend=args.backend,
+               device=args.device, runs=args.runs, feeds=feeds, dims=_dims(args),
+               optimize=not args.no_optimize)
+    print(f"report written to {r.path} ({r.size_bytes / 1e3:.0f} kB, {r.layers} layers"
+          + (", profiled)" if r.profiled else ")"))
     return 0
 
 
@@ -413,6 +425,22 @@ def cmd_zoo(argv: list[str]) -> int:
               file=sys.stderr)
         return 1
     return int(zoo_main(argv) or 0)
+
+
+# Optional packages and the extra of pyproject.toml that installs each (for the safety net
+# in _guard: the places that need them raise MissingDependencyError themselves).
+_EXTRAS = {"torch": "torch", "PIL": "images", "onnxruntime": "zoo", "transformers": "zoo",
+           "onnxscript": "zoo", "tqdm": "zoo"}
+
+
+def _missing_module_hint(e: ModuleNotFoundError) -> str | None:
+    """One line saying which extra installs the module ``e`` is about; None when the
+    module is not one of Kiln's optional dependencies."""
+    top = (e.name or "").split(".")[0]
+    if top not in _EXTRAS:
+        return None
+    return (f"this needs {top}, which is not installed: "
+            f'pip install -e ".[{_EXTRAS[top]}]"')
 
 
 # -- entry point --------------------------------------------------------------------------
@@ -438,6 +466,12 @@ def _guard(fn: Callable[[], int], parser: argparse.ArgumentParser | None) -> int
         return USAGE_ERROR
     except (KilnError, InputError) as e:
         print(f"kiln: error: {e}", file=sys.stderr)
+        return 1
+    except ModuleNotFoundError as e:
+        hint = _missing_module_hint(e)
+        if hint is None:
+            raise  # Kiln itself is broken: the traceback is what a bug report needs
+        print(f"kiln: error: {hint}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # output piped into `head` and the like
         sys.stdout = None

@@ -54,6 +54,7 @@ th, td { text-align: left; padding: 3px 8px; border-bottom: 1px solid #eee;
 th { color: var(--muted); font-weight: 600; }
 .below { display: grid; grid-template-columns: minmax(0, 3fr) minmax(0, 2fr); gap: 24px;
          padding: 4px 20px 20px; }
+.bars { display: block; max-width: 100%; height: auto; }
 .bars .bar rect { fill: #e6550d; }
 .bars text { font-size: 12px; fill: var(--ink); }
 .bars .bar-label { text-anchor: end; }
@@ -171,6 +172,21 @@ JS = r"""
   on("zoom-out", function () { zoom(scale / 1.25); });
   on("zoom-fit", function () {
     zoom((scroller.clientWidth - 4) / Number(svg.dataset.width));
+  });
+  // Fit each bar chart's drawing to its text as this browser's font measured it: the
+  // width computed in Python is an estimate, and a value after the longest bar must not
+  // be cut off. (CSS then scales the chart down to its column when that is narrower.)
+  Array.prototype.forEach.call(document.querySelectorAll("svg.bars"), function (bars) {
+    var vb = bars.viewBox.baseVal;
+    if (!vb || !vb.width) { return; }
+    var lo = vb.x, hi = vb.x + vb.width;
+    Array.prototype.forEach.call(bars.querySelectorAll("text"), function (t) {
+      var b = t.getBBox();
+      lo = Math.min(lo, Math.floor(b.x) - 2);
+      hi = Math.max(hi, Math.ceil(b.x + b.width) + 2);
+    });
+    bars.setAttribute("viewBox", lo + " " + vb.y + " " + (hi - lo) + " " + vb.height);
+    bars.setAttribute("width", String(hi - lo));
   });
   document.body.setAttribute("data-ready", String(nodes.length));
 })();

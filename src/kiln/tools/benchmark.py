@@ -4,14 +4,13 @@ onnxruntime (alternating runs in one process, same thread count)."""
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, MissingDependencyError
 from kiln.tools.common import (
     load_model,
     model_name,
@@ -19,6 +18,9 @@ from kiln.tools.common import (
     random_feeds,
     session_for,
 )
+from kiln.tools.progress import progress_bar
+
+__all__ = ["BenchResult", "Stats", "bench", "default_threads", "progress_bar"]
 
 
 @dataclass
@@ -30,6 +32,7 @@ class Stats:
     batch: int = 1
 
     def pct(self, q: float) -> float:
+        """The ``q``-th percentile latency in ms (0 when nothing was measured)."""
         return float(np.percentile(self.latencies_ms, q)) if self.latencies_ms else 0.0
 
     @property
@@ -54,6 +57,7 @@ class Stats:
         return self.batch * 1e3 / self.mean if self.mean > 0 else 0.0
 
     def to_dict(self) -> dict[str, Any]:
+        """Percentiles, mean, min and throughput as plain numbers."""
         return {"engine": self.engine, "runs": len(self.latencies_ms), "p50_ms": self.p50,
                 "p90_ms": self.p90, "p99_ms": self.p99, "mean_ms": self.mean,
                 "min_ms": min(self.latencies_ms, default=0.0),
@@ -74,50 +78,35 @@ class BenchResult:
     other: Stats | None = None
 
     @property
-    def speedup(self) -> float | None:
-        """Other engine's p50 / Kiln's p50: above 1 means Kiln is faster."""
-        if self.other is None or self.kiln.p50 <= 0:
+    def ratio(self) -> float | None:
+        """Kiln's p50 / the other engine's p50 (None without ``vs``): below 1 means Kiln
+        is faster. Always Kiln / other, as in docs/performance.md."""
+        if self.other is None or self.other.p50 <= 0:
             return None
-        return self.other.p50 / self.kiln.p50
+        return self.kiln.p50 / self.other.p50
+
+    def comparison(self) -> str | None:
+        """The ratio in words: ``Kiln takes 4.57x as long as onnxruntime at p50`` or
+        ``Kiln is 1.30x faster than onnxruntime at p50`` (None without ``vs``)."""
+        r = self.ratio
+        if r is None or self.other is None:
+            return None
+        if r > 1:
+            words = f"Kiln takes {r:.2f}x as long as {self.other.engine}"
+        elif r < 1:
+            words = f"Kiln is {1 / r:.2f}x faster than {self.other.engine}" if r > 0 else \
+                f"Kiln is faster than {self.other.engine}"
+        else:
+            words = f"Kiln takes as long as {self.other.engine}"
+        return f"{words} at p50 (Kiln / {self.other.engine} = {r:.3f})"
 
     def to_dict(self) -> dict[str, Any]:
+        """The ``--json`` form; ``ratio`` is Kiln / other (null without ``vs``)."""
         return {"model": self.model, "backend": self.backend, "device": self.device,
                 "batch": self.batch, "threads": self.threads, "warmup": self.warmup,
                 "kiln": self.kiln.to_dict(),
                 "other": None if self.other is None else self.other.to_dict(),
-                "speedup": self.speedup}
-
-
-class _SimpleBar:
-    """A text progress bar on stderr for when tqdm is not installed."""
-
-    def __init__(self, total: int, desc: str):
-        self.total, self.desc, self.n = total, desc, 0
-
-    def set_description(self, desc: str) -> None:
-        self.desc = desc
-
-    def update(self, k: int = 1) -> None:
-        self.n += k
-        done = int(30 * self.n / max(self.total, 1))
-        sys.stderr.write(f"\r{self.desc} [{'#' * done}{'.' * (30 - done)}] "
-                         f"{self.n}/{self.total}")
-        sys.stderr.flush()
-
-    def close(self) -> None:
-        sys.stderr.write("\n")
-        sys.stderr.flush()
-
-
-def progress_bar(total: int, desc: str, enabled: bool = True):
-    """tqdm's bar when installed, a plain one otherwise; None when disabled."""
-    if not enabled:
-        return None
-    try:
-        from tqdm import tqdm
-    except ImportError:
-        return _SimpleBar(total, desc)
-    return tqdm(total=total, desc=desc, unit="run", file=sys.stderr, leave=False)
+                "ratio": self.ratio, "comparison": self.comparison()}
 
 
 def default_threads() -> int:
@@ -131,7 +120,9 @@ def _ort_session(model: Any, threads: int, device: str):
     try:
         import onnxruntime as ort
     except ImportError:
-        raise KilnError("--vs onnxruntime needs onnxruntime: pip install onnxruntime") from None
+        # Just the one package: the zoo extra would also pull in PyTorch.
+        raise MissingDependencyError("onnxruntime", "pip install onnxruntime",
+                                     "--vs onnxruntime") from None
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.inter_op_num_threads = 1
@@ -161,13 +152,15 @@ def bench(model: Any, backend: str = "numpy", device: str | None = None,
           feeds: dict | None = None, runs: int = 50, warmup: int = 5, batch: int | None = None,
           threads: int | None = None, vs: str | None = None,
           dims: dict[str, int] | None = None, optimize: bool = True,
-          progress: bool = True) -> BenchResult:
+          progress: bool | None = None) -> BenchResult:
     """Time ``runs`` runs of ``model`` (after ``warmup``) on ``backend``.
 
     ``feeds`` default to random inputs of the declared shapes, the first dim set to
     ``batch`` when symbolic, other symbolic dims from ``dims`` (default 1). ``threads``
     (default: all cores) caps Kiln's threads and, with ``vs="onnxruntime"``, ORT's intra-op
     threads; then both run alternately (order swapped every iteration) on the same feeds.
+    ``progress``: a bar on stderr; None (default) draws it only when stderr is a terminal,
+    so logs and pipes stay clean.
     """
     if vs not in (None, "onnxruntime", "ort"):
         raise KilnError(f"--vs {vs!r}: only 'onnxruntime' can be compared against")

@@ -9,14 +9,24 @@ from typing import Any
 import numpy as np
 import onnx
 
-from kiln.errors import InputError, KilnError
+from kiln.errors import InputError, KilnError, MissingDependencyError, ModelLoadError
 from kiln.ir import DType, Model, SymDim, TensorType, Value, parse_dim, plain_shape
 from kiln.onnxio import load, to_proto
 
+# What to run when an optional dependency is missing (extras of pyproject.toml; the README
+# installs Kiln from its checkout with ``pip install -e .``).
+TORCH_INSTALL = 'pip install -e ".[torch]"'
 
-def resolve_path(model: Any) -> Any:
+
+
+
+def resolve_path(model: Any, progress: bool | None = None) -> Any:
     """``model`` as given, or the cached zoo file when it is a zoo model name (``resnet18``)
-    rather than an existing path."""
+    rather than an existing path; a zoo model not built yet is built first, saying so on
+    stderr (``progress``: see :func:`kiln.zoo.path`).
+
+    A name that is neither a file nor a zoo model raises ``ModelLoadError``, suggesting
+    the zoo names it is close to (``resnet`` -> ``resnet18``)."""
     if not isinstance(model, (str, os.PathLike)) or os.path.exists(model):
         return model
     name = str(model)
@@ -26,9 +36,14 @@ def resolve_path(model: Any) -> Any:
         from kiln import zoo
     except ImportError:
         return model
-    if name not in {e.name for e in zoo.list_models()}:
-        return model
-    return zoo.path(name)
+    if name in {e.name for e in zoo.list_models()}:
+        return zoo.path(name, progress=progress)
+    close = zoo.close_names(name)
+    if close:
+        raise ModelLoadError(
+            f"no model file at {name} and no zoo model of that name; did you mean the zoo "
+            f"model {' or '.join(close)}? (`kiln zoo list` shows them all)")
+    return model
 
 
 def load_model(model: Any) -> Model:
@@ -247,6 +262,6 @@ def session_for(model: Any, backend: str = "numpy", device: str | None = None,
         try:
             import torch  # noqa: F401
         except ImportError:
-            raise KilnError("the torch backend needs PyTorch: pip install 'kiln[torch]'") from None
+            raise MissingDependencyError("torch", TORCH_INSTALL, "the torch backend") from None
     m = load_model(model)
     return InferenceSession(m, backend=backend, **opts)

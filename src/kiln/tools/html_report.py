@@ -296,6 +296,12 @@ def _svg_graph(graph: Graph, summary: ModelSummary, prof: Profile | None) -> str
     return "".join(parts)
 
 
+# Width of a character of the chart's 12px text, on the generous side (digits are about
+# 6.7px in common sans fonts) so the value after the longest bar is not cut off; the page's
+# script then fits the drawing to the text as the browser measured it.
+_CHAR_W = 7.5
+
+
 def _bar_chart(rows: list[tuple[str, float, str]], title: str) -> str:
     """Horizontal bars: (label, value, value text)."""
     if not rows:
@@ -303,8 +309,11 @@ def _bar_chart(rows: list[tuple[str, float, str]], title: str) -> str:
     top = max(v for _, v, _ in rows) or 1.0
     label_w, bar_w, row_h = 190, 420, 22
     h = row_h * len(rows) + 10
-    out = [f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" width="{label_w + bar_w + 150}"'
-           f' height="{h}" role="img" aria-label="{_e(title)}">']
+    # Room right of the bars for the widest "value text", which follows its bar's end.
+    width = max(label_w + bar_w * v / top + 6 + _CHAR_W * len(text) for _, v, text in rows)
+    width = int(max(width, label_w + bar_w) + 8)
+    out = [f'<svg class="bars" xmlns="http://www.w3.org/2000/svg" width="{width}"'
+           f' height="{h}" viewBox="0 0 {width} {h}" role="img" aria-label="{_e(title)}">']
     for k, (label, v, text) in enumerate(rows):
         y = 5 + k * row_h
         w = max(1.0, bar_w * v / top)
@@ -429,11 +438,35 @@ attributes. Hover for a summary.</p></aside>
 """
 
 
-def report(model: Any, path: str | os.PathLike | None = None, profile: bool = False,
+@dataclass
+class HtmlReport:
+    """What :func:`report` wrote: the file and a few facts about it (not the page itself,
+    which is tens of kilobytes; read ``path`` for that)."""
+
+    path: Path
+    size_bytes: int
+    model: str
+    layers: int
+    profiled: bool
+    backend: str
+    device: str
+
+    def __fspath__(self) -> str:
+        return str(self.path)
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-ready fields (``path`` as a string)."""
+        return {"path": str(self.path), "size_bytes": self.size_bytes, "model": self.model,
+                "layers": self.layers, "profiled": self.profiled, "backend": self.backend,
+                "device": self.device}
+
+
+def report(model: Any, path: str | os.PathLike, profile: bool = False,
            backend: str = "numpy", device: str | None = None, runs: int = 5,
            feeds: dict | None = None, dims: dict[str, int] | None = None,
-           optimize: bool = True) -> str:
-    """The HTML report of ``model`` (written to ``path`` when given); returns the HTML.
+           optimize: bool = True) -> HtmlReport:
+    """Write the HTML report of ``model`` to ``path``; returns an :class:`HtmlReport`
+    saying where it is and what it shows (``render`` gives the page as a string).
 
     With ``profile=True`` the model is run ``runs`` times on ``backend`` and the graph
     drawn is the one the session ran (optimized unless ``optimize`` is False), each layer
@@ -452,6 +485,9 @@ def report(model: Any, path: str | os.PathLike | None = None, profile: bool = Fa
     summary = inspect(m, backend=backend, device=device, dims=dims)
     summary.name = model_name(model)
     page = render(m.graph, summary, prof, note=note)
-    if path is not None:
-        Path(path).write_text(page, encoding="utf-8")
-    return page
+    out = Path(path)
+    data = page.encode("utf-8")
+    out.write_bytes(data)
+    return HtmlReport(path=out, size_bytes=len(data), model=summary.name,
+                      layers=len(m.graph.nodes), profiled=prof is not None,
+                      backend=summary.backend, device=summary.device)

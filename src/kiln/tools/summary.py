@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from kiln.errors import KilnError
+from kiln.errors import KilnError, MissingDependencyError
 from kiln.ir import Graph, Model, Node, Value
-from kiln.tools.common import dims_of, load_model, model_name, type_name
+from kiln.tools.common import TORCH_INSTALL, dims_of, load_model, model_name, type_name
 from kiln.tools.flops import layer_flops
 
 log = logging.getLogger(__name__)
@@ -138,8 +138,8 @@ def placements(model: Model, backend: str = "numpy", device: str | None = None
     try:
         be = make_backend(backend, **opts)
     except ImportError as e:
-        raise KilnError(f"the {backend} backend is not installed ({e}); "
-                        "pip install 'kiln[torch]'") from None
+        raise MissingDependencyError(e.name or backend, TORCH_INSTALL,
+                                     f"the {backend} backend") from None
     except ValueError as e:
         raise KilnError(str(e)) from None
     chosen: dict[Node, tuple[str, str]] = {}

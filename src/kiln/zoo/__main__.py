@@ -7,6 +7,7 @@ import json
 import sys
 
 from kiln import zoo
+from kiln.errors import KilnError
 
 
 def markdown_table(top: int = 5) -> str:
@@ -37,7 +38,9 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("build", help="build models (all by default) into the cache")
     b.add_argument("names", nargs="*", help="models to build (default: all)")
     b.add_argument("--force", action="store_true", help="rebuild even if cached")
-    b.add_argument("-q", "--quiet", action="store_true", help="no progress output")
+    b.add_argument("-q", "--quiet", action="store_true",
+                   help="no progress output (a bar is drawn only when stderr is a terminal; "
+                        "one line per model otherwise)")
     sub.add_parser("dir", help="print the cache folder")
     sub.add_parser("table", help="markdown summary of the built models (from meta.json)")
     args = ap.parse_args(argv)
@@ -63,12 +66,19 @@ def main(argv: list[str] | None = None) -> int:
                       f"{r['task']:<21} {r['description']}")
             print(f"(* = built in {zoo.cache_dir()})")
         return 0
-    unknown = [n for n in args.names if n not in {e.name for e in zoo.list_models()}]
+    known = [e.name for e in zoo.list_models()]
+    unknown = [n for n in args.names if n not in known]
     if unknown:
-        print(f"unknown model(s): {', '.join(unknown)}; see `kiln zoo list`", file=sys.stderr)
+        hints = [f"{n} (did you mean {' or '.join(close)}?)" if close else n
+                 for n in unknown for close in [zoo.close_names(n)]]
+        print(f"unknown model(s): {', '.join(hints)}; see `kiln zoo list`", file=sys.stderr)
         return 2
     try:
-        paths = zoo.build(args.names or None, force=args.force, progress=not args.quiet)
+        paths = zoo.build(args.names or None, force=args.force,
+                          progress=False if args.quiet else None)
+    except KilnError as exc:  # a missing dependency: one line naming what to install
+        print(f"kiln zoo: error: {exc}", file=sys.stderr)
+        return 1
     except RuntimeError as exc:
         print(exc, file=sys.stderr)
         return 1

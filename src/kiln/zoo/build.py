@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib
 import io
 import json
 import logging
@@ -12,6 +13,7 @@ import shutil
 import time
 import warnings
 from collections import Counter
+from collections.abc import Callable
 from datetime import datetime, timezone
 from importlib import metadata
 from pathlib import Path
@@ -19,12 +21,17 @@ from typing import Any
 
 import numpy as np
 
-from kiln.zoo.registry import ZooEntry, make_inputs
+from kiln.errors import MissingDependencyError
+from kiln.zoo.registry import ZooEntry, get_entry, make_inputs
 
-__all__ = ["MODEL_FILE", "build_entry", "cache_dir", "entry_dir", "is_built"]
+__all__ = ["BUILD_STEPS", "MODEL_FILE", "ZOO_INSTALL", "build_entry", "builder_modules",
+           "cache_dir", "entry_dir", "is_built", "require_builder", "stale_reason"]
 
 MODEL_FILE = "model.onnx"
 _FILES = (MODEL_FILE, "inputs.npz", "outputs.npz", "meta.json")
+# The extra of pyproject.toml with everything building needs (Kiln installs from its checkout).
+ZOO_INSTALL = 'pip install -e ".[zoo]"'
+BUILD_STEPS = 5  # the on_step calls build_entry makes
 
 
 def cache_dir() -> Path:
@@ -41,6 +48,52 @@ def entry_dir(name: str) -> Path:
 def is_built(name: str) -> bool:
     """True when every artefact of ``name`` is present in the cache."""
     return all((entry_dir(name) / f).is_file() for f in _FILES)
+
+
+def builder_modules(entry: ZooEntry) -> list[str]:
+    """The optional packages building ``entry`` imports (all in the ``zoo`` extra)."""
+    mods = ["onnxruntime", "torch"]  # the quick import first: a missing one is told at once
+    if entry.factory.startswith("kiln.zoo.text:"):
+        mods.append("transformers")
+    if entry.exporter == "dynamo":
+        mods.append("onnxscript")  # torch.onnx's dynamo exporter is written with it
+    return mods
+
+
+def require_builder(entry: ZooEntry) -> None:
+    """Import what building ``entry`` needs; ``MissingDependencyError`` naming the first
+    missing package and the extra that installs it (``pip install -e ".[zoo]"``) if not."""
+    for mod in builder_modules(entry):
+        try:
+            importlib.import_module(mod)
+        except ImportError:
+            raise MissingDependencyError(mod, ZOO_INSTALL,
+                                         f"building zoo model {entry.name}") from None
+
+
+def stale_reason(name: str) -> str | None:
+    """Why the cached ``name`` is not what building it here would give, or None if it is.
+
+    Missing files, a registry change (exporter, opset) or a different version of a package
+    the build used (torch, onnx, onnxruntime, ...) make an entry stale: the reference outputs
+    and the exported graph can change with them. Building is otherwise deterministic (seeded
+    weights and inputs), so a current entry equals a fresh build.
+    """
+    entry = get_entry(name)
+    if not is_built(name):
+        return "not built"
+    try:
+        meta = json.loads((entry_dir(name) / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        return f"unreadable meta.json ({e})"
+    if (meta.get("exporter"), meta.get("opset")) != (entry.exporter, entry.opset):
+        return (f"built with exporter {meta.get('exporter')} opset {meta.get('opset')}, the "
+                f"registry says {entry.exporter} opset {entry.opset}")
+    built = meta.get("versions", {})
+    for pkg in ("onnx", *builder_modules(entry)):
+        if built.get(pkg) != _version(pkg):
+            return f"built with {pkg} {built.get(pkg)}, installed is {_version(pkg)}"
+    return None
 
 
 def _version(pkg: str) -> str:
@@ -131,26 +184,35 @@ def _compare(ref: np.ndarray, got: np.ndarray) -> dict[str, float]:
             "ref_max_abs": float(np.abs(ref).max())}
 
 
-def build_entry(entry: ZooEntry, force: bool = False) -> Path:
+def build_entry(entry: ZooEntry, force: bool = False,
+                on_step: Callable[[str], None] | None = None) -> Path:
     """Build ``entry`` into the cache (unless already built) and return its ``model.onnx`` path.
 
     Steps: seeded torch model -> ONNX export -> ``onnx.checker.check_model`` -> symbolic-dim check
     -> onnxruntime (CPU) run on seeded inputs, compared to torch within the entry tolerance ->
     write ``inputs.npz``, ``outputs.npz`` (the ORT outputs) and ``meta.json``. The folder is
     written under a temporary name and renamed, so a crash never leaves a half-built entry.
+
+    ``on_step`` is called with a description as each of the ``BUILD_STEPS`` steps starts
+    (a build takes from a second to about two minutes). A missing torch, onnxruntime,
+    transformers or onnxscript raises ``MissingDependencyError`` before anything is done.
     """
+    final = entry_dir(entry.name)
+    if not force and is_built(entry.name):
+        return final / MODEL_FILE
+    step = on_step or (lambda _text: None)
+    step("importing torch and onnxruntime")
+    require_builder(entry)
     import onnx
     import onnxruntime as ort
     import torch
 
-    final = entry_dir(entry.name)
-    if not force and is_built(entry.name):
-        return final / MODEL_FILE
     t0 = time.perf_counter()
     tmp = final.with_name(f".{entry.name}.tmp-{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
+        step("making the seeded torch model and its outputs")
         model = entry.make_model()
         inputs = make_inputs(entry, batch=2, seq=16, seed=entry.seed)
         args = tuple(torch.from_numpy(v) for v in inputs.values())
@@ -158,8 +220,10 @@ def build_entry(entry: ZooEntry, force: bool = False) -> Path:
             expected = model(*args)
         expected = [t.numpy() for t in (expected if isinstance(expected, tuple) else (expected,))]
         path = tmp / MODEL_FILE
+        step(f"exporting to ONNX ({entry.exporter} exporter, opset {entry.opset})")
         _export(entry, model, args, path)
         export_s = time.perf_counter() - t0
+        step("checking the ONNX file")
         onnx.checker.check_model(str(path), full_check=True)
         proto = onnx.load(str(path))
         fixups = _fix_output_shapes(proto, entry)
@@ -170,6 +234,7 @@ def build_entry(entry: ZooEntry, force: bool = False) -> Path:
         for spec, got in zip((*entry.inputs, *entry.outputs), (*ins, *outs)):
             if spec.name != got["name"] or got["shape"] != list(spec.shape):
                 raise RuntimeError(f"{entry.name}: bad graph io {got} (expected {spec})")
+        step("computing reference outputs with onnxruntime")
         sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
         outputs = dict(zip([o["name"] for o in outs], sess.run(None, inputs)))
         for o, got in zip(outs, outputs.values()):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -9,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["REGISTRY", "TensorSpec", "ZooEntry", "get_entry", "make_inputs"]
+__all__ = ["REGISTRY", "TensorSpec", "ZooEntry", "close_names", "get_entry", "make_inputs"]
 
 Dim = int | str  # a fixed size, or a symbolic name ("batch", "seq")
 
@@ -150,6 +151,15 @@ def get_entry(name: str) -> ZooEntry:
         return REGISTRY[name]
     except KeyError:
         raise KeyError(f"unknown zoo model {name!r}; known: {', '.join(REGISTRY)}") from None
+
+
+def close_names(name: str, n: int = 3) -> list[str]:
+    """Up to ``n`` registered names that ``name`` may be a typo of (``resnet`` ->
+    ``resnet18``, ``resnet50``), most alike first, ties in registry order."""
+    names = list(REGISTRY)
+    close = difflib.get_close_matches(name, names, n=n, cutoff=0.6)
+    return sorted(close, key=lambda c: (-difflib.SequenceMatcher(None, name, c).ratio(),
+                                        names.index(c)))
 
 
 def make_inputs(
