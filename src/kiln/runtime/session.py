@@ -33,6 +33,10 @@ def _node_arg(v: Value) -> NodeArg:
     return NodeArg(v.name, shape, str(v.type) if v.type is not None else "unknown")
 
 
+TORCH_INSTALL = 'pip install -e ".[torch]"'
+"""How to get the torch backend's dependency (named when it is missing)."""
+
+
 def make_backend(name: str, **options: Any) -> Backend:
     """The backend object for ``name`` ("numpy", or "torch" when installed)."""
     if name == "numpy":
@@ -47,11 +51,10 @@ def make_backend(name: str, **options: Any) -> Backend:
     if name == "torch":
         try:
             from kiln.runtime.torch_backend import TorchBackend
-        except ModuleNotFoundError as e:
-            if e.name != "torch":
+        except ImportError as e:  # torch missing, or an install that cannot be imported
+            if (e.name or "torch").split(".")[0] != "torch":
                 raise
-            raise MissingDependencyError("torch", 'pip install -e ".[torch]"',
-                                         "the torch backend") from None
+            raise MissingDependencyError("torch", TORCH_INSTALL, "the torch backend") from None
         unknown = sorted(set(options) - set(inspect.signature(TorchBackend).parameters))
         if unknown:
             raise OptionError(f"the torch backend has no option {', '.join(unknown)}; it takes "
@@ -69,8 +72,8 @@ class InferenceSession:
                  backend: str = "numpy", optimize: bool = True,
                  input_shapes: dict[str, list[int | str | None]] | None = None,
                  **backend_options: Any):
+        self.backend = make_backend(backend, **backend_options)  # bad options before any I/O
         self.model = model if isinstance(model, Model) else load(model)
-        self.backend = make_backend(backend, **backend_options)
         if optimize or input_shapes:
             # Kiln's optimizer (kiln.optimize); it works on a copy, so the caller's Model
             # is untouched. optimize=False with input_shapes only fixes the shapes.

@@ -9,13 +9,12 @@ from typing import Any
 import numpy as np
 import onnx
 
-from kiln.errors import InputError, KilnError, MissingDependencyError, ModelLoadError
+from kiln.errors import InputError, KilnError, ModelLoadError
 from kiln.ir import DType, Model, SymDim, TensorType, Value, parse_dim, plain_shape
 from kiln.onnxio import load, to_proto
 
 # What to run when an optional dependency is missing (extras of pyproject.toml; the README
 # installs Kiln from its checkout with ``pip install -e .``).
-TORCH_INSTALL = 'pip install -e ".[torch]"'
 
 
 
@@ -239,29 +238,28 @@ def parse_dims(items: list[str] | None) -> dict[str, int]:
     return out
 
 
+def backend_options(backend: str, device: str | None = None,
+                    threads: int | None = None) -> dict[str, Any]:
+    """The backend options the CLI's ``--device``/``--threads`` mean (torch's; the numpy
+    backend runs on the CPU only, said in the CLI's own words)."""
+    if backend != "torch":
+        if device not in (None, "cpu"):
+            raise KilnError(f"the {backend} backend runs on the CPU only; use --backend torch "
+                            f"for device {device!r}")
+        return {}
+    opts: dict[str, Any] = {"warn": False}
+    if device:
+        opts["device"] = device
+    if threads:
+        opts["threads"] = threads
+    return opts
+
+
 def session_for(model: Any, backend: str = "numpy", device: str | None = None,
                 threads: int | None = None, optimize: bool = True):
     """An InferenceSession on ``backend`` (``device``/``threads`` are torch options),
     optimized as sessions are by default unless ``optimize`` is False."""
-    import inspect
-
     from kiln.runtime import InferenceSession
-    opts: dict[str, Any] = {}
-    if "optimize" in inspect.signature(InferenceSession).parameters:
-        opts["optimize"] = optimize
-    if backend == "torch":
-        opts["warn"] = False
-        if device:
-            opts["device"] = device
-        if threads:
-            opts["threads"] = threads
-    elif device not in (None, "cpu"):
-        raise KilnError(f"the {backend} backend runs on the CPU only; use --backend torch "
-                        f"for device {device!r}")
-    if backend == "torch":
-        try:
-            import torch  # noqa: F401
-        except ImportError:
-            raise MissingDependencyError("torch", TORCH_INSTALL, "the torch backend") from None
-    m = load_model(model)
-    return InferenceSession(m, backend=backend, **opts)
+
+    opts = backend_options(backend, device, threads)
+    return InferenceSession(load_model(model), backend=backend, optimize=optimize, **opts)

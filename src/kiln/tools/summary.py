@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from kiln.errors import KilnError, MissingDependencyError
+from kiln.errors import KilnError
 from kiln.ir import Graph, Model, Node, Value
-from kiln.tools.common import TORCH_INSTALL, dims_of, load_model, model_name, type_name
+from kiln.tools.common import backend_options, dims_of, load_model, model_name, type_name
 from kiln.tools.flops import layer_flops
 
 log = logging.getLogger(__name__)
@@ -129,19 +129,7 @@ def placements(model: Model, backend: str = "numpy", device: str | None = None
     from kiln.runtime.plan import plan_graph
     from kiln.runtime.session import make_backend
 
-    opts: dict[str, Any] = {}
-    if backend == "torch":
-        opts = {"device": device or "cpu", "warn": False}
-    elif device not in (None, "cpu"):
-        raise KilnError(f"the {backend} backend runs on the CPU only; use --backend torch "
-                        f"for device {device!r}")
-    try:
-        be = make_backend(backend, **opts)
-    except ImportError as e:
-        raise MissingDependencyError(e.name or backend, TORCH_INSTALL,
-                                     f"the {backend} backend") from None
-    except ValueError as e:
-        raise KilnError(str(e)) from None
+    be = make_backend(backend, **backend_options(backend, device))
     chosen: dict[Node, tuple[str, str]] = {}
     note, missing_ops = None, []
     try:
