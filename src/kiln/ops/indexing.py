@@ -19,12 +19,13 @@ def _wrap(idx, dim: int):
     idx = np.asarray(idx)
     if idx.dtype != np.int64:
         idx = idx.astype(np.int64)
-    return _in_range(np, np.where(idx < 0, idx + dim, idx), dim)
+    return in_range(np, np.where(idx < 0, idx + dim, idx), dim)
 
 
-def _in_range(xp, idx, dim: int):
-    """``idx`` (already wrapped) when every index addresses one of ``dim`` entries; NumPy
-    would otherwise wrap -11 on 10 rows around a second time."""
+def in_range(xp, idx, dim: int):
+    """``idx`` (negative indices already counted from the back) when every index addresses
+    one of ``dim`` entries, else IndexError: NumPy and torch indexing would wrap -11 on 10
+    rows around a second time. ``xp``: the array namespace (NumPy's, torch)."""
     if bool(xp.any((idx < 0) | (idx >= dim))):
         raise IndexError(f"an index is out of range: indices must lie in [{-dim}, {dim - 1}] "
                          f"for an axis of {dim} entries")
@@ -39,7 +40,7 @@ def gather(data, indices, *, axis=0):
     xp = namespace(data, indices)
     ax = norm_axis(axis, data.ndim)
     dim = data.shape[ax]
-    idx = _in_range(xp, xp.where(indices < 0, indices + dim, indices), dim)
+    idx = in_range(xp, xp.where(indices < 0, indices + dim, indices), dim)
     flat = xp.reshape(idx, (-1,))
     out = xp.take(data, flat, axis=ax)
     shape = tuple(data.shape[:ax]) + tuple(indices.shape) + tuple(data.shape[ax + 1:])

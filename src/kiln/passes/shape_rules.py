@@ -190,11 +190,18 @@ def constant(ctx: InferContext) -> None:
     return None
 
 
-@_rule("Identity", "Squeeze", "Unsqueeze", "Floor", "Ceil")
-def same_value(ctx: InferContext) -> TensorType | None:
+@_rule("Squeeze", "Unsqueeze")
+def same_value(ctx: InferContext) -> None:
     """Ops that keep the elements (of an integer tensor) as they are."""
     ctx.set_sym(0, ctx.sym(0))
-    return _like_input(ctx) if ctx.node.op_type in ("Identity", "Floor", "Ceil") else None
+    return None
+
+
+@_rule("Identity", "Floor", "Ceil")
+def same_value_and_type(ctx: InferContext) -> TensorType | None:
+    """Ops that keep the elements and the type."""
+    same_value(ctx)
+    return _like_input(ctx)
 
 
 @_rule("Cast")

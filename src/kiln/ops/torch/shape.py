@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln.ops.indexing import in_range
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS, axis, ints, scalar, to_torch
 
@@ -276,11 +277,7 @@ def gather_nd(data, indices, *, batch_dims=0):
     for i in range(k):
         n = d.shape[1 + i]
         c = idx[..., i]
-        c = torch.where(c < 0, c + n, c)
-        if bool(((c < 0) | (c >= n)).any()):  # tensor indexing would wrap -11 around again
-            raise IndexError(f"an index is out of range: indices must lie in [{-n}, {n - 1}] "
-                             f"for an axis of {n} entries")
-        cols.append(c)
+        cols.append(in_range(torch, torch.where(c < 0, c + n, c), n))
     bidx = torch.arange(nb, device=d.device).reshape(nb, 1)
     y = d[(bidx, *cols)]
     return y.reshape(tuple(indices.shape[:-1]) + tuple(data.shape[b + k:]))
