@@ -53,22 +53,22 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def _numbers(x, cast) -> list:
+    if isinstance(x, torch.Tensor):
+        return [cast(v) for v in x.reshape(-1).tolist()]
+    if isinstance(x, (list, tuple)):
+        return [cast(v) for v in x]
+    return [cast(v) for v in np.asarray(x).reshape(-1)]
+
+
 def ints(x) -> list[int]:
     """A 1-D (or scalar) integer tensor/array/list as Python ints (reads it on the host)."""
-    if isinstance(x, torch.Tensor):
-        return [int(v) for v in x.reshape(-1).tolist()]
-    if isinstance(x, (list, tuple)):
-        return [int(v) for v in x]
-    return [int(v) for v in np.asarray(x).reshape(-1)]
+    return _numbers(x, int)
 
 
 def floats(x) -> list[float]:
     """A 1-D float tensor/array/list (scales...) as Python floats."""
-    if isinstance(x, torch.Tensor):
-        return [float(v) for v in x.reshape(-1).tolist()]
-    if isinstance(x, (list, tuple)):
-        return [float(v) for v in x]
-    return [float(v) for v in np.asarray(x).reshape(-1)]
+    return _numbers(x, float)
 
 
 def scalar(x):
@@ -76,10 +76,6 @@ def scalar(x):
     if isinstance(x, torch.Tensor):
         return x.reshape(-1)[0].item()
     return np.asarray(x).reshape(-1)[0].item()
-
-
-def is_float(*xs) -> bool:
-    return all(x is None or x.dtype in FLOATS for x in xs)
 
 
 def axis(a: int, rank: int) -> int:

@@ -15,7 +15,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.conv import conv_pads
+from kiln.ops.conv import conv_pads, out_size
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS, axis, const_tensor, floats, ints
 
@@ -35,12 +35,15 @@ _PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith("AVX51
 _PREPACK_BF16 = _PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-def _pads(site, x_spatial, kernel_shape, strides, dilations) -> list[int]:
-    """The node's [begins..., ends...] pads for this input size (the shared geometry of
-    kiln.ops.conv: explicit pads, or computed for auto_pad)."""
-    begin, end = conv_pads(x_spatial, kernel_shape, strides, dilations,
-                           site.attr("auto_pad", "NOTSET"), site.attr("pads"))
-    return begin + end
+def _window(site, x, ks: list[int]):
+    """(strides, dilations, begins, ends) of a conv/pool node for input ``x``: the shared
+    geometry of kiln.ops.conv (explicit pads, or computed for auto_pad)."""
+    n = x.dim() - 2
+    strides = list(site.attr("strides") or [1] * n)
+    dil = list(site.attr("dilations") or [1] * n)
+    begins, ends = conv_pads(list(x.shape[2:]), ks, strides, dil,
+                             site.attr("auto_pad", "NOTSET"), site.attr("pads"))
+    return strides, dil, begins, ends
 
 
 def _torch_pad(begins, ends) -> list[int]:
@@ -86,11 +89,7 @@ def conv(site):
         n = x.dim() - 2
         if n not in _CONV or w.dim() != n + 2:
             return NI
-        ks = list(w.shape[2:])
-        strides = list(site.attr("strides") or [1] * n)
-        dil = list(site.attr("dilations") or [1] * n)
-        p = _pads(site, list(x.shape[2:]), ks, strides, dil)
-        begins, ends = p[:n], p[n:]
+        strides, dil, begins, ends = _window(site, x, list(w.shape[2:]))
         if begins != ends:
             x = F.pad(x, _torch_pad(begins, ends))
             begins = [0] * n
@@ -164,31 +163,20 @@ def conv_transpose(site):
 
 # -- pooling ------------------------------------------------------------------------------
 
-def _pool_out(size, k, s, d, pb, pe, ceil) -> int:
-    span = size + pb + pe - ((k - 1) * d + 1)
-    return (-(-span // s) if ceil else span // s) + 1
-
-
 @kernel("MaxPool", 1, prepare=True)
 def max_pool(site):
     want_idx = site.output_used(1)
     if want_idx and int(site.attr("storage_order", 0)):
         return None
     ceil = bool(site.attr("ceil_mode", 0))
+    ks = list(site.attr("kernel_shape"))
 
     def run(x):
-        if x.dtype not in FLOATS:
-            return NI
         n = x.dim() - 2
-        if n not in _MAXPOOL:
+        if x.dtype not in FLOATS or n not in _MAXPOOL:
             return NI
-        ks = list(site.attr("kernel_shape"))
-        strides = list(site.attr("strides") or [1] * n)
-        dil = list(site.attr("dilations") or [1] * n)
-        p = _pads(site, list(x.shape[2:]), ks, strides, dil)
-        begins, ends = p[:n], p[n:]
-        want = [_pool_out(sz, k, s, d, b, e, ceil) for sz, k, s, d, b, e in
-                zip(x.shape[2:], ks, strides, dil, begins, ends)]
+        strides, dil, begins, ends = _window(site, x, ks)
+        want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
         sym = begins == ends and all(b <= ((k - 1) * d + 1) // 2 for b, k, d in
                                      zip(begins, ks, dil))
         if not sym:
@@ -214,26 +202,19 @@ def max_pool(site):
 def average_pool(site):
     ceil = bool(site.attr("ceil_mode", 0))
     include = bool(site.attr("count_include_pad", 0))
+    ks = list(site.attr("kernel_shape"))
+    if ceil and include:
+        return None  # torch divides hanging-off windows differently
 
     def run(x):
-        if x.dtype not in FLOATS:
-            return NI
         n = x.dim() - 2
-        if n not in _AVGPOOL:
+        if x.dtype not in FLOATS or n not in _AVGPOOL:
             return NI
-        ks = list(site.attr("kernel_shape"))
-        strides = list(site.attr("strides") or [1] * n)
-        dil = list(site.attr("dilations") or [1] * n)
-        if any(d != 1 for d in dil):
+        strides, dil, begins, ends = _window(site, x, ks)
+        if any(d != 1 for d in dil) or begins != ends \
+                or any(b > k // 2 for b, k in zip(begins, ks)):
             return NI
-        p = _pads(site, list(x.shape[2:]), ks, strides, dil)
-        begins, ends = p[:n], p[n:]
-        if begins != ends or any(b > k // 2 for b, k in zip(begins, ks)):
-            return NI
-        want = [_pool_out(sz, k, s, 1, b, e, ceil) for sz, k, s, b, e in
-                zip(x.shape[2:], ks, strides, begins, ends)]
-        if ceil and include:
-            return NI  # torch divides hanging-off windows differently
+        want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
         y = _AVGPOOL[n](x, ks, strides, begins, ceil_mode=ceil, count_include_pad=include)
         return y if list(y.shape[2:]) == want else NI
     return run
