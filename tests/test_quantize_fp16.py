@@ -1,0 +1,203 @@
+"""Half-precision conversion (kiln.convert_float16, `kiln convert`), checked against
+onnxruntime running the fp32 original and the converted file, and against onnx.checker."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+import kiln
+from conftest import make_model, ort_run
+from kiln.onnxio import to_proto
+
+SMALL_ZOO = ["mobilenetv2", "emotion_ferplus", "bert", "gpt2"]
+OTHER_ZOO = ["resnet18", "resnet50", "shufflenetv2", "vgg16", "tinyyolov2", "arcface", "roberta",
+             "resnet18_dynamo", "mobilenetv2_dynamo", "shufflenetv2_dynamo",
+             "tinyyolov2_dynamo", "arcface_dynamo", "emotion_ferplus_dynamo", "bert_dynamo",
+             "roberta_dynamo", "gpt2_dynamo"]
+
+
+def _checked(model: kiln.Model) -> onnx.ModelProto:
+    proto = to_proto(model)
+    onnx.checker.check_model(proto, full_check=True)
+    return proto
+
+
+def _elem_types(proto: onnx.ModelProto) -> dict[str, int]:
+    inferred = onnx.shape_inference.infer_shapes(proto, strict_mode=True)
+    g = inferred.graph
+    out = {v.name: v.type.tensor_type.elem_type for v in
+           list(g.value_info) + list(g.input) + list(g.output)}
+    out.update({t.name: t.data_type for t in g.initializer})
+    return out
+
+
+def _conv_relu_matmul() -> onnx.ModelProto:
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w")
+    m = numpy_helper.from_array(rng.standard_normal((4, 5)).astype(np.float32), "m")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Transpose", ["r"], ["t"], name="tr", perm=[0, 2, 3, 1]),
+             helper.make_node("MatMul", ["t", "m"], ["y"], name="mm")]
+    return make_model(nodes,
+                      [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6, 6])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 6, 6, 5])],
+                      [w, m])
+
+
+def test_weights_and_compute_half_io_float32():
+    src = _conv_relu_matmul()
+    proto = _checked(kiln.convert_float16(src))
+    types = _elem_types(proto)
+    assert types["x"] == types["y"] == TensorProto.FLOAT
+    assert types["w"] == types["m"] == TensorProto.FLOAT16
+    assert types["c"] == types["r"] == TensorProto.FLOAT16
+    x = np.random.default_rng(1).standard_normal((1, 3, 6, 6)).astype(np.float32)
+    (ref,), (got,) = ort_run(src, {"x": x}), ort_run(proto, {"x": x})
+    assert got.dtype == np.float32
+    np.testing.assert_allclose(got, ref, atol=2e-2 * np.abs(ref).max())
+
+
+def test_half_io_when_asked():
+    proto = _checked(kiln.convert_float16(_conv_relu_matmul(), keep_io_types=False))
+    types = _elem_types(proto)
+    assert types["x"] == types["y"] == TensorProto.FLOAT16
+    assert not [n for n in proto.graph.node if n.op_type == "Cast"]
+
+
+@pytest.mark.parametrize("blocked", ["Relu", "relu"])
+def test_block_list_by_op_type_or_layer_name(blocked):
+    src = _conv_relu_matmul()
+    proto = _checked(kiln.convert_float16(src, block_list=[blocked]))
+    types = _elem_types(proto)
+    assert types["r"] == TensorProto.FLOAT  # the blocked layer computes in fp32
+    assert types["c"] == TensorProto.FLOAT16 and types["w"] == TensorProto.FLOAT16
+    relu = next(n for n in proto.graph.node if n.op_type == "Relu")
+    cast_in = next(n for n in proto.graph.node if n.output[0] == relu.input[0])
+    assert cast_in.op_type == "Cast"
+    x = np.random.default_rng(2).standard_normal((1, 3, 6, 6)).astype(np.float32)
+    (ref,), (got,) = ort_run(src, {"x": x}), ort_run(proto, {"x": x})
+    np.testing.assert_allclose(got, ref, atol=2e-2 * np.abs(ref).max())
+
+
+def test_out_of_range_constants_clamp_with_a_warning():
+    # An additive attention-style mask of -3.4e38 and a 1e6 weight: Inf in fp16 unless clamped.
+    mask = numpy_helper.from_array(
+        np.array([0, np.finfo(np.float32).min, 0, 0], np.float32), "mask")
+    big = numpy_helper.from_array(np.array([1e6, 1, 1, 1], np.float32), "big")
+    nodes = [helper.make_node("Add", ["x", "mask"], ["s"]),
+             helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+             helper.make_node("Mul", ["p", "big"], ["y"])]
+    src = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4])],
+                     [mask, big])
+    with pytest.warns(UserWarning, match="clamped"):
+        proto = _checked(kiln.convert_float16(src))
+    vals = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    assert all(np.isfinite(v).all() for v in vals.values())
+    assert vals["mask"][1] == -65504 and vals["big"][0] == 65504
+    x = np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32) * 0.1
+    (got,) = ort_run(proto, {"x": x})
+    (ref,) = ort_run(src, {"x": x})
+    assert np.isfinite(got).all()
+    assert (got[:, 1] == 0).all()  # the clamped mask still masks
+    np.testing.assert_allclose(got[:, 2:], ref[:, 2:], rtol=2e-3)
+
+
+def test_resize_and_shape_computations_stay_float32():
+    # Resize's scales are geometry: fp16 scales would be a schema violation at best.
+    scales = numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "scales")
+    nodes = [helper.make_node("Relu", ["x"], ["r"]),
+             helper.make_node("Resize", ["r", "", "scales"], ["z"], mode="linear"),
+             helper.make_node("Shape", ["z"], ["sh"]),
+             helper.make_node("Cast", ["sh"], ["shf"], to=TensorProto.FLOAT),
+             helper.make_node("Cast", ["shf"], ["shi"], to=TensorProto.INT64),
+             helper.make_node("Reshape", ["z", "shi"], ["y"])]
+    src = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                           [1, 2, 3, 3])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 2, 6, 6])],
+                     [scales])
+    proto = _checked(kiln.convert_float16(src))
+    types = _elem_types(proto)
+    assert types["scales"] == types["shf"] == TensorProto.FLOAT
+    assert types["z"] == TensorProto.FLOAT  # Resize itself runs in fp32
+    assert types["r"] == TensorProto.FLOAT16
+    x = np.random.default_rng(4).standard_normal((1, 2, 3, 3)).astype(np.float32)
+    (ref,), (got,) = ort_run(src, {"x": x}), ort_run(proto, {"x": x})
+    np.testing.assert_allclose(got, ref, atol=2e-3)
+
+
+def test_integer_paths_untouched(mlp_model):
+    ids = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "table")
+    nodes = [helper.make_node("Gather", ["table", "i"], ["g"]),
+             helper.make_node("Add", ["i", "i"], ["j"]),
+             helper.make_node("Relu", ["g"], ["y"])]
+    src = make_model(nodes, [helper.make_tensor_value_info("i", TensorProto.INT64, [2])],
+                     [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 4]),
+                      helper.make_tensor_value_info("j", TensorProto.INT64, [2])], [ids])
+    proto = _checked(kiln.convert_float16(src))
+    types = _elem_types(proto)
+    assert types["j"] == types["i"] == TensorProto.INT64
+    feeds = {"i": np.array([2, 0], np.int64)}
+    for r, g in zip(ort_run(src, feeds), ort_run(proto, feeds)):
+        np.testing.assert_array_equal(g, r)
+
+
+def test_bf16_weights(mlp_model):
+    proto = _checked(kiln.convert_float16(mlp_model, bf16=True))
+    types = _elem_types(proto)
+    assert types["w1"] == types["hb"] == TensorProto.BFLOAT16
+    assert types["x"] == types["y"] == TensorProto.FLOAT
+    x = np.random.default_rng(5).standard_normal((3, 4)).astype(np.float32)
+    (ref,) = ort_run(mlp_model, {"x": x})
+    (got,) = kiln.InferenceSession(proto).run(None, {"x": x})
+    np.testing.assert_allclose(got, ref, atol=3e-2)
+
+
+def _zoo_case(zoo_model, name: str) -> None:
+    from kiln.zoo.registry import make_inputs
+
+    path = zoo_model(name)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # attention masks clamp, and say so
+        proto = _checked(kiln.convert_float16(str(path)))
+    data = proto.SerializeToString()
+    assert len(data) < 0.55 * path.stat().st_size
+    feeds = make_inputs(name, batch=2)
+    refs, gots = ort_run(str(path), feeds), ort_run(proto, feeds)
+    kilns = kiln.InferenceSession(data).run(None, feeds)
+    for ref, got, kgot in zip(refs, gots, kilns):
+        assert got.dtype == np.float32 and np.isfinite(got).all() and np.isfinite(kgot).all()
+        scale = np.abs(ref).max()
+        np.testing.assert_allclose(got, ref, atol=1e-2 * scale, rtol=0)
+        np.testing.assert_allclose(kgot, got, atol=1e-2 * scale, rtol=0)
+
+
+@pytest.mark.parametrize("name", SMALL_ZOO)
+def test_zoo_fp16_small(zoo_model, name):
+    _zoo_case(zoo_model, name)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", OTHER_ZOO)
+def test_zoo_fp16_all(zoo_model, name):
+    _zoo_case(zoo_model, name)
+
+
+def test_cli_convert(tmp_path, mlp_model, capsys):
+    from kiln.cli.main import main
+
+    src, out = tmp_path / "m.onnx", tmp_path / "m16.onnx"
+    onnx.save(mlp_model, src)
+    assert main(["convert", str(src), "-o", str(out), "--fp16", "--block", "Softmax"]) == 0
+    assert "float16" in capsys.readouterr().out
+    proto = onnx.load(out)
+    onnx.checker.check_model(proto, full_check=True)
+    x = np.random.default_rng(6).standard_normal((2, 4)).astype(np.float32)
+    (ref,), (got,) = ort_run(mlp_model, {"x": x}), ort_run(str(out), {"x": x})
+    np.testing.assert_allclose(got, ref, atol=1e-2)
