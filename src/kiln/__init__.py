@@ -6,14 +6,12 @@ and save them back.
     (y,) = sess.run(None, {"x": x})
 """
 
-from kiln.edit import add_tail, compose, cut, preprocess, rename, set_batch
 from kiln.errors import (
     ExternalDataError,
     InputError,
     KernelError,
     KilnError,
     ModelLoadError,
-    RunCancelledError,
     ShapeError,
     UnsupportedOpError,
 )
@@ -22,28 +20,12 @@ from kiln.onnxio import load, save
 from kiln.ops import register_op
 from kiln.optimize import optimize
 from kiln.quantize import convert_float16
-from kiln.runtime import (
-    ExecutionMode,
-    GraphOptimizationLevel,
-    InferenceSession,
-    IOBinding,
-    NodeArg,
-    OrtValue,
-    RunOptions,
-    SessionOptions,
-    get_available_providers,
-    get_device,
-)
+from kiln.runtime import InferenceSession, NodeArg
 from kiln.tools import bench, inspect, profile, report
-from kiln.train import to_torch
 
 __version__ = "0.1.0"
 
-__all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLevel",
-           "IOBinding", "OrtValue", "RunCancelledError", "RunOptions", "SessionOptions",
-           "get_available_providers", "get_device", "InferenceSession", "InputError", "KernelError",
+__all__ = ["DType", "ExternalDataError", "InferenceSession", "InputError", "KernelError",
            "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
-           "UnsupportedOpError", "add_tail", "bench", "compose", "convert_float16", "cut",
-           "inspect", "load", "optimize",
-           "preprocess", "profile", "register_op", "report", "rename", "save",
-           "set_batch", "to_torch"]
+           "UnsupportedOpError", "bench", "convert_float16", "inspect", "load", "optimize",
+           "profile", "register_op", "report", "save"]
