@@ -591,3 +591,43 @@ def test_a_failing_kernel_names_its_layer_and_nothing_runs_twice(backend):
     with pytest.raises(kiln.KernelError, match=r"'the_culprit' \(Boom\).*kaput"):
         sess.run(None, {"x": np.ones(2, np.float32)})
     assert calls == {"before": 1, "boom": 1}
+
+
+def _residual_conv_net():
+    """Conv+Add+Relu (the FusedConv residual post-op), Conv+LeakyRelu, Conv with
+    asymmetric pads, a bias-free Conv: each a different oneDNN path."""
+    rng = np.random.default_rng(3)
+
+    def w(name, *shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.3,
+                                       name)
+    N = helper.make_node
+    nodes = [N("Conv", ["x", "w1", "b1"], ["c1"], pads=[1, 1, 1, 1]),
+             N("Add", ["c1", "x"], ["r1"]), N("Relu", ["r1"], ["a1"]),
+             N("Conv", ["a1", "w2", "b2"], ["c2"], pads=[1, 1, 1, 1], strides=[2, 2]),
+             N("LeakyRelu", ["c2"], ["a2"], alpha=0.1),
+             N("Conv", ["a2", "w3"], ["c3"], pads=[0, 1, 1, 0])]
+    return _make_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 9, 9])],
+        [helper.make_tensor_value_info("c3", TensorProto.FLOAT, None)],
+        [w("w1", 8, 8, 3, 3), w("b1", 8), w("w2", 16, 8, 3, 3), w("b2", 16),
+         w("w3", 4, 16, 2, 2)])
+
+
+@_requires("Conv")
+def test_onednn_packed_convolutions_match_onnxruntime(monkeypatch):
+    """The packed-weight oneDNN path is the default only on AVX-512 CPUs; forced here (it
+    runs on any x86 oneDNN, only slower) so it is checked on every machine."""
+    from kiln.ops.torch import nn
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("torch built without oneDNN")
+    monkeypatch.setattr(nn, "PREPACK", True)
+    model = _residual_conv_net()
+    sess = kiln.InferenceSession(model, backend="torch")
+    notes = " ".join(layer.why for layer in sess.placement().layers)
+    assert "oneDNN, weights reordered once" in notes and "post-op" in notes, notes
+    for n in (1, 2):
+        x = np.random.default_rng(n).standard_normal((n, 8, 9, 9)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-4)

@@ -19,8 +19,7 @@ from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS
 from kiln.ops.torch.elementwise import gemm as _gemm_builder
 from kiln.ops.torch.elementwise import matmul as _matmul_builder
-from kiln.ops.torch.nn import _PREPACK
-from kiln.ops.torch.nn import conv as _conv_builder
+from kiln.ops.torch.nn import conv_kernel
 
 NI = NotImplemented
 
@@ -76,77 +75,14 @@ def _sub_site(site: Site, n_inputs: int, drop=("activation", "activation_params"
 
 @kernel("FusedConv", 1, domain=KILN_DOMAIN, prepare=True)
 def fused_conv(site):
-    act_name = site.attr("activation", "") or ""
+    name = site.attr("activation", "") or ""
     params = site.attr("activation_params")
-    act = activation_fn(act_name, params)
+    act = activation_fn(name, params)
     if act is False:
         return None
-    be = site.backend
-    wc = site.const(1)
-    low = be.compute_dtype
-    onednn = _onednn_unary(act_name, params)
     sub = _sub_site(site, 3)
-    plain = _conv_builder(sub)
-    if plain is None:
-        return None
+    run = conv_kernel(sub, act, _onednn_unary(name, params))
     site.notes.extend(sub.notes)
-    group = int(site.attr("group", 1))
-    fast = (onednn is not None and be.tdevice.type == "cpu" and not be.tracing and low is None
-            and wc is not None and wc.ndim == 4 and wc.dtype.name == "float32" and _PREPACK)
-    state: dict = {}
-
-    def packed(pad, strides, dil):
-        key = (tuple(pad), tuple(strides), tuple(dil))
-        if key not in state:
-            w = torch.from_numpy(wc.copy())
-            state[key] = torch.ops.mkldnn._reorder_convolution_weight(
-                w, list(pad), list(strides), list(dil), group)
-        return state[key]
-
-    def generic(x, w, b, z):
-        y = plain(x, w, b)
-        if y is NI:
-            return NI
-        if z is not None:
-            y = y + z
-        return act(y) if act is not None else y
-
-    def run(x, w, b=None, z=None, *more):
-        if more:
-            return NI
-        if not fast or x.dtype != torch.float32 or x.dim() != 4 or w.dtype != x.dtype \
-                or (b is not None and b.dtype != x.dtype):
-            return generic(x, w, b, z)
-        strides = list(site.attr("strides") or [1, 1])
-        dil = list(site.attr("dilations") or [1, 1])
-        from kiln.ops.torch.nn import _pads
-        p = _pads(site, list(x.shape[2:]), list(w.shape[2:]), strides, dil)
-        begins, ends = p[:2], p[2:]
-        if begins != ends:
-            return generic(x, w, b, z)
-        if be.channels_last:
-            x = x.contiguous(memory_format=torch.channels_last)
-        pw = packed(begins, strides, dil)
-        attr, scalars, algo = onednn
-        if z is None:
-            return torch.ops.mkldnn._convolution_pointwise(x, pw, b, begins, strides, dil,
-                                                           group, attr, scalars, algo)
-        n_out = [x.shape[0], w.shape[0]] + [
-            (sz + 2 * pb - ((k - 1) * d + 1)) // s + 1
-            for sz, pb, k, d, s in zip(x.shape[2:], begins, w.shape[2:], dil, strides)]
-        if list(z.shape) != n_out or z.dtype != x.dtype or attr not in ("none", "relu"):
-            y = torch.ops.mkldnn._convolution_pointwise(x, pw, b, begins, strides, dil,
-                                                        group, "none", [], "")
-            y = y + z
-            return act(y) if act is not None else y
-        if be.channels_last:
-            z = z.contiguous(memory_format=torch.channels_last)
-        return torch.ops.mkldnn._convolution_pointwise(
-            x, z, pw, b, begins, strides, dil, group, "add", None,
-            None if attr == "none" else attr, [], None)
-
-    if fast:
-        site.notes.append(f"oneDNN post-ops: {act_name or 'none'}")
     return run
 
 

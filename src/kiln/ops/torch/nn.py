@@ -11,6 +11,7 @@ run time) and run on the NumPy kernel instead.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,10 +30,10 @@ _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn") 
 # Weights packed once for oneDNN pay off only where oneDNN's convolution uses the packed
 # layout: with AVX-512. On AVX2 it picks a kernel wanting another blocking and re-packs the
 # weights on every call (28 ms for a 256x256x3x3 kernel, 20x the convolution itself).
-_PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith("AVX512")
 # oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere plain
 # F.conv2d computes in bf16 instead.
-_PREPACK_BF16 = _PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
+PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 def _window(site, x, ks: list[int]):
@@ -58,15 +59,25 @@ def _torch_pad(begins, ends) -> list[int]:
 
 @kernel("Conv", 1, prepare=True)
 def conv(site):
+    return conv_kernel(site)
+
+
+def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none", [], "")):
+    """Conv's prepared kernel, followed by the residual ``z`` and ``act`` for FusedConv.
+
+    On an AVX-512 CPU with constant fp32 weights: one oneDNN convolution, the weights
+    reordered once, ``post`` (oneDNN's (attr, scalars, algorithm) for ``act``; None when
+    it has none) and a same-shape residual applied inside it.
+    """
     be = site.backend
     group = int(site.attr("group", 1))
     wc = site.const(1)
     bc = const_tensor(site, 2)
     low = be.compute_dtype
     cl = be.channels_last
-    packable = (_PREPACK and be.tdevice.type == "cpu" and not be.tracing and wc is not None
-                and wc.ndim == 4 and wc.dtype.name == "float32"
-                and (low is None or (low == torch.bfloat16 and _PREPACK_BF16)) and group >= 1)
+    packable = (PREPACK and be.tdevice.type == "cpu" and not be.tracing and wc is not None
+                and post is not None and wc.ndim == 4 and wc.dtype.name == "float32"
+                and (low is None or (low == torch.bfloat16 and PREPACK_BF16 and act is None)))
     state: dict = {}
 
     def packed(pad, strides, dil):
@@ -83,7 +94,31 @@ def conv(site):
             got = state[key] = (pw, b)
         return got
 
-    def run(x, w, b=None):
+    def onednn(x, b, z, strides, dil, begins):
+        """The convolution through the packed weights, or None where it cannot run."""
+        pw, pb = packed(begins, strides, dil)
+        if b is not None and b is not bc:
+            pb = b if low is None else b.to(low)
+        xx = x if low is None else x.to(low)
+        if cl:
+            xx = xx.contiguous(memory_format=torch.channels_last)
+        attr, scalars, algo = post
+        if z is None:
+            y = torch.ops.mkldnn._convolution_pointwise(xx, pw, pb, begins, strides, dil,
+                                                        group, attr, scalars, algo)
+            return y if low is None else y.to(torch.float32)
+        out = [x.shape[0], pw.shape[0]] + [out_size(*g) for g in zip(
+            x.shape[2:], pw.shape[2:], strides, dil, begins, begins)]
+        if low is not None or list(z.shape) != out or z.dtype != x.dtype \
+                or attr not in ("none", "relu"):
+            return None
+        if cl:
+            z = z.contiguous(memory_format=torch.channels_last)
+        return torch.ops.mkldnn._convolution_pointwise(
+            xx, z, pw, pb, begins, strides, dil, group, "add", None,
+            None if attr == "none" else attr, [], None)
+
+    def run(x, w, b=None, z=None):
         if x.dtype not in FLOATS or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
             return NI
         n = x.dim() - 2
@@ -94,25 +129,23 @@ def conv(site):
             x = F.pad(x, _torch_pad(begins, ends))
             begins = [0] * n
         if packable and n == 2 and x.dtype == torch.float32:
-            pw, pb = packed(begins, strides, dil)
-            if b is not None and b is not bc:
-                pb = b if low is None else b.to(low)
-            xx = x if low is None else x.to(low)
-            if cl:
-                xx = xx.contiguous(memory_format=torch.channels_last)
-            y = torch.ops.mkldnn._convolution_pointwise(xx, pw, pb, begins, strides, dil,
-                                                        group, "none", [], "")
-            return y if low is None else y.to(torch.float32)
+            y = onednn(x, b, z, strides, dil, begins)
+            if y is not None:
+                return y
         if cl and n == 2:  # NHWC convolutions, and NHWC outputs make the next pooling fast
             x = x.contiguous(memory_format=torch.channels_last)
         if low is not None and x.dtype == torch.float32:
             y = _CONV[n](x.to(low), w.to(low), None if b is None else b.to(low), strides,
-                         begins, dil, group)
-            return y.to(torch.float32)
-        return _CONV[n](x, w, b, strides, begins, dil, group)
+                         begins, dil, group).to(torch.float32)
+        else:
+            y = _CONV[n](x, w, b, strides, begins, dil, group)
+        if z is not None:
+            y = y + z
+        return y if act is None else act(y)
 
     if packable:
-        site.notes.append("oneDNN, weights reordered once" + (", NHWC" if cl else ""))
+        site.notes.append("oneDNN, weights reordered once" + (", NHWC" if cl else "")
+                          + (f", post-op {post[0]}" if post[0] != "none" else ""))
     if low is not None:
         site.notes.append(f"computes in {low}")
     return run
@@ -242,12 +275,16 @@ def batch_norm(site):
             or not int(site.attr("spatial", 1)):
         return None  # training statistics, per-position params: NumPy kernel
     eps = float(site.attr("epsilon", 1e-5))
+    be = site.backend
+    momentum = 1.0 - float(site.attr("momentum", 0.9))  # torch weighs the batch's share
 
     def run(x, scale, bias, mean, var):
         if x.dtype not in FLOATS or x.dim() < 2:
             return NI
         if any(t.dim() != 1 for t in (scale, bias, mean, var)):
             return NI
+        if be.training:  # batch statistics; updates mean and var (module buffers) in place
+            return F.batch_norm(x, mean, var, scale, bias, True, momentum, eps)
         dt = x.dtype
         if not all(t.dtype == dt for t in (scale, bias, mean, var)):
             return NI
@@ -339,8 +376,12 @@ kernel("LogSoftmax", 1, prepare=True)(_softmax_kernel(torch.log_softmax))
 def dropout(site):
     if site.num_outputs > 1 and site.opset < 10:
         return None  # the old mask type
+    be = site.backend
     if site.opset >= 12:
         def run12(x, ratio=None, training_mode=None):
+            if be.training and site.num_outputs == 1:
+                return F.dropout(x, 0.5 if ratio is None else float(ratio[0] if isinstance(
+                    ratio, tuple) else ratio.reshape(-1)[0]), True)
             if training_mode is not None and bool(training_mode.reshape(-1)[0]):
                 return NI
             if site.num_outputs > 1:
@@ -348,7 +389,11 @@ def dropout(site):
             return x
         return run12
 
+    ratio = float(site.attr("ratio", 0.5))
+
     def run(x):
+        if be.training and site.num_outputs == 1:
+            return F.dropout(x, ratio, True)
         if site.num_outputs > 1:
             return x, torch.ones(x.shape, dtype=torch.bool, device=x.device)
         return x
