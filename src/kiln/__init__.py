@@ -6,6 +6,7 @@ and save them back.
     (y,) = sess.run(None, {"x": x})
 """
 
+from kiln.edit import add_tail, compose, cut, preprocess, rename, set_batch
 from kiln.errors import (
     ExternalDataError,
     InputError,
@@ -27,5 +28,6 @@ __version__ = "0.1.0"
 
 __all__ = ["DType", "ExternalDataError", "InferenceSession", "InputError", "KernelError",
            "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
-           "UnsupportedOpError", "bench", "convert_float16", "inspect", "load", "optimize",
-           "profile", "register_op", "report", "save"]
+           "UnsupportedOpError", "add_tail", "bench", "compose", "convert_float16", "cut",
+           "inspect", "load", "optimize", "preprocess", "profile", "register_op", "report",
+           "rename", "save", "set_batch"]
