@@ -273,3 +273,167 @@ def test_rename_inputs_and_outputs(tmp_path):
                                rtol=1e-6)
     with pytest.raises(kiln.KilnError, match="did you mean 'image'"):
         kiln.rename(DIGITS, {"imag": "x"})
+
+
+# -- embedded preprocessing ---------------------------------------------------------------
+
+def _resize_linear(x: np.ndarray, h: int, w: int) -> np.ndarray:
+    """Bilinear resize of NCHW ``x`` with half-pixel centers (OpenCV's INTER_LINEAR)."""
+    def axis(n_in, n_out):
+        src = np.clip((np.arange(n_out) + 0.5) * n_in / n_out - 0.5, 0, n_in - 1)
+        lo = np.floor(src).astype(int)
+        return lo, np.minimum(lo + 1, n_in - 1), (src - lo).astype(np.float32)
+
+    y0, y1, wy = axis(x.shape[2], h)
+    x0, x1, wx = axis(x.shape[3], w)
+    rows = x[:, :, y0] * (1 - wy)[:, None] + x[:, :, y1] * wy[:, None]
+    return rows[..., x0] * (1 - wx) + rows[..., x1] * wx
+
+
+def _resize_nearest(x: np.ndarray, h: int, w: int) -> np.ndarray:
+    """Nearest resize of NCHW ``x``: source pixel floor(dst * in / out) (INTER_NEAREST)."""
+    ys = np.minimum(np.arange(h) * x.shape[2] // h, x.shape[2] - 1)
+    xs = np.minimum(np.arange(w) * x.shape[3] // w, x.shape[3] - 1)
+    return x[:, :, ys][..., xs]
+
+
+def _conv_first(pads: int) -> onnx.ModelProto:
+    """x[N,3,10,12] -> Conv 3x3 (pads) -> Relu -> Conv 1x1: a Conv-first network."""
+    rng = np.random.default_rng(8)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 3, 3, 3)).astype(np.float32),
+                                     "w1"),
+             numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "b1"),
+             numpy_helper.from_array(rng.standard_normal((4, 8, 1, 1)).astype(np.float32),
+                                     "w2")]
+    nodes = [helper.make_node("Conv", ["x", "w1", "b1"], ["c1"], name="conv1",
+                              pads=[pads] * 4),
+             helper.make_node("Relu", ["c1"], ["r1"]),
+             helper.make_node("Conv", ["r1", "w2"], ["y"], name="conv2")]
+    f = TensorProto.FLOAT
+    return make_model(nodes, [helper.make_tensor_value_info("x", f, ["N", 3, 10, 12])],
+                      [helper.make_tensor_value_info("y", f, None)], inits)
+
+
+MEAN, SCALE = np.array([123.7, 116.3, 103.5]), np.array([58.4, 57.1, 57.4])
+
+
+def _numpy_steps(u: np.ndarray, layout: str, reverse: bool, mean=MEAN, scale=SCALE,
+                 resize=None, size=None) -> np.ndarray:
+    """What the preprocessing computes, done outside the model."""
+    x = u.astype(np.float32)
+    if layout == "NHWC":
+        x = x.transpose(0, 3, 1, 2)
+    if resize == "linear":
+        x = _resize_linear(x, *size)
+    elif resize == "nearest":
+        x = _resize_nearest(x, *size)
+    if reverse:
+        x = x[:, ::-1]
+    m = np.asarray(mean, np.float32).reshape(1, -1, 1, 1)
+    s = np.asarray(scale, np.float32).reshape(1, -1, 1, 1)
+    return np.ascontiguousarray((x - m) / s, dtype=np.float32)
+
+
+def test_preprocessing_folds_into_an_unpadded_first_conv(tmp_path):
+    proto = _conv_first(pads=0)
+    before = [n.op_type for n in kiln.load(proto).graph.nodes]
+    u = np.random.default_rng(9).integers(0, 256, (2, 3, 10, 12)).astype(np.float32)
+    m = kiln.preprocess(proto, mean=MEAN, scale=SCALE, reverse_channels=True)
+    assert [n.op_type for n in m.graph.nodes] == before  # no node added at all
+    got = ort_outputs(checked(m, tmp_path, "f.onnx"), {"x": u})["y"]
+    ref = ort_outputs(proto, {"x": _numpy_steps(u, "NCHW", True)})["y"]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    # uint8 NHWC BGR: only the Cast and the layout Transpose remain
+    u8 = np.random.default_rng(10).integers(0, 256, (2, 10, 12, 3), dtype=np.uint8)
+    m = kiln.preprocess(proto, input_type="uint8", layout="NHWC", mean=MEAN, scale=SCALE,
+                        reverse_channels=True)
+    assert [n.op_type for n in m.graph.nodes] == ["Cast", "Transpose"] + before
+    assert m.graph.inputs[0].type == kiln.ir.TensorType(kiln.DType.UINT8, (
+        m.graph.inputs[0].shape[0], 10, 12, 3))
+    got = ort_outputs(checked(m, tmp_path, "u8.onnx"), {"x": u8})["y"]
+    ref = ort_outputs(proto, {"x": _numpy_steps(u8, "NHWC", True)})["y"]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_preprocessing_before_a_padded_conv_is_exact_at_the_borders(tmp_path):
+    """A zero-padded border of (x - mean) / scale is not the border of a Conv with the mean
+    in its bias: the mean stays one Sub, scale and channel reversal still fold."""
+    proto = _conv_first(pads=1)
+    u = np.random.default_rng(11).integers(0, 256, (2, 3, 10, 12)).astype(np.float32)
+    m = kiln.preprocess(proto, mean=MEAN, scale=SCALE, reverse_channels=True)
+    assert [n.op_type for n in m.graph.nodes] == ["Sub", "Conv", "Relu", "Conv"]
+    got = ort_outputs(checked(m, tmp_path), {"x": u})["y"]
+    ref = ort_outputs(proto, {"x": _numpy_steps(u, "NCHW", True)})["y"]
+    for border in (np.s_[..., 0, :], np.s_[..., -1, :], np.s_[..., :, 0], np.s_[..., :, -1]):
+        np.testing.assert_allclose(got[border], ref[border], rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    # what folding the mean into the bias anyway would give: wrong at the borders only
+    naive = kiln.load(proto)
+    conv = naive.graph.nodes[0]
+    w, b = conv.inputs[1].const, conv.inputs[2].const
+    w2 = (w / SCALE.reshape(1, 3, 1, 1))[:, ::-1].astype(np.float32)
+    b2 = (b - np.einsum("ochw,c->o", w / SCALE.reshape(1, 3, 1, 1), MEAN)).astype(np.float32)
+    conv.inputs[1].const, conv.inputs[2].const = np.ascontiguousarray(w2), b2
+    bad = ort_outputs(to_proto_bytes(naive), {"x": u})["y"]
+    np.testing.assert_allclose(bad[..., 1:-1, 1:-1], ref[..., 1:-1, 1:-1], rtol=1e-4,
+                               atol=1e-4)
+    assert np.abs(bad[..., 0, :] - ref[..., 0, :]).max() > 1e-2
+
+
+def to_proto_bytes(model: kiln.Model) -> onnx.ModelProto:
+    return kiln.onnxio.to_proto(model)
+
+
+def test_digits_cnn_takes_uint8_pixels(tmp_path):
+    """scikit-learn's digits are 0..16; the CNN was trained on pixels / 16: scale 16 folds
+    into its first Conv (padded, no mean: nothing stays but the Cast)."""
+    images, labels = digits_images(64)
+    m = kiln.preprocess(DIGITS, input_type="uint8", scale=[16])
+    assert [n.op_type for n in m.graph.nodes] == \
+        ["Cast"] + [n.op_type for n in kiln.load(DIGITS).graph.nodes]
+    got = ort_outputs(checked(m, tmp_path), {"image": images})["logits"]
+    ref = ort_outputs(DIGITS, {"image": (images / 16).astype(np.float32)})["logits"]
+    np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+    assert (got.argmax(1) == labels).mean() > 0.9
+
+
+def test_preprocessing_with_resize_on_zoo_models(zoo_model, tmp_path):
+    rng = np.random.default_rng(12)
+    # MobileNetV2: uint8 BGR NHWC camera frames of 180x200, nearest resize to 224x224
+    path = str(zoo_model("mobilenetv2"))
+    u = rng.integers(0, 256, (1, 180, 200, 3), dtype=np.uint8)
+    m = kiln.preprocess(path, input_type="uint8", layout="NHWC", mean=MEAN, scale=SCALE,
+                        reverse_channels=True, resize="nearest", size=(180, 200))
+    added = [n.op_type for n in m.graph.nodes][:6]
+    assert added == ["Cast", "Transpose", "Shape", "Concat", "Resize", "Sub"]
+    assert len(m.graph.nodes) == len(kiln.load(path).graph.nodes) + 6
+    got = ort_outputs(checked(m, tmp_path, "mb.onnx"), {"input": u})["logits"]
+    x = _numpy_steps(u, "NHWC", True, resize="nearest", size=(224, 224))
+    ref = ort_outputs(path, {"input": x})["logits"]
+    np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3)
+    unfolded = kiln.preprocess(path, input_type="uint8", layout="NHWC", mean=MEAN,
+                               scale=SCALE, reverse_channels=True, resize="nearest",
+                               size=(180, 200), fold=False)
+    got2 = ort_outputs(checked(unfolded, tmp_path, "mb2.onnx"), {"input": u})["logits"]
+    np.testing.assert_allclose(got2, ref, rtol=1e-3, atol=1e-3)
+    # FER+: one grey channel, uint8 NCHW of any size, linear resize to 64x64
+    path = str(zoo_model("emotion_ferplus"))
+    m = kiln.preprocess(path, input_type="uint8", mean=[128], scale=[64], resize="linear")
+    assert [str(d) for d in m.graph.inputs[0].shape[2:]] == ["input_height", "input_width"]
+    for hw in ((48, 48), (100, 80)):
+        u = rng.integers(0, 256, (2, 1, *hw), dtype=np.uint8)
+        got = ort_outputs(checked(m, tmp_path, "fer.onnx"), {"input": u})["logits"]
+        x = _numpy_steps(u, "NCHW", False, [128], [64], "linear", (64, 64))
+        ref = ort_outputs(path, {"input": x})["logits"]
+        np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_preprocessing_errors():
+    with pytest.raises(kiln.KilnError, match="2 mean values .* 3 channels"):
+        kiln.preprocess(_conv_first(0), mean=[1, 2])
+    with pytest.raises(kiln.KilnError, match="divided by zero"):
+        kiln.preprocess(_conv_first(0), scale=[1, 0, 1])
+    with pytest.raises(kiln.KilnError, match="NCHW or NHWC"):
+        kiln.preprocess(_conv_first(0), layout="CHW")
+    with pytest.raises(kiln.KilnError, match="did you mean 'image'"):
+        kiln.preprocess(DIGITS, "imgae", scale=[16])

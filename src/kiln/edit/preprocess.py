@@ -253,7 +253,8 @@ def _fold(chain: _Chain, conv: Node, cur: Value, mean: np.ndarray | None,
         np.zeros(w.shape[0])
     padded = _pads(conv)
     if mean is not None and not padded:
-        b = b - np.einsum("oc...,c->o", w1, mean)
+        b = b - (w1 * mean.reshape((1, -1) + (1,) * (w.ndim - 2))).sum(
+            axis=tuple(range(1, w.ndim)))
     if reverse:
         w1 = w1[:, ::-1]
     conv.set_input(1, chain.const("weight", np.ascontiguousarray(w1.astype(dtype))))
