@@ -48,8 +48,8 @@ def test_a_device_the_numpy_backend_lacks_points_to_the_torch_backend():
     with pytest.raises(OptionError, match="backend='torch'"):
         kiln.InferenceSession(proto, device="cuda")
     kiln.InferenceSession(proto, device="cpu")  # the numpy backend's only device is fine
-    with pytest.raises(OptionError, match="threads, precision and compile"):
-        kiln.InferenceSession(proto, threads=2)
+    with pytest.raises(OptionError, match="precision and compile are the torch backend's"):
+        kiln.InferenceSession(proto, precision="bf16")
 
 
 def test_an_unknown_backend_or_option_is_a_kiln_error():

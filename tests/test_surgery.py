@@ -437,3 +437,61 @@ def test_preprocessing_errors():
         kiln.preprocess(_conv_first(0), layout="CHW")
     with pytest.raises(kiln.KilnError, match="did you mean 'image'"):
         kiln.preprocess(DIGITS, "imgae", scale=[16])
+
+
+# -- freezing: training-mode layers become their inference forms -------------------------
+
+def _training_model(bn_outputs: int = 1, mask_out: bool = False) -> onnx.ModelProto:
+    """x -> BatchNormalization(training_mode=1) -> Dropout(ratio 0.5, training_mode=True)."""
+    rng = np.random.default_rng(13)
+    c = 4
+    inits = [numpy_helper.from_array(a.astype(np.float32), n) for n, a in (
+        ("scale", rng.random(c) + 0.5), ("bias", rng.standard_normal(c)),
+        ("mean", rng.standard_normal(c)), ("var", rng.random(c) + 0.5))]
+    inits += [numpy_helper.from_array(np.array(0.5, np.float32), "ratio"),
+              numpy_helper.from_array(np.array(True), "training")]
+    bn_outs = ["b", "run_mean", "run_var"][:bn_outputs]
+    nodes = [helper.make_node("BatchNormalization", ["x", "scale", "bias", "mean", "var"],
+                              bn_outs, training_mode=1, epsilon=1e-3),
+             helper.make_node("Dropout", ["b", "ratio", "training"],
+                              ["y", "mask"] if mask_out else ["y"])]
+    f = TensorProto.FLOAT
+    outs = [helper.make_tensor_value_info("y", f, None)]
+    if bn_outputs > 1:
+        outs.append(helper.make_tensor_value_info("run_mean", f, None))
+    if mask_out:
+        outs.append(helper.make_tensor_value_info("mask", TensorProto.BOOL, None))
+    return make_model(nodes, [helper.make_tensor_value_info("x", f, [2, c, 3, 3])], outs,
+                      inits, opset=15)
+
+
+def test_freeze_turns_training_mode_off(tmp_path):
+    from kiln.passes import Freeze
+
+    proto = _training_model(bn_outputs=3)  # running statistics computed but not read...
+    proto.graph.output.pop()               # ...once they are not an output
+    model, record = Freeze()(kiln.load(proto))
+    assert record.changes["BatchNormalization training mode turned off"] == 1
+    assert record.changes["Dropout training mode turned off"] == 1
+    assert [n.op_type for n in model.graph.nodes] == ["BatchNormalization"]
+    bn = model.graph.nodes[0]
+    assert bn.attrs.get("training_mode", 0) == 0 and len(bn.outputs) == 1
+    x = np.random.default_rng(14).standard_normal((2, 4, 3, 3)).astype(np.float32)
+    init = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    r = lambda a: a.reshape(1, -1, 1, 1)  # noqa: E731
+    want = (x - r(init["mean"])) / np.sqrt(r(init["var"]) + 1e-3) * r(init["scale"]) + \
+        r(init["bias"])
+    got = ort_outputs(checked(model, tmp_path), {"x": x})["y"]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+    (got,) = kiln.InferenceSession(proto).run(None, {"x": x})  # optimize freezes too
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_freeze_keeps_training_mode_whose_extra_outputs_are_read():
+    from kiln.passes import Freeze
+
+    model, record = Freeze()(kiln.load(_training_model(bn_outputs=3, mask_out=True)))
+    assert [n.op_type for n in model.graph.nodes] == ["BatchNormalization", "Dropout"]
+    assert model.graph.nodes[0].attrs["training_mode"] == 1
+    assert record.declined["training mode: its running statistics output is read"] == 1
+    assert record.declined["training mode: its mask output is read"] == 1

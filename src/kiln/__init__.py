@@ -13,6 +13,7 @@ from kiln.errors import (
     KernelError,
     KilnError,
     ModelLoadError,
+    RunCancelledError,
     ShapeError,
     UnsupportedOpError,
 )
@@ -21,12 +22,26 @@ from kiln.onnxio import load, save
 from kiln.ops import register_op
 from kiln.optimize import optimize
 from kiln.quantize import convert_float16
-from kiln.runtime import InferenceSession, NodeArg
+from kiln.runtime import (
+    ExecutionMode,
+    GraphOptimizationLevel,
+    InferenceSession,
+    IOBinding,
+    NodeArg,
+    OrtValue,
+    RunOptions,
+    SessionOptions,
+    get_available_providers,
+    get_device,
+)
 from kiln.tools import bench, inspect, profile, report
 
 __version__ = "0.1.0"
 
-__all__ = ["DType", "ExternalDataError", "InferenceSession", "InputError", "KernelError",
+__all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLevel",
+           "IOBinding", "OrtValue", "RunCancelledError", "RunOptions", "SessionOptions",
+           "get_available_providers", "get_device",
+           "InferenceSession", "InputError", "KernelError",
            "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
            "UnsupportedOpError", "add_tail", "bench", "compose", "convert_float16", "cut",
            "inspect", "load", "optimize", "preprocess", "profile", "register_op", "report",

@@ -55,3 +55,8 @@ class MissingDependencyError(KilnError, ImportError):
 class OptionError(KilnError, ValueError):
     """An option that is not valid: an unknown backend, a device or precision the backend
     does not offer. The message says which values are accepted."""
+
+
+class RunCancelledError(KilnError):
+    """A run stopped before it finished because its caller asked it to: ``terminate`` was
+    set on its ``RunOptions`` (from any thread), or it passed its time limit."""

@@ -198,12 +198,14 @@ def _supported(p: Pass, backend: str) -> bool:
     return True
 
 
-def optimize_for_session(model: Model, enabled: bool, input_shapes, backend: str) -> Model:
-    """What ``InferenceSession`` runs: the optimized copy of ``model`` (only the fixed
-    shapes when ``enabled`` is False). A bug in a pass must not stop a model from running:
-    anything but a KilnError (a bad ``input_shapes``, say) warns and keeps the model."""
+def optimize_for_session(model: Model, enabled: bool | int | str, input_shapes,
+                         backend: str) -> Model:
+    """What ``InferenceSession`` runs: the optimized copy of ``model`` (at the default
+    level when ``enabled`` is True, at that level when it is one, only the fixed shapes
+    when False). A bug in a pass must not stop a model from running: anything but a
+    KilnError (a bad ``input_shapes``, say) warns and keeps the model."""
     try:
-        return optimize(model, level=DEFAULT_LEVEL if enabled else 0,
+        return optimize(model, level=DEFAULT_LEVEL if enabled is True else (enabled or 0),
                         input_shapes=input_shapes, backend=backend)
     except KilnError:
         raise

@@ -7,7 +7,11 @@
   one-way ``Split``;
 - training-only outputs: optional outputs nothing reads (BatchNormalization's running
   statistics, Dropout's mask, LayerNormalization's mean...) are dropped from their node, so
-  its kernel may skip computing them.
+  its kernel may skip computing them;
+- training mode: ``BatchNormalization`` with ``training_mode=1`` (``is_test=0`` before
+  opset 7) normalizes with its running statistics instead of the batch's, and ``Dropout``
+  with a constant true ``training_mode`` (``is_test=0`` before opset 7) passes its input
+  through, as in inference. Not when the running statistics or the mask are read.
 
 A removed node's readers read its input instead. When its output is a graph output (whose
 name is the model's interface), the input's producer is made to compute that output
@@ -41,7 +45,9 @@ class Freeze(RulePass):
                      _check_passthrough, needs_types=False),
                 Rule("no-op", ops(*_TYPED), _match_passthrough, _remove, _check_passthrough),
                 Rule("unused outputs", None, _match_unused_outputs, _drop_outputs,
-                     needs_types=False)]
+                     needs_types=False),
+                Rule("training mode", ops("BatchNormalization", "Dropout"), _match_training,
+                     _to_inference, _check_training, needs_types=False)]
 
 
 def _match_passthrough(rw: Rewriter, n: Node):
@@ -161,3 +167,40 @@ def _drop_outputs(rw: Rewriter, m) -> str | None:
     rw.touch(n)
     rw.records["freeze"].add(f"unused {n.op_type} outputs dropped", len(drop) - 1)
     return f"unused {n.op_type} outputs dropped"
+
+
+def _match_training(rw: Rewriter, n: Node):
+    """A BatchNormalization or Dropout in training mode (a constant says so)."""
+    opset = rw.opset(n)
+    if opset < 7 and n.attrs.get("is_test", 0) == 0:
+        return n
+    if n.op_type == "BatchNormalization":
+        return n if opset >= 14 and n.attrs.get("training_mode", 0) == 1 else None
+    if opset >= 12 and len(n.inputs) > 2 and n.inputs[2] is not None:
+        c = const_value(n.inputs[2])
+        return n if c is not None and c.size and bool(c.reshape(-1)[0]) else None
+    return None
+
+
+def _check_training(rw: Rewriter, n: Node) -> str | None:
+    if any(v is not None and v.is_used() for v in n.outputs[1:]):
+        what = "running statistics" if n.op_type == "BatchNormalization" else "mask"
+        return f"its {what} output is read"
+    return None
+
+
+def _to_inference(rw: Rewriter, n: Node) -> str | None:
+    """Switch the node to inference: its unread training outputs go, the flag flips."""
+    n.outputs = n.outputs[:1]
+    if rw.opset(n) < 7:
+        n.attrs["is_test"] = 1
+    elif n.op_type == "BatchNormalization":
+        n.attrs.pop("training_mode", None)
+    else:
+        ins = list(n.inputs[:2])
+        while len(ins) > 1 and ins[-1] is None:
+            ins.pop()
+        n.inputs = ins
+    rw.stale(n)
+    rw.touch(n)
+    return f"{n.op_type} training mode turned off"

@@ -7,6 +7,7 @@ backend (``kiln.runtime.torch_backend``) subclasses it.
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -25,6 +26,36 @@ class Candidate(NamedTuple):
     fn: Callable
     wants_ctx: bool
     why: str
+
+
+def usable_cores() -> int:
+    """CPU cores this process may really use: its affinity mask, capped by a cgroup CPU
+    quota (containers), so default thread counts never oversubscribe them."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        n = os.cpu_count() or 1
+    try:
+        with open("/sys/fs/cgroup/cpu.max") as f:
+            quota, period = f.read().split()[:2]
+        if quota != "max":
+            n = min(n, max(1, int(int(quota) // int(period))))
+    except (OSError, ValueError):
+        pass
+    return max(1, n)
+
+
+def limit_blas_threads(threads: int | None) -> None:
+    """Set NumPy's BLAS thread pool to ``threads`` (process-wide, as torch's
+    set_num_threads); None only lowers it to the usable cores."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    cap = usable_cores()
+    if threads is None:
+        if all(p.get("num_threads", 1) <= cap for p in threadpool_info()):
+            return
+        threads = cap
+    threadpool_limits(limits=int(threads), user_api="blas")
 
 
 class Backend:

@@ -11,6 +11,7 @@ run twice to find out where it failed.
 from __future__ import annotations
 
 import itertools
+import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -18,15 +19,36 @@ from kiln.errors import KernelError, KilnError
 from kiln.ops.registry import KernelContext
 
 _ids = itertools.count()
+_run = threading.local()
+
+
+def active_control() -> Callable[[], None] | None:
+    """The stop check of the run this thread is in (None: the run cannot be stopped)."""
+    return getattr(_run, "control", None)
+
+
+class controlled:
+    """Context in which this thread's runs call ``check`` at every layer boundary;
+    ``check`` raises (a KilnError) to stop the run."""
+
+    def __init__(self, check: Callable[[], None]):
+        self.check = check
+
+    def __enter__(self):
+        self.prev = getattr(_run, "control", None)
+        _run.control = self.check
+
+    def __exit__(self, *exc):
+        _run.control = self.prev
 
 
 class Program:
     """A compiled straight-line function for a plan; call it with the graph's inputs."""
 
-    def __init__(self, plan, module: bool = False):
+    def __init__(self, plan, module: bool = False, checked: bool = False):
         self.filename = f"<kiln plan {next(_ids)}>"
         self.source, self.globals, self.constants, self.line_step = \
-            _generate(plan, module, self.filename)
+            _generate(plan, module, self.filename, checked)
         self.steps = plan.steps
         self.fn: Callable = self.globals["forward" if module else "run"]
 
@@ -65,12 +87,14 @@ def can_run(plan) -> bool:
                for s in plan.steps)
 
 
-def _generate(plan, module: bool, filename: str) -> tuple[str, dict, dict, dict[int, int]]:
+def _generate(plan, module: bool, filename: str, checked: bool = False
+              ) -> tuple[str, dict, dict, dict[int, int]]:
     """(source, globals, constants by name, line -> step index). ``module``: a
     ``forward(self, ...)`` reading constants from buffers, results as kernels return them;
-    else ``run(...)`` with constants as globals, results normalized by the backend."""
+    else ``run(...)`` with constants as globals, results normalized by the backend.
+    ``checked``: the run's stop check is called after every step (cancellable runs)."""
     names: dict = {}
-    glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize}
+    glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize, "_ctl": active_control}
     lines: list[str] = []
     line_step: dict[int, int] = {}
     for i, v in enumerate(plan.graph.inputs):
@@ -89,6 +113,8 @@ def _generate(plan, module: bool, filename: str) -> tuple[str, dict, dict, dict[
                 lines.append(f"    c{i} = self.c{i}")
     glb.update({} if module else consts)
     wrap = "{}" if module else "_n({})"
+    if checked:
+        lines.append("    _chk = _ctl()")
     for j, s in enumerate(plan.steps):
         glb[f"f{j}"] = s.fn
         args = ", ".join("None" if v is None else names[v] for v in s.inputs)
@@ -111,6 +137,8 @@ def _generate(plan, module: bool, filename: str) -> tuple[str, dict, dict, dict[
             dead = [names[v] for v in s.frees if v in names and v not in plan.consts]
             if dead:
                 lines.append(f"    del {', '.join(dead)}")
+        if checked:
+            lines.append("    _chk()")
     ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs])
     outs = ", ".join(names[v] for v in plan.graph.outputs)
     head = "forward" if module else "run"

@@ -18,7 +18,7 @@ from kiln.ir import AttrRef, Function, Graph, Node, Value
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef, Site
 from kiln.runtime.backend import Backend, Candidate
-from kiln.runtime.executor import Program, can_run, layer_error
+from kiln.runtime.executor import Program, active_control, can_run, layer_error
 from kiln.runtime.placement import LayerPlacement
 
 
@@ -68,6 +68,7 @@ class Plan:
                                   for n in graph.nodes]
         self._plan_lifetimes()
         self.program: Program | None = None
+        self.checked_program: Program | None = None  # built by the first cancellable run
         self.specializer: Callable[[list], list | None] | None = None
         self.compile_status = ""
 
@@ -141,9 +142,17 @@ class Plan:
         """Evaluate the graph on positional ``inputs`` (in ``graph.inputs`` order);
         ``overrides`` replaces constants (initializers a caller may feed); ``observer`` is
         called after each step with (step, start, end, result) times from perf_counter,
-        for profiling."""
+        for profiling. Inside ``executor.controlled`` the run's stop check is called between
+        steps (here and in every subgraph), so another thread can cancel it."""
+        control = active_control()
+        if control is not None:
+            control()
         if self.program is not None and not overrides and observer is None:
-            return self.program(*inputs)
+            if control is None:
+                return self.program(*inputs)
+            if self.checked_program is None:
+                self.checked_program = Program(self, checked=True)
+            return self.checked_program(*inputs)
         env: dict[Value, Any] = dict(self.consts)
         if overrides:
             env.update(overrides)
@@ -178,6 +187,8 @@ class Plan:
                         env[v] = normalize(r)
             for v in s.frees:
                 env.pop(v, None)
+            if control is not None:
+                control()
         return [env[v] for v in self.graph.outputs]
 
 

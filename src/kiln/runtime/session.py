@@ -2,18 +2,23 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import os
+import threading
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import onnx
 
-from kiln.errors import InputError, MissingDependencyError, OptionError
-from kiln.ir import DType, Model, SymDim, TensorType, Value, plain_shape
-from kiln.onnxio import load
-from kiln.runtime.backend import Backend
+from kiln.errors import InputError, KilnError, MissingDependencyError, OptionError
+from kiln.ir import DType, Graph, Model, SymDim, TensorType, Value, plain_shape
+from kiln.onnxio import load, save
+from kiln.runtime.backend import Backend, limit_blas_threads
+from kiln.runtime.executor import controlled
+from kiln.runtime.ort_api import OrtSessionApi, Profiler, configure, model_metadata, stop_check
 from kiln.runtime.placement import PlacementReport
 from kiln.runtime.plan import Plan, compile_model
 
@@ -39,14 +44,19 @@ TORCH_INSTALL = 'pip install -e ".[torch]"'
 
 def make_backend(name: str, **options: Any) -> Backend:
     """The backend object for ``name`` ("numpy", or "torch" when installed)."""
+    threads = options.get("threads")
+    if threads is not None and (not isinstance(threads, int) or threads < 1):
+        raise OptionError(f"threads must be a positive int, got {threads!r}")
     if name == "numpy":
         device = options.pop("device", "cpu")
+        threads = options.pop("threads", None)
         if device != "cpu":
             raise OptionError(f"the numpy backend runs on the CPU only; for device "
                               f"{device!r} use backend='torch'")
         if options:
-            raise OptionError(f"the numpy backend takes no options (got {sorted(options)}); "
-                              "threads, precision and compile are the torch backend's")
+            raise OptionError(f"the numpy backend takes only threads (got {sorted(options)}); "
+                              "precision and compile are the torch backend's")
+        limit_blas_threads(threads)
         return Backend()
     if name == "torch":
         try:
@@ -64,31 +74,74 @@ def make_backend(name: str, **options: Any) -> Backend:
     raise OptionError(f"unknown backend {name!r}; choose 'numpy' or 'torch'{hint}")
 
 
-class InferenceSession:
-    """Runs one model. Build once (the plan is computed here), call ``run`` many times,
-    from several threads at once if you like."""
+@dataclass
+class _Target:
+    """A plan a run can use, with its outputs' positions by name and the initializers a
+    feed may override."""
 
-    def __init__(self, model: Model | str | os.PathLike | bytes | onnx.ModelProto,
-                 backend: str = "numpy", optimize: bool = True,
+    plan: Plan
+    outputs: dict[str, int]
+    overridable: dict[str, Value]
+
+    @classmethod
+    def of(cls, plan: Plan) -> _Target:
+        g = plan.graph
+        return cls(plan, {v.name: i for i, v in enumerate(g.outputs)},
+                   {v.name: v for v in g.initializers.values() if v.meta.get("overridable")})
+
+
+class InferenceSession(OrtSessionApi):
+    """Runs one model. Build once (the plan is computed here), call ``run`` many times,
+    from several threads at once if you like.
+
+    Takes onnxruntime's arguments in its order (``sess_options``, ``providers``,
+    ``provider_options``; see :mod:`kiln.runtime.ort_api`) and Kiln's own by keyword:
+    ``backend`` ("numpy" unless a CUDA provider asks for torch), ``optimize`` (True,
+    False or an optimizer level), ``input_shapes`` and the backend's options."""
+
+    def __init__(self, path_or_bytes: Model | str | os.PathLike | bytes | onnx.ModelProto,
+                 sess_options=None, providers: list | None = None,
+                 provider_options: list[dict] | None = None, *, backend: str | None = None,
+                 optimize: bool | int | str = True,
                  input_shapes: dict[str, list[int | str | None]] | None = None,
                  **backend_options: Any):
-        self.backend = make_backend(backend, **backend_options)  # bad options before any I/O
-        self.model = model if isinstance(model, Model) else load(model)
-        if optimize or input_shapes:
-            # Kiln's optimizer (kiln.optimize); it works on a copy, so the caller's Model
-            # is untouched. optimize=False with input_shapes only fixes the shapes.
-            from kiln.optimize import optimize_for_session
-            self.model = optimize_for_session(self.model, optimize, input_shapes,
-                                              self.backend.name)
-        g = self.model.graph
-        self.plan: Plan = compile_model(g, self.model.opset_imports, self.model.functions,
-                                        self.backend)
+        cfg = self.config = configure(sess_options, providers, provider_options, backend,
+                                      backend_options)
+        self._level = optimize if cfg.level is None else cfg.level
+        self._input_shapes = input_shapes
+        with warnings.catch_warnings():
+            if cfg.quiet:
+                warnings.simplefilter("ignore")
+            self.backend = make_backend(cfg.backend, **cfg.options)  # before any I/O
+            # Kept to build plans that expose intermediate values (run(["name"])).
+            self._source = path_or_bytes
+            model = path_or_bytes if isinstance(path_or_bytes, Model) else load(path_or_bytes)
+            self.meta = model_metadata(model)
+            self.model = self._optimized(model)
+            g = self.model.graph
+            self.plan: Plan = compile_model(g, self.model.opset_imports,
+                                            self.model.functions, self.backend)
+        if cfg.save_to:
+            save(self.model, cfg.save_to)
+        self.profiler = None if cfg.profile_prefix is None else \
+            Profiler(cfg.profile_prefix, cfg.providers[0][0])
         self._inputs = list(g.inputs)
-        self._overridable = {v.name: v for v in g.initializers.values()
-                             if v.meta.get("overridable")}
+        self._main = _Target.of(self.plan)
+        self._overridable = self._main.overridable
         self._by_name = {v.name: v for v in self._inputs}
         self._shared_dims = _shared_dims(self._inputs)
-        self._outputs = {v.name: i for i, v in enumerate(g.outputs)}
+        self._outputs = self._main.outputs
+        self._variants: dict[tuple[str, ...], _Target] = {}
+        self._lock = threading.Lock()
+
+    def _optimized(self, model: Model) -> Model:
+        if not (self._level or self._input_shapes):
+            return model
+        # Kiln's optimizer (kiln.optimize); it works on a copy, so the caller's Model is
+        # untouched. optimize=False with input_shapes only fixes the shapes.
+        from kiln.optimize import optimize_for_session
+        return optimize_for_session(model, self._level, self._input_shapes,
+                                    self.backend.name)
 
     def get_inputs(self) -> list[NodeArg]:
         """The inputs a caller feeds (initializers are not listed)."""
@@ -108,14 +161,14 @@ class InferenceSession:
         (name -> array); returns the outputs in the order asked for, as NumPy arrays or,
         with ``output_type="torch"``, as torch tensors left where they were computed
         (zero-copy; they also speak DLPack)."""
-        return self._prepare_run(output_names, input_feed, output_type)()
+        return self._prepare_run(output_names, input_feed, output_type, run_options)()
 
     def run_async(self, output_names: list[str] | None, input_feed: dict[str, Any],
                   run_options: Any = None, *, output_type: str = "numpy"):
         """Queue a run and return at once an :class:`~kiln.runtime.async_run.AsyncRun`
         handle (``done()``, ``result()``, ``readback()``); runs execute in order. Feeds
         are checked now, so bad feeds raise here."""
-        job = self._prepare_run(output_names, input_feed, output_type)
+        job = self._prepare_run(output_names, input_feed, output_type, run_options)
         if getattr(self, "_async", None) is None:
             from kiln.runtime.async_run import AsyncRunner
             self._async = AsyncRunner(self.backend)
@@ -128,28 +181,67 @@ class InferenceSession:
         return PlacementReport(be.name, be.device, [s.layer for s in self.plan.walk()],
                                be.last_run_stats(), self.plan.compile_status)
 
-    def _prepare_run(self, output_names, input_feed, output_type: str):
+    def _prepare_run(self, output_names, input_feed, output_type: str, run_options=None):
         if output_type not in ("numpy", "torch"):
             raise InputError(f"output_type must be 'numpy' or 'torch', got {output_type!r}")
         inputs = self._check_feed(input_feed)
+        target = self._main
+        if output_names is not None and any(n not in self._outputs for n in output_names):
+            target = self._variant(output_names)
         overrides = {v: self.backend.from_numpy(np.asarray(input_feed[n], v.const.dtype))
-                     for n, v in self._overridable.items() if n in input_feed}
-        try:
-            picks = None if output_names is None else [self._outputs[n] for n in output_names]
-        except KeyError as e:
-            raise InputError(f"unknown output name {e.args[0]!r}; the model's outputs are "
-                             f"{list(self._outputs)}") from None
+                     for n, v in target.overridable.items() if n in input_feed}
+        picks = None if output_names is None else [target.outputs[n] for n in output_names]
         if output_type == "torch":
             from kiln.runtime.torch_backend import as_torch as convert
         else:
             convert = self.backend.to_numpy
+        check = stop_check(run_options)
+        execute = self.backend.execute if self.profiler is None else self.profiler.execute
 
         def job() -> list:
-            values = self.backend.execute(self.plan, inputs, overrides)
+            if check is None:
+                values = execute(target.plan, inputs, overrides)
+            else:
+                with controlled(check):
+                    values = execute(target.plan, inputs, overrides)
             if picks is not None:
                 values = [values[i] for i in picks]
             return [convert(x) for x in values]
         return job
+
+    def _variant(self, output_names: list[str]) -> _Target:
+        """The plan of the model with the intermediate values ``output_names`` kept as
+        outputs before optimization (so no fusion hides them), built once per set."""
+        key = tuple(sorted({n for n in output_names if n not in self._outputs}))
+        with self._lock:
+            hit = self._variants.get(key)
+        if hit is not None:
+            return hit
+        src = self._source
+        if isinstance(src, Model):
+            from kiln.passes.base import clone_model
+            model = clone_model(src)
+        else:
+            model = load(src)
+        values = _values_by_name(model.graph)
+        for n in key:
+            if n not in values:
+                close = difflib.get_close_matches(n, list(values), n=5)
+                raise InputError(f"unknown output name {n!r}: no tensor of the model has it"
+                                 + (f"; close matches: {close}" if close else
+                                    f"; the model's outputs are {list(self._outputs)}"))
+            model.graph.outputs.append(values[n])
+        with warnings.catch_warnings():
+            if self.config.quiet:
+                warnings.simplefilter("ignore")
+            model = self._optimized(model)
+            plan = compile_model(model.graph, model.opset_imports, model.functions,
+                                 self.backend)
+        if [v.name for v in plan.graph.inputs] != [v.name for v in self._inputs]:
+            raise KilnError("intermediate outputs: the model's inputs changed when it was "
+                            "re-read; build a new session")
+        with self._lock:
+            return self._variants.setdefault(key, _Target.of(plan))
 
     def _check_feed(self, feed: dict[str, Any]) -> list:
         if not isinstance(feed, dict):
@@ -194,6 +286,15 @@ class InferenceSession:
                         f"input {v.name!r} dim {i} is fixed to {want} {_fmt(t.shape)} but got "
                         f"shape {shape}")
         return x
+
+
+def _values_by_name(g: Graph) -> dict[str, Value]:
+    """Every tensor of the main graph by name: inputs, initializers, node outputs."""
+    out = {v.name: v for v in g.inputs}
+    out.update(g.initializers)
+    for n in g.nodes:
+        out.update((v.name, v) for v in n.outputs if v is not None and v.name)
+    return out
 
 
 def _shared_dims(inputs: list[Value]) -> dict[str, list[tuple[int, int]]]:

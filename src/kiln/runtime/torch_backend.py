@@ -29,7 +29,7 @@ from kiln.ir import DType
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef
 from kiln.ops.torch.arrays import DTYPE_OF, to_numpy, to_torch
-from kiln.runtime.backend import Backend, Candidate
+from kiln.runtime.backend import Backend, Candidate, usable_cores
 from kiln.runtime.executor import Program
 from kiln.runtime.placement import LayerPlacement, RunStats
 from kiln.runtime.specialize import CompileFailed, CompileWarning, Specializer
@@ -55,8 +55,8 @@ class TorchBackend(Backend):
     matmul/conv compute in that type, their inputs and outputs stay fp32. ``compile``:
     run the main graph as ``torch.compile`` programs, one per input shape (CUDA graphs on
     GPU) when every op allows it, else eagerly with a warning. ``threads``:
-    ``torch.set_num_threads`` (process-wide). ``channels_last``: run 2-D convolutions in
-    NHWC (default on CPU).
+    ``torch.set_num_threads`` (process-wide; default: at most the usable cores).
+    ``channels_last``: run 2-D convolutions in NHWC (default on CPU).
     """
 
     name = "torch"
@@ -90,6 +90,8 @@ class TorchBackend(Backend):
         self.warn = warn
         if threads is not None:
             torch.set_num_threads(int(threads))
+        elif torch.get_num_threads() > usable_cores():  # never oversubscribe by default
+            torch.set_num_threads(usable_cores())
         # While a specialized program is traced, kernels must use plain traceable ops.
         self.tracing = False
         self._tls = threading.local()
