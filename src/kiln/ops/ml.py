@@ -1,6 +1,7 @@
-"""Classic-ML ops of the ``ai.onnx.ml`` domain: ArrayFeatureExtractor, Binarizer,
-LabelEncoder and TreeEnsemble (v5, evaluated for all rows and trees at once, one tree
-level per step)."""
+"""Feature transforms and encoders of the ``ai.onnx.ml`` domain: ArrayFeatureExtractor,
+Binarizer, LabelEncoder, CategoryMapper, OneHotEncoder, Imputer, Normalizer, Scaler,
+FeatureVectorizer, DictVectorizer, CastMap and ZipMap. Models live beside it
+(:mod:`kiln.ops.ml_linear`, :mod:`kiln.ops.ml_trees`)."""
 
 from __future__ import annotations
 
@@ -95,122 +96,154 @@ def label_encoder_v1(x, *, classes_strings=None, default_int64=-1, default_strin
     return _lookup(x.astype(np.int64), index, classes, default_string)
 
 
-# -- TreeEnsemble ----------------------------------------------------------------------
-
-_LEQ, _LT, _GTE, _GT, _EQ, _NEQ, _MEMBER = range(7)
-
-
-def _member_sets(modes: np.ndarray, membership_values) -> dict[int, np.ndarray]:
-    """BRANCH_MEMBER node -> its set; sets are listed in node order, NaN-delimited."""
-    if membership_values is None:
-        return {}
-    vals = np.asarray(membership_values, dtype=np.float64).reshape(-1)
-    cuts = np.nonzero(np.isnan(vals))[0]
-    sets = np.split(vals, cuts)
-    sets = [s[~np.isnan(s)] for s in sets]
-    return dict(zip(np.nonzero(modes == _MEMBER)[0].tolist(), sets))
-
-
-def _probit(p: np.ndarray) -> np.ndarray:
-    """Inverse standard-normal CDF (Acklam's rational approximation, |rel err| < 1.2e-9)."""
-    a = [-3.969683028665376e+01, 2.209460984245205e+02, -2.759285104469687e+02,
-         1.383577518672690e+02, -3.066479806614716e+01, 2.506628277459239e+00]
-    b = [-5.447609879822406e+01, 1.615858368580409e+02, -1.556989798598866e+02,
-         6.680131188771972e+01, -1.328068155288572e+01]
-    c = [-7.784894002430293e-03, -3.223964580411365e-01, -2.400758277161838e+00,
-         -2.549732539343734e+00, 4.374664141464968e+00, 2.938163982698783e+00]
-    d = [7.784695709041462e-03, 3.224671290700398e-01, 2.445134137142996e+00,
-         3.754408661907416e+00]
-    p = np.asarray(p, dtype=np.float64)
-    with np.errstate(divide="ignore", invalid="ignore"):
-        q = np.sqrt(-2 * np.log(np.minimum(p, 1 - p)))
-        tail = (((((c[0] * q + c[1]) * q + c[2]) * q + c[3]) * q + c[4]) * q + c[5]) / \
-            ((((d[0] * q + d[1]) * q + d[2]) * q + d[3]) * q + 1)
-        r = (p - 0.5) ** 2
-        mid = (((((a[0] * r + a[1]) * r + a[2]) * r + a[3]) * r + a[4]) * r + a[5]) * \
-            (p - 0.5) / (((((b[0] * r + b[1]) * r + b[2]) * r + b[3]) * r + b[4]) * r + 1)
-    low = p < 0.02425
-    return np.where(low, tail, np.where(p > 1 - 0.02425, -tail, mid))
-
-
-def _post_transform(y: np.ndarray, kind: int) -> np.ndarray:
-    if kind == 1:  # SOFTMAX
-        e = np.exp(y - y.max(axis=1, keepdims=True))
-        return e / e.sum(axis=1, keepdims=True)
-    if kind == 2:  # LOGISTIC
-        return 1.0 / (1.0 + np.exp(-y))
-    if kind == 3:  # SOFTMAX_ZERO: zeros stay zero and take no share
-        nz = y != 0
-        m = np.where(nz, y, -np.inf).max(axis=1, keepdims=True)
-        e = np.where(nz, np.exp(y - np.where(np.isfinite(m), m, 0)), 0.0)
-        s = e.sum(axis=1, keepdims=True)
-        return np.where(s > 0, e / np.where(s > 0, s, 1), 0.0)
-    if kind == 4:  # PROBIT
-        return _probit(y)
-    return y
-
-
-def _branch(mode: np.ndarray, v: np.ndarray, split: np.ndarray) -> np.ndarray:
-    return np.select(
-        [mode == _LEQ, mode == _LT, mode == _GTE, mode == _GT, mode == _EQ, mode == _NEQ],
-        [v <= split, v < split, v >= split, v > split, v == split, v != split], False)
-
-
-@op("TreeEnsemble", 5, domain=DOMAIN)
-def tree_ensemble(x, *, aggregate_function=1, leaf_targetids=None, leaf_weights=None,
-                  membership_values=None, n_targets=None, nodes_falseleafs=None,
-                  nodes_falsenodeids=None, nodes_featureids=None, nodes_hitrates=None,
-                  nodes_missing_value_tracks_true=None, nodes_modes=None, nodes_splits=None,
-                  nodes_trueleafs=None, nodes_truenodeids=None, post_transform=0,
-                  tree_roots=None):
+@op("CategoryMapper", 1, domain=DOMAIN)
+def category_mapper(x, *, cats_int64s=None, cats_strings=None, default_int64=-1,
+                    default_string="_Unused"):
+    """Strings -> int64 through the (cats_strings[i], cats_int64s[i]) pairs, or back."""
     x = np.asarray(x)
-    xf = x.astype(np.float64).reshape(x.shape[0], -1)
-    rows = np.arange(xf.shape[0])[:, None]
-    modes = np.asarray(nodes_modes).reshape(-1).astype(np.int64)
-    splits = np.asarray(nodes_splits, dtype=np.float64).reshape(-1)
-    feature = np.asarray(nodes_featureids, dtype=np.int64)
-    true_id = np.asarray(nodes_truenodeids, dtype=np.int64)
-    false_id = np.asarray(nodes_falsenodeids, dtype=np.int64)
-    true_leaf = np.asarray(nodes_trueleafs, dtype=bool)
-    false_leaf = np.asarray(nodes_falseleafs, dtype=bool)
-    nan_true = (np.zeros(len(modes), bool) if nodes_missing_value_tracks_true is None
-                else np.asarray(nodes_missing_value_tracks_true, dtype=bool))
-    members = _member_sets(modes, membership_values)
-    # State per (row, tree): the node it sits at, or once it reached a leaf, the leaf.
-    roots = np.asarray(tree_roots, dtype=np.int64)
-    cur = np.broadcast_to(roots, (xf.shape[0], len(roots))).copy()
-    done = np.zeros(cur.shape, dtype=bool)
-    for _ in range(len(modes) + 1):  # no path is longer than the node count
-        if done.all():
-            break
-        node = np.where(done, 0, cur)
-        v = xf[rows, feature[node]]
-        go = _branch(modes[node], v, splits[node])
-        for m, s in members.items():
-            at = node == m
-            go = np.where(at, np.isin(v, s), go)
-        # NaN fails every comparison but !=; nodes may send it to the true branch anyway.
-        go = go | (np.isnan(v) & nan_true[node])
-        nxt = np.where(go, true_id[node], false_id[node])
-        leaf = np.where(go, true_leaf[node], false_leaf[node])
-        cur = np.where(done, cur, nxt)
-        done = done | leaf
+    strings = np.empty(len(cats_strings or []), dtype=object)
+    strings[:] = cats_strings or []
+    ints = np.asarray(cats_int64s or [], np.int64)
+    if x.dtype == object or x.dtype.kind == "U":
+        return _lookup(x.astype(object), strings, ints, default_int64)
+    return _lookup(x.astype(np.int64), ints, strings, default_string)
+
+
+@op("OneHotEncoder", 1, domain=DOMAIN)
+def one_hot_encoder(x, *, cats_int64s=None, cats_strings=None, zeros=1):
+    """x's shape plus one axis of categories, 1.0 where the value is that category;
+    a value of no category is all zeros (or an error with zeros=0)."""
+    x = np.asarray(x)
+    if cats_strings:
+        cats = np.empty(len(cats_strings), dtype=object)
+        cats[:] = cats_strings
+        x = x.astype(object)
     else:
-        raise ValueError("TreeEnsemble: a tree has a cycle (a path never reaches a leaf)")
-    targets = np.asarray(leaf_targetids, dtype=np.int64)[cur]
-    weights = np.asarray(leaf_weights, dtype=np.float64).reshape(-1)[cur]
-    n_out = int(n_targets) if n_targets is not None else int(targets.max(initial=-1)) + 1
-    y = _aggregate(targets, weights, xf.shape[0], n_out, aggregate_function, len(roots))
-    return _post_transform(y, post_transform).astype(x.dtype)
+        cats = np.asarray(cats_int64s or [], np.int64)
+        x = x.astype(np.int64)
+    index = _lookup(x, cats, np.arange(len(cats), dtype=np.int64), -1)
+    if not zeros and (index < 0).any():
+        raise ValueError("OneHotEncoder: a value is no category and zeros=0 forbids that")
+    return (index[..., None] == np.arange(len(cats))).astype(np.float32)
 
 
-def _aggregate(targets, weights, n_rows, n_out, how, n_trees):
-    r = np.broadcast_to(np.arange(n_rows)[:, None], targets.shape)
-    if how in (2, 3):  # MIN, MAX; a target no leaf reaches scores 0
-        fill = np.inf if how == 2 else -np.inf
-        y = np.full((n_rows, n_out), fill)
-        (np.minimum if how == 2 else np.maximum).at(y, (r, targets), weights)
-        return np.where(np.isinf(y) & (y == fill), 0.0, y)
-    y = np.zeros((n_rows, n_out))
-    np.add.at(y, (r, targets), weights)
-    return y / n_trees if how == 0 else y
+@op("Imputer", 1, domain=DOMAIN)
+def imputer(x, *, imputed_value_floats=None, imputed_value_int64s=None,
+            replaced_value_float=0.0, replaced_value_int64=0):
+    """Entries equal to the replaced value (NaN matches NaN) take the imputed value of
+    their column (or the one imputed value)."""
+    x = np.asarray(x)
+    if x.dtype.kind == "f":
+        fill = np.asarray(imputed_value_floats, x.dtype)
+        hit = np.isnan(x) if np.isnan(replaced_value_float) else x == replaced_value_float
+    else:
+        fill = np.asarray(imputed_value_int64s, x.dtype)
+        hit = x == replaced_value_int64
+    return np.where(hit, np.broadcast_to(fill, x.shape[-1:]) if fill.size > 1 else fill, x)
+
+
+@op("Normalizer", 1, domain=DOMAIN)
+def normalizer(x, *, norm="MAX"):
+    """Each row divided by its MAX, L1 or L2 norm (float32); all-zero rows stay zero."""
+    x = np.asarray(x, np.float32)
+    rows = x.reshape(1, -1) if x.ndim == 1 else x
+    if norm == "MAX":
+        n = rows.max(axis=1, keepdims=True)
+    elif norm == "L1":
+        n = np.abs(rows).sum(axis=1, keepdims=True)
+    else:
+        n = np.sqrt((rows * rows).sum(axis=1, keepdims=True))
+    return (rows / np.where(n == 0, 1, n)).reshape(x.shape)
+
+
+@op("Scaler", 1, domain=DOMAIN)
+def scaler(x, *, offset=None, scale=None):
+    """(x - offset) * scale per column (float32)."""
+    x = np.asarray(x, np.float32)
+    off = np.asarray(offset if offset is not None else [0.0], np.float32)
+    sc = np.asarray(scale if scale is not None else [1.0], np.float32)
+    return (x - off) * sc
+
+
+@op("FeatureVectorizer", 1, domain=DOMAIN)
+def feature_vectorizer(*xs, inputdimensions=None):
+    """The inputs' last axes side by side, each cut or zero-padded to its declared width."""
+    arrays = [np.asarray(x, np.float32) for x in xs]
+    rows = arrays[0].shape[0] if arrays[0].ndim > 1 else 1
+    widths = inputdimensions or [a.reshape(rows, -1).shape[1] for a in arrays]
+    out = np.zeros((rows, int(sum(widths))), np.float32)
+    at = 0
+    for a, w in zip(arrays, widths):
+        a = a.reshape(rows, -1)[:, :w]
+        out[:, at:at + a.shape[1]] = a
+        at += int(w)
+    return out
+
+
+def _map_value_dtype(site, default=np.float32):
+    t = site.node.inputs[0].type if site.node.inputs else None
+    t = getattr(t, "elem", t)  # a sequence of maps: its element
+    value = getattr(t, "value", None)
+    dtype = getattr(value, "dtype", None)
+    return object if dtype is not None and dtype.name == "STRING" else \
+        (dtype.numpy if dtype is not None else default)
+
+
+@op("DictVectorizer", 1, domain=DOMAIN, prepare=True)
+def dict_vectorizer(site):
+    """A map (or a list of maps) -> one row per map of the values at the vocabulary's
+    keys (0 where a key is missing)."""
+    vocab = site.attr("string_vocabulary") or site.attr("int64_vocabulary") or []
+    where = {k: i for i, k in enumerate(vocab)}
+    dtype = _map_value_dtype(site)
+
+    def run(m):
+        maps = m if isinstance(m, (list, tuple)) else [m]
+        out = np.zeros((len(maps), len(vocab)), dtype=dtype)
+        if dtype is object:
+            out[:] = ""
+        for r, one in enumerate(maps):
+            for key, value in one.items():
+                col = where.get(key)
+                if col is not None:
+                    out[r, col] = value
+        return out
+    return run
+
+
+@op("CastMap", 1, domain=DOMAIN)
+def cast_map(m, *, cast_to="TO_FLOAT", map_form="DENSE", max_map=1):
+    """An int64-keyed map -> a (1, n) tensor of its values in key order (DENSE), or at
+    their keys' positions in a row of max_map (SPARSE, missing ones 0)."""
+    dtype = {"TO_FLOAT": np.float32, "TO_INT64": np.int64, "TO_STRING": object}[cast_to]
+    keys = sorted(m)
+    if map_form == "SPARSE":
+        out = np.zeros((1, int(max_map)), dtype=dtype)
+        if dtype is object:
+            out[:] = "0"
+        for k in keys:
+            if 0 <= k < max_map:
+                out[0, k] = _cast_one(m[k], dtype)
+        return out
+    out = np.empty((1, len(keys)), dtype=dtype)
+    for i, k in enumerate(keys):
+        out[0, i] = _cast_one(m[k], dtype)
+    return out
+
+
+def _cast_one(v, dtype):
+    if dtype is object:
+        return v if isinstance(v, str) else str(v)
+    return dtype(float(v)) if dtype is np.float32 else dtype(int(float(v)))
+
+
+@op("ZipMap", 1, domain=DOMAIN)
+def zip_map(x, *, classlabels_int64s=None, classlabels_strings=None):
+    """Scores (rows, classes) -> a list with one {label: score} dict per row, as
+    onnxruntime returns it."""
+    x = np.asarray(x, np.float32)
+    rows = x.reshape(1, -1) if x.ndim == 1 else x
+    labels = classlabels_strings or [int(c) for c in classlabels_int64s or []]
+    if rows.shape[1] != len(labels):
+        raise ValueError(f"ZipMap: {rows.shape[1]} scores per row but {len(labels)} labels")
+    return [dict(zip(labels, r)) for r in rows.tolist()]
