@@ -214,6 +214,33 @@ def test_unknown_options_are_option_errors_not_type_errors(mlp_path):
         kiln.InferenceSession(mlp_path, ort.SessionOptions())
 
 
+def _has_cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not _has_cuda(), reason="needs a CUDA device")
+def test_cuda_provider_runs_on_torch_and_binds_device_tensors(mlp_path):
+    import torch
+    sess = kiln.InferenceSession(mlp_path, providers=["CUDAExecutionProvider",
+                                                      "CPUExecutionProvider"])
+    assert sess.get_providers() == ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert sess.backend.name == "torch" and sess.backend.is_cuda
+    x = torch.from_numpy(X).cuda()
+    io_binding = sess.io_binding()
+    io_binding.bind_input(name="x", device_type="cuda", device_id=0, element_type=np.float32,
+                          shape=tuple(x.shape), buffer_ptr=x.data_ptr())
+    io_binding.bind_output("y", "cuda")
+    sess.run_with_iobinding(io_binding)
+    out = io_binding.get_outputs()[0]
+    assert out.device_name() == "cuda" and out.value.is_cuda
+    np.testing.assert_allclose(out.numpy(), ort.InferenceSession(mlp_path).run(
+        None, {"x": X})[0], rtol=1e-4, atol=1e-5)
+
+
 # -- threads ------------------------------------------------------------------------------
 
 def _usable_cores() -> int:

@@ -203,6 +203,7 @@ class InferenceSession(OrtSessionApi):
                 values = execute(target.plan, inputs, overrides)
             else:
                 with controlled(check):
+                    check()  # also stops runs of compiled programs, which have no layers
                     values = execute(target.plan, inputs, overrides)
             if picks is not None:
                 values = [values[i] for i in picks]
