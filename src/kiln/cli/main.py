@@ -1,4 +1,4 @@
-"""The ``kiln`` command: inspect, optimize, run, profile, bench, report, zoo.
+"""The ``kiln`` command: inspect, optimize, cut, edit, run, profile, bench, report, zoo.
 
 Exit codes: 0 success, 1 failure (the model or an input is the problem: the message says
 what to do), 2 usage error.
@@ -73,6 +73,23 @@ def _count(text: str) -> int:
     if n < 0:
         raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}")
     return n
+
+
+def _per_input(text: str) -> tuple[str | None, str]:
+    """``NAME=VALUE`` or a bare ``VALUE`` (for a model with one input)."""
+    name, sep, val = text.partition("=")
+    if not sep:
+        return None, text
+    if not name or not val:
+        raise argparse.ArgumentTypeError(f"expected NAME=VALUE or VALUE, got {text!r}")
+    return name, val
+
+
+def _numbers(text: str) -> list[float]:
+    try:
+        return [float(x) for x in text.strip().strip("[]").split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"expected numbers like [123.7,116.3,103.5], got {text!r}") from None
 
 
 # -- shared option groups -----------------------------------------------------------------
@@ -153,7 +170,59 @@ def build_parser() -> argparse.ArgumentParser:
                         "2: also Kiln's fused ops (default)")
     p.add_argument("--no-optimize", action="store_true",
                    help="run no pass; only apply --input-shape (same as --level 0)")
+    pre = p.add_argument_group(
+        "embedded preprocessing", "done inside the model, in this order: input type, layout, "
+        "resize, channel reversal, mean, scale; constant steps fold into a first Conv "
+        "(docs/surgery.md). NAME= may be left out for a model with one input")
+    pre.add_argument("--input-type", type=_per_input, action="append", default=[],
+                     metavar="[NAME=]TYPE", help="the type the input takes, e.g. x=uint8")
+    pre.add_argument("--layout", type=_per_input, action="append", default=[],
+                     metavar="[NAME=]LAYOUT", help="the layout the input takes: NCHW or NHWC")
+    pre.add_argument("--mean-values", type=_per_input, action="append", default=[],
+                     metavar="[NAME=][M,...]",
+                     help="per-channel mean subtracted, e.g. x=[123.7,116.3,103.5]")
+    pre.add_argument("--scale-values", type=_per_input, action="append", default=[],
+                     metavar="[NAME=][S,...]",
+                     help="per-channel divisor applied after the mean, e.g. x=[58.4,57.1,57.4]")
+    pre.add_argument("--reverse-input-channels", action="store_true",
+                     help="reverse the channels (BGR <-> RGB) of every 3-channel image input")
+    pre.add_argument("--resize", type=_per_input, action="append", default=[],
+                     metavar="[NAME=]MODE", help="take images of any size and resize them "
+                     "to the model's: linear or nearest")
     p.set_defaults(func=cmd_optimize, parser=p)
+
+    p = sub.add_parser("cut", help="keep the part of a model between new inputs and outputs",
+                       description="Cut a model at new inputs and outputs (tensor or layer "
+                                   "names), or drop its last layers; save the part.")
+    _add_model(p)
+    p.add_argument("-o", "--output-file", "--out", dest="out", required=True, metavar="OUT",
+                   help="the .onnx to write")
+    p.add_argument("--input", action="append", default=[], metavar="NAME[:SHAPE]",
+                   help="a new input: a tensor, or a layer (its inputs); SHAPE like "
+                        "1x3x224x224 or batch,3,224,224 (default: inferred). Repeatable")
+    p.add_argument("--output", action="append", default=[], metavar="NAME",
+                   help="a new output: a tensor, or a layer (its outputs). Repeatable")
+    p.add_argument("--last-layers", type=int, default=None, metavar="K",
+                   help="SINGA's last_layers: -K drops the last K layers")
+    p.set_defaults(func=cmd_cut, parser=p)
+
+    p = sub.add_parser("edit", help="rename inputs/outputs, add a Softmax/ArgMax/TopK tail, "
+                       "set the batch dim, append another model",
+                       description="Edit a model's interface and save it.")
+    _add_model(p)
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="the .onnx to write")
+    p.add_argument("--append", metavar="MODEL2",
+                   help="run MODEL2 after the model (kiln.compose); connect with --io-map")
+    p.add_argument("--io-map", action="append", default=[], metavar="OUT=IN",
+                   help="the model's output OUT feeds MODEL2's input IN (repeatable)")
+    p.add_argument("--tail", choices=["softmax", "argmax", "topk"], default=None,
+                   help="apply this op to the (only) output along the last axis")
+    p.add_argument("--k", type=_positive, default=1, help="k of --tail topk (default 1)")
+    p.add_argument("--batch", default=None, metavar="N|NAME",
+                   help="first dim of every input: a number, or a name for a symbolic dim")
+    p.add_argument("--rename", action="append", default=[], metavar="OLD=NEW",
+                   help="rename an input or output (repeatable; done last)")
+    p.set_defaults(func=cmd_edit, parser=p)
 
     p = sub.add_parser("run", help="run a model once and summarize its outputs",
                        description="Run a model once on given or random inputs.")
@@ -295,7 +364,7 @@ def cmd_optimize(args) -> int:
     from kiln.passes.base import count_nodes, op_histogram
     from kiln.tools.common import load_model
 
-    model = load_model(args.model)
+    model = _preprocessed(load_model(args.model), args)
     before_nodes, before_ops = count_nodes(model.graph), op_histogram(model.graph)
     level = 0 if args.no_optimize else (int(args.level) if args.level is not None else None)
     kw: dict[str, Any] = {"disable": args.disable, "input_shapes": dict(args.input_shape)}
@@ -327,6 +396,88 @@ def cmd_optimize(args) -> int:
         shapes = {v.name: v.shape for v in out.graph.inputs}
         from kiln.tools.common import fmt_dims
         print("inputs: " + ", ".join(f"{n} {fmt_dims(s)}" for n, s in shapes.items()))
+    return 0
+
+
+def _preprocessed(model, args):
+    """``model`` with the preprocessing the optimize flags ask for embedded."""
+    from kiln.edit import preprocess
+
+    only = model.graph.inputs[0].name if len(model.graph.inputs) == 1 else None
+    specs: dict[str, dict[str, Any]] = {}
+    for flag, key in (("input_type", "input_type"), ("layout", "layout"),
+                      ("mean_values", "mean"), ("scale_values", "scale"), ("resize", "resize")):
+        for name, val in getattr(args, flag):
+            name = name or only
+            if name is None:
+                raise UsageError(f"--{flag.replace('_', '-')} {val}: the model has several "
+                                 "inputs; write NAME=VALUE")
+            specs.setdefault(name, {})[key] = _numbers(val) if key in ("mean", "scale") \
+                else val
+    if args.reverse_input_channels:
+        for v in model.graph.inputs:
+            if v.shape is not None and len(v.shape) == 4 and v.shape[1] == 3:
+                specs.setdefault(v.name, {})["reverse_channels"] = True
+    for name, spec in specs.items():
+        model = preprocess(model, name, **spec)
+    if specs:
+        print("preprocessing embedded for " + ", ".join(specs))
+    return model
+
+
+def cmd_cut(args) -> int:
+    from kiln.edit import cut
+    from kiln.edit.common import tensors
+    from kiln.onnxio import save
+    from kiln.passes.base import count_nodes
+    from kiln.tools.common import load_model
+
+    model = load_model(args.model)
+    known = set(tensors(model.graph)) | {n.name for n in model.graph.nodes}
+    inputs: dict[str, str | None] = {}
+    for text in args.input:
+        name, sep, shape = text.rpartition(":")
+        if text in known or not sep:
+            name, shape = text, None
+        inputs[name] = shape or None
+    out = cut(model, inputs=inputs or None, outputs=args.output or None,
+              last_layers=args.last_layers)
+    save(out, args.out)
+    print(f"{args.model} -> {args.out}: {count_nodes(model.graph)} -> "
+          f"{count_nodes(out.graph)} nodes")
+    from kiln.tools.common import fmt_dims
+    for kind, vals in (("inputs", out.graph.inputs), ("outputs", out.graph.outputs)):
+        print(f"{kind}: " + ", ".join(f"{v.name} {fmt_dims(v.shape)}" for v in vals))
+    return 0
+
+
+def cmd_edit(args) -> int:
+    from kiln import edit
+    from kiln.onnxio import save
+    from kiln.tools.common import fmt_dims, load_model
+
+    model = load_model(args.model)
+    if args.append:
+        pairs = [tuple(m.split("=", 1)) for m in args.io_map]
+        if not pairs or any(len(p) != 2 for p in pairs):
+            raise UsageError("--append needs --io-map OUT=IN for each connection")
+        model = edit.compose(model, load_model(args.append), pairs)
+    elif args.io_map:
+        raise UsageError("--io-map only goes with --append")
+    if args.tail:
+        tail = {"softmax": "Softmax", "argmax": "ArgMax", "topk": "TopK"}[args.tail]
+        model = edit.add_tail(model, tail, k=args.k)
+    if args.batch is not None:
+        model = edit.set_batch(model, int(args.batch) if args.batch.isdigit() else args.batch)
+    if args.rename:
+        pairs = [tuple(r.split("=", 1)) for r in args.rename]
+        if any(len(p) != 2 or not all(p) for p in pairs):
+            raise UsageError(f"--rename takes OLD=NEW, got {args.rename}")
+        model = edit.rename(model, dict(pairs))
+    save(model, args.output)
+    print(f"{args.model} -> {args.output}")
+    for kind, vals in (("inputs", model.graph.inputs), ("outputs", model.graph.outputs)):
+        print(f"{kind}: " + ", ".join(f"{v.name} {fmt_dims(v.shape)}" for v in vals))
     return 0
 
 
