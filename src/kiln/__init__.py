@@ -35,6 +35,7 @@ from kiln.runtime import (
     get_device,
 )
 from kiln.tools import bench, inspect, profile, report
+from kiln.train import to_torch
 
 __version__ = "0.1.0"
 
@@ -45,4 +46,4 @@ __all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLeve
            "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
            "UnsupportedOpError", "add_tail", "bench", "compose", "convert_float16", "cut",
            "inspect", "load", "optimize", "preprocess", "profile", "register_op", "report",
-           "rename", "save", "set_batch"]
+           "rename", "save", "set_batch", "to_torch"]

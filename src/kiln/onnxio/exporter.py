@@ -6,6 +6,7 @@ import os
 import re
 import tempfile
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from onnx.external_data_helper import (
     write_external_data_tensors,
 )
 
+from kiln.errors import InputError
 from kiln.ir import (
     AttrRef,
     Function,
@@ -192,9 +194,19 @@ def _function(f: Function) -> onnx.FunctionProto:
     return fp
 
 
+_CONVERTERS: list[Callable[[Any], Model | None]] = []
+
+
+def register_converter(convert: Callable[[Any], Model | None]) -> None:
+    """Let :func:`save` write objects other than a Model: ``convert(obj)`` returns the Model
+    to write, or None when it does not know ``obj`` (kiln.train registers torch modules)."""
+    _CONVERTERS.append(convert)
+
+
 def save(model: Model, path: str | os.PathLike, external_data: bool | None = None,
          size_threshold: int = 1024) -> Path:
-    """Write ``model`` as an ONNX file. Weights go to a ``.data`` file beside it when
+    """Write ``model`` (a Model, or a torch module built on :func:`kiln.to_torch`) as an
+    ONNX file. Weights go to a ``.data`` file beside it when
     ``external_data`` is True, or (by default) when the model would not fit in one protobuf.
 
     The save is atomic: everything is written under temporary names in the target folder,
@@ -204,6 +216,8 @@ def save(model: Model, path: str | os.PathLike, external_data: bool | None = Non
     (``<file>.<token>.data``), because the old model keeps reading its own data file until
     the new model replaces it; the old data file is removed afterwards."""
     path = Path(path)
+    if not isinstance(model, Model):
+        model = _converted(model)
     proto = to_proto(model)
     if external_data is None:
         external_data = proto.ByteSize() > 1_800_000_000
@@ -233,6 +247,15 @@ def save(model: Model, path: str | os.PathLike, external_data: bool | None = Non
     for old in stale:  # data the replaced model read; nothing references it now
         old.unlink(missing_ok=True)
     return path
+
+
+def _converted(obj: Any) -> Model:
+    for convert in _CONVERTERS:
+        got = convert(obj)
+        if got is not None:
+            return got
+    raise InputError(f"kiln.save writes a kiln Model or a module built on kiln.to_torch, "
+                     f"not {type(obj).__name__}")
 
 
 def _kiln_data_files(path: Path) -> set[Path]:

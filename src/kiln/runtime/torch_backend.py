@@ -61,6 +61,12 @@ class TorchBackend(Backend):
 
     name = "torch"
     params_as_tuples = True
+    module = False
+    """Set on the backend of a kiln.train module: kernels declining a mix of float types
+    under torch.autocast get fp32 inputs instead of the NumPy fallback."""
+    training = False
+    """Set by kiln.train's modules before each run: BatchNormalization then uses batch
+    statistics (updating its running ones) and Dropout drops."""
 
     def __init__(self, device: str = "cpu", precision: str = "fp32", compile: bool = False,
                  threads: int | None = None, channels_last: bool | None = None,
@@ -241,6 +247,8 @@ class TorchBackend(Backend):
                 if a.__class__ is nd:
                     return nxt(*args)
             r = fn(*(move(args) if move else args))
+            if r is ni and self.module:
+                r = _under_autocast(fn, args)
             return nxt(*_arrays(args)) if r is ni else r
         return run
 
@@ -270,6 +278,12 @@ class TorchBackend(Backend):
 
         def convert(args, st):
             st.fallback_calls += 1
+            if torch.is_grad_enabled() and any(isinstance(a, _TENSOR) and a.requires_grad
+                                               for a in args):
+                # NumPy would silently cut the gradient here
+                raise RuntimeError("its NumPy kernel would run on a tensor that needs "
+                                   "gradients (no torch kernel took this call: "
+                                   f"{_dtypes(args)}), which cuts the gradient")
             return [backend.download(a, st) for a in args]
 
         def finish(r, st):
@@ -411,6 +425,24 @@ def _arrays(args: tuple) -> tuple:
     """Arguments for the kernel after one that declined: host-parameter constants, which
     the plan hands to torch kernels as tuples of Python numbers, become arrays again."""
     return tuple(np.asarray(a) if isinstance(a, tuple) else a for a in args)
+
+
+def _under_autocast(fn: Callable, args: tuple):
+    """Under torch.autocast, a kernel that declined mixed float types (a bf16 activation,
+    fp32 weights) runs again on fp32 inputs: the torch ops autocast lowers (conv, linear,
+    matmul) still compute in the low type, the others in fp32, as in a PyTorch module."""
+    floats = {a.dtype for a in args if isinstance(a, _TENSOR) and a.is_floating_point()}
+    if len(floats) < 2 or not any(isinstance(a, _TENSOR) and torch.is_autocast_enabled(
+            a.device.type) for a in args):
+        return NotImplemented
+    return fn(*(a.float() if isinstance(a, _TENSOR) and a.dtype in (torch.bfloat16,
+                                                                    torch.float16) else a
+                for a in args))
+
+
+def _dtypes(args) -> str:
+    return ", ".join(str(a.dtype).removeprefix("torch.") if hasattr(a, "dtype") else
+                     type(a).__name__ for a in args)
 
 
 def _with_ctx(fn: Callable, wants_ctx: bool) -> Callable:

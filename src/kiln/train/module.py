@@ -1,0 +1,211 @@
+"""An imported model as a trainable ``torch.nn.Module``, run by the engine's own plan.
+
+The plan is the one sessions use (op definitions, torch kernels, prepared-kernel
+protocol) with one difference: every trainable initializer is marked overridable while the
+kernels are prepared, so no ``prepare`` packs or transforms a weight as a constant; each
+``forward`` feeds the current parameters and buffers as the plan's overrides, with
+autograd on (sessions run under ``inference_mode``; this module does not).
+"""
+
+from __future__ import annotations
+
+import keyword
+import re
+import warnings
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+
+from kiln.errors import InputError, UnsupportedOpError
+from kiln.ir import DType, Model, Value
+from kiln.ops import registry
+from kiln.ops.torch.arrays import to_torch
+from kiln.runtime.plan import Plan, Step, compile_model
+from kiln.runtime.session import make_backend
+from kiln.train import graph as graph_ops
+
+__all__ = ["KilnModule", "NonDifferentiableWarning"]
+
+
+class NonDifferentiableWarning(UserWarning):
+    """Some layers have no differentiable kernel (no parameter's gradient flows through
+    them, or the module would not have been created)."""
+
+
+class KilnModule(nn.Module):
+    """An imported ONNX graph as a torch module. Build it with :func:`kiln.to_torch`.
+
+    Float initializers are ``nn.Parameter``s, running statistics and other non-float
+    initializers buffers, registered under their initializer names made into attribute
+    paths (``layer1.0.conv1.weight`` stays that; ``onnx::Conv_193`` becomes
+    ``onnx__Conv_193``): :meth:`initializer_name` maps back. ``forward`` takes the graph's
+    inputs positionally (or by name) and returns its output, or a tuple of outputs.
+    """
+
+    def __init__(self, model: Model, device: str = "cpu"):
+        super().__init__()
+        self.kiln_graph_model = model
+        g = model.graph
+        opsets = model.opset_imports
+        keep = graph_ops.host_only(g, opsets)
+        stats = graph_ops.statistics(g)
+        self._slots: list[tuple[Value, nn.Module, str]] = []
+        self._names: dict[str, str] = {}
+        trainable: set[Value] = set()
+        marked = []
+        for name, v in g.initializers.items():
+            if v in keep:
+                continue
+            t = to_torch(np.array(v.const))  # a copy: training writes to it
+            if t is None:
+                continue  # a type torch lacks (strings): stays a constant
+            t = t.to(device)
+            is_param = v not in stats and t.is_floating_point()
+            owner, attr = self._place(name)
+            if is_param:
+                owner.register_parameter(attr, nn.Parameter(t))
+                trainable.add(v)
+            else:
+                owner.register_buffer(attr, t)
+            self._slots.append((v, owner, attr))
+            self._names[_path(self, owner, attr)] = name
+            if not v.meta.get("overridable"):
+                marked.append(v)
+                v.meta["overridable"] = True  # prepare must not bake it in
+        self._backend = make_backend("torch", device=device, channels_last=False, warn=False)
+        self._backend.module = True
+        try:
+            self._plan: Plan = compile_model(g, opsets, model.functions, self._backend)
+        finally:
+            for v in marked:
+                v.meta.pop("overridable", None)
+        for v, _, _ in self._slots:
+            self._plan.consts.pop(v, None)  # the module's tensors replace them every run
+        self._inputs = list(g.inputs)
+        self.non_differentiable = self._check_gradients(trainable, opsets)
+
+    # -- names -----------------------------------------------------------------------
+
+    def _place(self, name: str) -> tuple[nn.Module, str]:
+        """The submodule and attribute holding initializer ``name`` (dotted names become
+        nested containers, as in the PyTorch module the model came from)."""
+        parts = [_ident(p) for p in name.split(".")]
+        owner: nn.Module = self
+        for p in parts[:-1]:
+            sub = owner._modules.get(p)
+            if sub is None:
+                if hasattr(owner, p):
+                    return self, self._free(_ident(name.replace(".", "_")))
+                sub = nn.Module()
+                owner.add_module(p, sub)
+            owner = sub
+        if hasattr(owner, parts[-1]) or parts[-1] in owner._modules:
+            return self, self._free(_ident(name.replace(".", "_")))
+        return owner, parts[-1]
+
+    def _free(self, attr: str) -> str:
+        out, i = attr, 1
+        while hasattr(self, out):
+            out, i = f"{attr}_{i}", i + 1
+        return out
+
+    def initializer_name(self, name: str) -> str:
+        """The ONNX initializer behind parameter or buffer ``name`` (a state_dict key)."""
+        return self._names[name]
+
+    def parameter_name(self, initializer: str) -> str:
+        """The state_dict key holding ONNX initializer ``initializer``."""
+        for k, v in self._names.items():
+            if v == initializer:
+                return k
+        raise KeyError(initializer)
+
+    # -- gradients -------------------------------------------------------------------
+
+    def _check_gradients(self, trainable: set[Value], opsets: dict[str, int]) -> list[str]:
+        """Layers without a differentiable kernel, named now; raise if a parameter's
+        gradient would have to flow through one."""
+        lacking: dict[Step, str] = {}
+        for s in self._plan.walk():
+            why = _why_not_differentiable(s, opsets)
+            if why:
+                lacking[s] = why
+        cut = [s for s in graph_ops.reached(self._plan.steps, trainable)
+               if lacking.get(s, "").startswith("no differentiable kernel")]
+        if cut:
+            names = ", ".join(f"{s.layer.name} ({s.node.op_type})" for s in cut)
+            raise UnsupportedOpError(
+                f"parameters' gradients would flow through layers with no differentiable torch "
+                f"kernel (they run NumPy kernels): {names}. Cut the model before them "
+                "(kiln.to_torch(..., outputs=[...])) or add a torch kernel for the op.",
+                sorted({s.node.op_type for s in cut}))
+        named = [f"{s.layer.name} ({s.node.op_type}): {why}" for s, why in lacking.items()
+                 if why.startswith("no differentiable kernel")]
+        if named:
+            warnings.warn("layers without a differentiable kernel (no parameter's gradient "
+                          "flows through them): " + "; ".join(named),
+                          NonDifferentiableWarning, stacklevel=3)
+        return [f"{s.layer.name} ({s.node.op_type}): {why}" for s, why in lacking.items()]
+
+    # -- running ---------------------------------------------------------------------
+
+    def forward(self, *args: Any, **kwargs: Any):
+        """Run the graph on its inputs (tensors or arrays; by position or name)."""
+        feeds = list(args)
+        for v in self._inputs[len(feeds):]:
+            if v.name not in kwargs:
+                raise InputError(f"missing input {v.name!r}; the graph's inputs are "
+                                 f"{[x.name for x in self._inputs]}")
+            feeds.append(kwargs.pop(v.name))
+        if kwargs or len(feeds) != len(self._inputs):
+            raise InputError(f"the graph takes {len(self._inputs)} input(s) "
+                             f"{[x.name for x in self._inputs]}, got {len(args)} positional "
+                             f"and {sorted(kwargs)} by name")
+        be = self._backend
+        inputs = [be.accept_feed(x, v.type.dtype if v.type is not None and
+                                 hasattr(v.type, "dtype") else DType.FLOAT)
+                  for x, v in zip(feeds, self._inputs)]
+        overrides = {v: getattr(owner, attr) for v, owner, attr in self._slots}
+        be.training = self.training
+        out = self._plan.run(inputs, None, overrides)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    # -- export ----------------------------------------------------------------------
+
+    def kiln_model(self) -> Model:
+        """The graph with the module's current weights and statistics as its initializers
+        (what :func:`kiln.save` writes)."""
+        for v, owner, attr in self._slots:
+            t = getattr(owner, attr).detach().cpu()
+            v.const = np.ascontiguousarray(t.float().numpy().astype(v.const.dtype)
+                                           if t.dtype == torch.bfloat16 else t.numpy())
+        return self.kiln_graph_model
+
+
+def _why_not_differentiable(s: Step, opsets: dict[str, int]) -> str:
+    if s.placement == "cpu-fallback":
+        return "no differentiable kernel: runs the NumPy fallback"
+    if any(_why_not_differentiable(t, opsets) for sub in s.subplans for t in sub.steps):
+        return "no differentiable kernel: its subgraph or body has one without"
+    d = registry.lookup(s.node.domain, s.node.op_type, s.opset)
+    if d is not None and not d.differentiable_on("torch"):
+        return "not differentiable (integer, boolean or index result)"
+    return ""
+
+
+def _ident(part: str) -> str:
+    out = re.sub(r"\W", "_", part)
+    if not out or out[0].isdigit() and not part.isdigit():
+        out = "_" + out
+    return out + "_" if keyword.iskeyword(out) else out
+
+
+def _path(root: nn.Module, owner: nn.Module, attr: str) -> str:
+    if owner is root:
+        return attr
+    for name, m in root.named_modules():
+        if m is owner:
+            return f"{name}.{attr}"
+    raise KeyError(attr)
