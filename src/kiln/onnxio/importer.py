@@ -74,8 +74,10 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
         t = getattr(tp, kind)
         shape = None
         if t.HasField("shape"):
+            # Exporters write a dynamic dim as -1, 0 or an empty name too; onnxruntime
+            # accepts any size there, so those are unknown dims here, not fixed ones.
             shape = tuple(
-                d.dim_value if d.HasField("dim_value") else
+                d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else
                 (parse_dim(d.dim_param) if d.dim_param else None)
                 for d in t.shape.dim)
         try:
