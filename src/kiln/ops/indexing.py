@@ -47,10 +47,13 @@ def gather(data, indices, *, axis=0):
     return xp.reshape(out, shape)
 
 
-@op("GatherElements", 11)
+@op("GatherElements", 11, generic=True)
 def gather_elements(data, indices, *, axis=0):
+    xp = namespace(data, indices)
     ax = norm_axis(axis, data.ndim)
-    return np.take_along_axis(data, _wrap(indices, data.shape[ax]), axis=ax)
+    dim = data.shape[ax]
+    idx = in_range(xp, xp.where(indices < 0, indices + dim, indices), dim)
+    return xp.take_along_axis(data, xp.astype(idx, xp.int64), axis=ax)
 
 
 @op("GatherND", 11)

@@ -10,6 +10,7 @@ import math
 import numpy as np
 
 from kiln.ops import cost
+from kiln.ops._array import axis as norm_axis
 from kiln.ops._array import namespace
 from kiln.ops._numeric import int_list, int_scalar, is_float, is_int
 from kiln.ops.registry import op
@@ -157,24 +158,24 @@ def argmin(data, *, axis=0, keepdims=1, select_last_index=0):
 # -- cumulative -------------------------------------------------------------------------
 
 
-def _cumulative(fn, identity, x, axis, exclusive, reverse):
-    axis = int_scalar(axis)
-    axis = axis + x.ndim if axis < 0 else axis
+def _cumulative(name: str, x, axis, exclusive, reverse):
+    """cumulative_sum / cumulative_prod along ``axis``; ``exclusive`` starts from the
+    identity (the array API's include_initial, last entry dropped)."""
+    xp = namespace(x)
+    ax = norm_axis(int_scalar(axis), x.ndim)
     if reverse:
-        x = np.flip(x, axis)
-    y = fn(x, axis=axis, dtype=x.dtype)
-    if exclusive:  # shift by one along the axis, the identity entering first
-        head = np.full_like(np.take(y, [0], axis=axis), identity)
-        y = np.concatenate([head, np.delete(y, -1, axis=axis)], axis=axis) \
-            if y.shape[axis] else y
-    return np.ascontiguousarray(np.flip(y, axis)) if reverse else y
+        x = xp.flip(x, axis=ax)
+    y = getattr(xp, name)(x, axis=ax, dtype=x.dtype, include_initial=bool(exclusive))
+    if exclusive:
+        y = y[(slice(None),) * ax + (slice(0, x.shape[ax]),)]
+    return xp.flip(y, axis=ax) if reverse else y
 
 
-@op("CumSum", 11, host_inputs=(1,))
+@op("CumSum", 11, generic=True, host_inputs=(1,))
 def cumsum(x, axis, *, exclusive=0, reverse=0):
-    return _cumulative(np.cumsum, 0, x, axis, exclusive, reverse)
+    return _cumulative("cumulative_sum", x, axis, exclusive, reverse)
 
 
-@op("CumProd", 26)
+@op("CumProd", 26, generic=True)
 def cumprod(x, axis, *, exclusive=0, reverse=0):
-    return _cumulative(np.cumprod, 1, x, axis, exclusive, reverse)
+    return _cumulative("cumulative_prod", x, axis, exclusive, reverse)

@@ -176,15 +176,6 @@ def gather(x, indices, *, axis=0):
     return y.reshape(tuple(x.shape[:a]) + tuple(indices.shape) + tuple(x.shape[a + 1:]))
 
 
-@kernel("GatherElements", 11)
-def gather_elements(x, indices, *, axis=0):
-    if indices.dtype not in (torch.int32, torch.int64):
-        return NI
-    a = axis + x.dim() if axis < 0 else axis
-    idx = torch.where(indices < 0, indices + x.shape[a], indices).to(torch.int64)
-    return torch.gather(x, a, idx)
-
-
 @kernel("Tile", 6)  # 1.4x the generic kernel (Tensor.repeat)
 def tile(x, repeats):
     return x.repeat(ints(repeats))
@@ -244,19 +235,6 @@ def pad2(x, *, mode="constant", pads=None, value=0.0):
     if mode not in _PAD_MODES or pads is None:
         return NI
     return _pad(x, list(pads), value, mode)
-
-
-@kernel("CumSum", 11)
-def cumsum(x, ax, *, exclusive=0, reverse=0):
-    if x.dtype == torch.bool or x.dtype.is_complex:
-        return NI
-    a = axis(ints(ax)[0], x.dim())
-    y = torch.flip(x, (a,)) if reverse else x
-    c = torch.cumsum(y, a, dtype=y.dtype)
-    if exclusive:  # shift by one along the axis, zeros first
-        c = torch.cat([torch.zeros_like(c.narrow(a, 0, 1)), c.narrow(a, 0, c.shape[a] - 1)], a) \
-            if c.shape[a] else c
-    return torch.flip(c, (a,)) if reverse else c
 
 
 @kernel("GatherND", 11)
