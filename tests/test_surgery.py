@@ -99,6 +99,21 @@ def test_last_layers_has_singas_meaning(tmp_path):
         np.testing.assert_allclose(got[want], ref[want], rtol=1e-5, atol=1e-5)
 
 
+def test_cut_keeps_only_the_model_inputs_its_outputs_need(tmp_path):
+    f = TensorProto.FLOAT
+    proto = make_model([helper.make_node("Relu", ["a"], ["ya"]),
+                        helper.make_node("Neg", ["b"], ["yb"])],
+                       [helper.make_tensor_value_info(n, f, [2]) for n in "ab"],
+                       [helper.make_tensor_value_info(n, f, [2]) for n in ("ya", "yb")])
+    part = kiln.cut(proto, outputs=["yb"])
+    assert [v.name for v in part.graph.inputs] == ["b"]
+    b = np.array([1.5, -2.0], np.float32)
+    np.testing.assert_array_equal(ort_outputs(checked(part, tmp_path), {"b": b})["yb"], -b)
+    # inputs named explicitly are the interface asked for, used or not
+    assert [v.name for v in kiln.cut(proto, inputs=["a", "b"], outputs=["yb"])
+            .graph.inputs] == ["a", "b"]
+
+
 def test_cut_errors_name_close_matches_and_unreachable_outputs(zoo_model):
     with pytest.raises(kiln.KilnError, match=r"did you mean '/10/Relu_output_0'"):
         kiln.cut(DIGITS, outputs=["/10/Relu_outptu_0"])

@@ -14,7 +14,7 @@ from kiln.errors import KilnError
 from kiln.ir import DType, Graph, Model, Node, TensorType, Value, as_dim
 from kiln.onnxio import load
 from kiln.passes.base import clone_model
-from kiln.passes.infer_shapes import clear_syms, infer_model
+from kiln.passes.infer_shapes import clear_syms, infer_model, merge_type
 
 ModelLike = Model | str | os.PathLike | bytes | onnx.ModelProto
 
@@ -75,11 +75,14 @@ def parse_shape(dims: Sequence[int | str | None] | str) -> tuple:
     return tuple(out)
 
 
-def retype(model: Model) -> None:
+def retype(model: Model, keep_declared: bool = True) -> None:
     """Forget every inferred type below the inputs (keeping dtypes) and infer afresh:
     after an input's shape changes, stale dims would otherwise survive (inference only
-    refines what it is given)."""
+    refines what it is given). With ``keep_declared`` (the edit left the dims inside the
+    model as they were), what the outputs declared fills in dims inference cannot find."""
     g = model.graph
+    declared = {v: v.type for v in g.outputs if isinstance(v.type, TensorType)} \
+        if keep_declared else {}
     for n in g.nodes:
         for v in n.outputs:
             if v is not None and isinstance(v.type, TensorType):
@@ -87,6 +90,9 @@ def retype(model: Model) -> None:
     g.value_info = {}
     clear_syms(model)
     infer_model(model)
+    for v, old_type in declared.items():
+        if v.producer is not None and isinstance(v.type, TensorType):
+            v.type = merge_type(v.type, old_type)
 
 
 def prune(g: Graph) -> None:

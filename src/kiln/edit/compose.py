@@ -211,7 +211,7 @@ def set_batch(model: ModelLike, batch: int | str,
         if t.shape is None or not t.shape:
             raise KilnError(f"input {name!r} has no first dim to set (shape {t.shape})")
         v.type = TensorType(t.dtype, (as_dim(batch),) + tuple(t.shape[1:]))
-    retype(m)
+    retype(m, keep_declared=False)
     return m
 
 

@@ -70,8 +70,10 @@ def cut(model: ModelLike, inputs: Names | None = None, outputs: Iterable[str] | 
     g.inputs = new_inputs
     g.outputs = list(dict.fromkeys(outs))
     prune(g)
+    if inputs is None:  # the model's own inputs: only those the outputs still need
+        g.inputs = [v for v in g.inputs if v.is_used()]
     if fixed:
-        retype(m)
+        retype(m, keep_declared=False)
     return m
 
 
