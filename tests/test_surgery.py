@@ -410,6 +410,8 @@ def test_digits_cnn_takes_uint8_pixels(tmp_path):
     ref = ort_outputs(DIGITS, {"image": (images / 16).astype(np.float32)})["logits"]
     np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
     assert (got.argmax(1) == labels).mean() > 0.9
+    (mine,) = kiln.InferenceSession(m).run(None, {"image": images})
+    np.testing.assert_allclose(mine, ref, rtol=1e-4, atol=1e-4)
 
 
 def test_preprocessing_with_resize_on_zoo_models(zoo_model, tmp_path):
@@ -441,6 +443,8 @@ def test_preprocessing_with_resize_on_zoo_models(zoo_model, tmp_path):
         x = _numpy_steps(u, "NCHW", False, [128], [64], "linear", (64, 64))
         ref = ort_outputs(path, {"input": x})["logits"]
         np.testing.assert_allclose(got, ref, rtol=1e-3, atol=1e-3)
+    (mine,) = kiln.InferenceSession(m).run(None, {"input": u})  # Kiln runs it the same
+    np.testing.assert_allclose(mine, got, rtol=1e-4, atol=1e-4)
 
 
 def test_preprocessing_errors():
