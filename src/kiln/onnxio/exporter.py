@@ -61,13 +61,28 @@ def type_proto(t: ValueType | None) -> onnx.TypeProto:
     return tp
 
 
+FunctionSource = Callable[[Node, dict[str, int]], "onnx.FunctionProto | None"]
+_function_source: FunctionSource | None = None
+
+
+def set_function_source(source: FunctionSource | None) -> None:
+    """Where saving gets a model-local function body for a node (``source(node, opsets)``,
+    None for nodes that need none): Kiln's op definitions (layered above this module) own
+    the bodies of Kiln's own ops and register them here when imported."""
+    global _function_source
+    _function_source = source
+
+
 class Names:
     """Gives every Value one unique name across the whole model (passes may create clashes):
-    call it with a Value for its name in the proto."""
+    call it with a Value for its name in the proto. Also collects the function bodies the
+    model's nodes call (see :func:`set_function_source`)."""
 
-    def __init__(self):
+    def __init__(self, opsets: dict[str, int] | None = None):
         self.by_value: dict[Value, str] = {}
         self.taken: set[str] = set()
+        self.opsets = opsets or {}
+        self.bodies: dict[tuple[str, str, str], onnx.FunctionProto] = {}
 
     def __call__(self, v: Value | None) -> str:
         if v is None:
@@ -85,18 +100,22 @@ class Names:
 
 def to_proto(model: Model) -> onnx.ModelProto:
     """The ModelProto for ``model`` (all tensors inline)."""
-    names = Names()
+    names = Names(model.opset_imports)
     graph = _graph(model.graph, names, top=True)
     opsets = [helper.make_opsetid(d, v) for d, v in sorted(model.opset_imports.items())]
     proto = helper.make_model(graph, opset_imports=opsets, producer_name=model.producer_name
                               or "kiln", producer_version=model.producer_version)
-    proto.ir_version = max(model.ir_version, 3)
+    # function overloads (one body per variant of a fused op) need IR 10
+    proto.ir_version = max(model.ir_version, 10 if names.bodies else 3)
     proto.domain, proto.model_version, proto.doc_string = (model.domain, model.model_version,
                                                            model.doc)
     for k, v in model.metadata.items():
         proto.metadata_props.add(key=k, value=v)
+    regenerated = {(d, n) for d, n, _ in names.bodies}
     for f in model.functions.values():
-        proto.functions.append(_function(f))
+        if (f.domain, f.name) not in regenerated:  # a body read from an earlier save
+            proto.functions.append(_function(f))
+    proto.functions.extend(names.bodies.values())
     return proto
 
 
@@ -127,6 +146,11 @@ def _node(n: Node, names: Names) -> onnx.NodeProto:
     np_.output.extend(names(v) for v in n.outputs)
     for key, val in n.attrs.items():
         np_.attribute.append(attr(key, val, names, n))
+    if _function_source is not None and n.domain not in ("", "ai.onnx"):
+        body = _function_source(n, names.opsets)
+        if body is not None:
+            np_.overload = body.overload
+            names.bodies.setdefault((body.domain, body.name, body.overload), body)
     return np_
 
 

@@ -23,6 +23,7 @@ from kiln.ir import TensorType
 from kiln.ir.symbolic import broadcast
 from kiln.ops import cost
 from kiln.ops.conv import CONV_ATTRS, convolve, prepare_winograd
+from kiln.ops.function_body import function_body
 from kiln.ops.registry import KILN_DOMAIN, op
 
 _SQRT1_2 = 1 / math.sqrt(2)
@@ -93,6 +94,9 @@ class Activation:
 
     attrs: tuple[tuple[str, float], ...] = ()
     kernels: dict[str, Callable] = field(default_factory=dict)
+    body: Callable | None = None
+    """``body(b, x, params) -> y``: the activation in standard ONNX ops on a function
+    :class:`~kiln.ops.function_body.Body` (for saved models other runtimes run)."""
 
     def params(self, given) -> list:
         """``given`` with the defaults of the parameters left out."""
@@ -378,3 +382,123 @@ def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0):
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     return np.matmul(s, v)
+
+
+# ---------------------------------------------------------------- function bodies
+# What each fused op computes, in standard ONNX ops: saved as the op's model-local function
+# so that other runtimes run a model Kiln optimized (see kiln.ops.function_body).
+
+def activation_body(name: str) -> Callable:
+    """Decorator giving activation ``name`` its standard-ONNX form (``fn(b, x, p)``)."""
+
+    def register(fn: Callable) -> Callable:
+        ACTIVATIONS[name].body = fn
+        return fn
+
+    return register
+
+
+activation_body("Relu")(lambda b, x, p: b.op("Relu", x))
+activation_body("Sigmoid")(lambda b, x, p: b.op("Sigmoid", x))
+activation_body("Tanh")(lambda b, x, p: b.op("Tanh", x))
+activation_body("LeakyRelu")(lambda b, x, p: b.op("LeakyRelu", x, alpha=float(p[0])))
+activation_body("HardSigmoid")(
+    lambda b, x, p: b.op("HardSigmoid", x, alpha=float(p[0]), beta=float(p[1])))
+activation_body("Silu")(lambda b, x, p: b.op("Mul", x, b.op("Sigmoid", x)))
+
+
+@activation_body("Clip")
+def _clip_body(b, x, p):
+    if b.opset < 11:
+        return b.op("Clip", x, min=float(p[0]), max=float(p[1]))
+    return b.op("Clip", x, b.const(p[0]), b.const(p[1]))
+
+
+@activation_body("HardSwish")
+def _hard_swish_body(b, x, p):
+    if b.opset >= 14:
+        return b.op("HardSwish", x)
+    return b.op("Mul", x, b.op("HardSigmoid", x, alpha=1 / 6, beta=0.5))
+
+
+@activation_body("Gelu")
+def _gelu_body(b, x, p):
+    phi = b.op("Add", b.const(1), b.op("Erf", b.op("Mul", x, b.const(_SQRT1_2))))
+    return b.op("Mul", b.op("Mul", x, b.const(0.5)), phi)
+
+
+@activation_body("GeluTanh")
+def _gelu_tanh_body(b, x, p):
+    cube = b.op("Mul", b.op("Mul", x, x), x)
+    inner = b.op("Add", x, b.op("Mul", cube, b.const(0.044715)))
+    t = b.op("Tanh", b.op("Mul", inner, b.const(_SQRT_2_PI)))
+    return b.op("Mul", b.op("Mul", x, b.const(0.5)), b.op("Add", b.const(1), t))
+
+
+def _activation_body(b, y):
+    name = b.attrs.get("activation", "")
+    if not name:
+        return y
+    act = ACTIVATIONS[name]
+    return act.body(b, y, act.params(b.attrs.get("activation_params")))
+
+
+def _add_optional(b, y, i):
+    return y if b.input(i) is None else b.op("Add", y, b.input(i))
+
+
+@function_body("FusedConv")
+def _fused_conv_body(b):
+    conv = {k: v for k, v in b.attrs.items() if k in CONV_ATTRS}
+    y = b.op("Conv", b.input(0), b.input(1), b.input(2), **conv)
+    b.finish(_activation_body(b, _add_optional(b, y, 3)))
+
+
+@function_body("FusedGemm")
+def _fused_gemm_body(b):
+    gemm = {k: v for k, v in b.attrs.items() if k in ("alpha", "beta", "transA", "transB")}
+    b.finish(_activation_body(b, b.op("Gemm", b.input(0), b.input(1), b.input(2), **gemm)))
+
+
+@function_body("FusedMatMul")
+def _fused_matmul_body(b):
+    y = b.op("MatMul", b.input(0), b.input(1))
+    b.finish(_activation_body(b, _add_optional(b, _add_optional(b, y, 2), 3)))
+
+
+@function_body("LayerNorm")
+def _layer_norm_body(b):
+    axis, rank = b.attrs.get("axis", -1), b.rank(0)
+    if rank is not None:
+        axes = list(range(axis % rank, rank))
+    else:
+        axes = list(range(axis, 0))
+    x = b.input(0)
+    d = b.op("Sub", x, b.reduce_mean(x, axes))
+    var = b.reduce_mean(b.op("Mul", d, d), axes)
+    std = b.op("Sqrt", b.op("Add", var, b.const(b.attrs.get("epsilon", 1e-5))))
+    y = b.op("Div", d, std)
+    b.finish(_add_optional(b, y if b.input(1) is None else b.op("Mul", y, b.input(1)), 2))
+
+
+@function_body("Gelu")
+def _gelu_fn_body(b):
+    tanh = b.attrs.get("approximate", "none") == "tanh"
+    b.finish(ACTIVATIONS["GeluTanh" if tanh else "Gelu"].body(b, b.input(0), []))
+
+
+@function_body("Attention")
+def _attention_body(b):
+    k = b.input(1)
+    if not b.attrs.get("k_transposed", 0):
+        rank = b.rank(1)
+        perm = list(range(rank))
+        perm[-2:] = perm[-1], perm[-2]
+        k = b.op("Transpose", k, perm=perm)
+    s = b.op("MatMul", b.input(0), k)
+    scale = b.attrs.get("scale", 1.0)
+    if scale != 1:
+        s = b.op("Mul", s, b.const(scale))
+    s = _add_optional(b, s, 3)
+    axis = -1 if b.opset >= 11 else b.rank(0) - 1
+    b.finish(b.op("MatMul", b.op("Softmax", s, axis=axis), b.input(2)))

@@ -107,6 +107,10 @@ class OpDef:
     where unknown); a multiply-add counts 2."""
     kernels: dict[str, Kernel] = field(default_factory=dict)
     """Kernel per backend name; ``kernels["numpy"]`` is the reference kernel."""
+    body: Callable | None = None
+    """For Kiln's own ops: ``body(b)`` writes the node's computation in standard ONNX ops
+    on a :class:`kiln.ops.function_body.Body`, saved as the op's function so that other
+    runtimes can run the file."""
 
     def __post_init__(self):
         self.kernels.setdefault(REFERENCE, Kernel(self.kernel, self.prepare))
