@@ -86,6 +86,10 @@ def fused_conv(site):
     return run
 
 
+# onnxruntime's FusedConv (written at its extended level) has the same attributes and meaning
+kernel("FusedConv", 1, domain="com.microsoft", prepare=True)(fused_conv)
+
+
 @kernel("FusedGemm", 1, domain=KILN_DOMAIN, prepare=True)
 def fused_gemm(site):
     act = activation_fn(site.attr("activation", "") or "", site.attr("activation_params"))
