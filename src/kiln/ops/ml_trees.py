@@ -3,9 +3,9 @@ and TreeEnsemble (v5).
 
 Every version is first turned into one flat forest (:class:`Forest`: per node its test,
 feature, threshold and both successors; leaves are nodes whose successors are
-themselves), then evaluated for all rows and trees at once: each step moves every
-(row, tree) pair that has not reached a leaf one level down, so the work is array
-operations per tree level, never a Python loop per row or per tree.
+themselves), then evaluated for all trees and a block of rows at once: each step moves every
+(row, tree) pair one level down, so the work is array operations per tree level (blocks
+of rows keep the temporaries in cache), never a Python loop per row or per tree.
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ def forest_v3(attrs: dict, leaf_prefix: str) -> Forest:
         len(mode), index(attrs.get(f"{leaf_prefix}_treeids") or [],
                          attrs.get(f"{leaf_prefix}_nodeids") or []),
         attrs.get(f"{leaf_prefix}_ids") or [], np.asarray(weights).reshape(-1))
-    return Forest(mode, np.asarray(attrs["nodes_featureids"], np.int32), split, true_id,
+    feature = np.where(leaf, 0, np.asarray(attrs["nodes_featureids"], np.int32))
+    return Forest(mode, feature.astype(np.int32), split, true_id,
                   false_id, np.zeros(len(mode), bool) if nan_true is None else
                   np.asarray(nan_true, bool), roots, {}, start, targets, weights)
 
@@ -140,76 +141,109 @@ def _branch(mode: np.ndarray, v: np.ndarray, split: np.ndarray) -> np.ndarray:
         [v <= split, v < split, v >= split, v > split, v == split, v != split], False)
 
 
-_ONE_TEST = {LEQ: np.less_equal, LT: np.less, GTE: np.greater_equal, GT: np.greater,
-             EQ: np.equal, NEQ: np.not_equal}
+# The test that sends a value the *false* way, per mode, so that the successor is
+# children[2 * node + test] with the true child first.
+_FALSE_TEST = {LEQ: np.greater, LT: np.greater_equal, GTE: np.less, GT: np.less_equal,
+               EQ: np.not_equal, NEQ: np.equal}
+_PAIRS_PER_BLOCK = 1 << 16  # (row, tree) pairs per block: its temporaries stay in cache
 
 
-def leaves(f: Forest, x: np.ndarray) -> np.ndarray:
-    """The leaf (global node index) each row of ``x`` reaches in each tree: (rows, trees)."""
-    n_rows, n_trees = x.shape[0], len(f.roots)
-    xf = np.ascontiguousarray(x.reshape(n_rows, -1), dtype=f.split.dtype)
-    width = xf.shape[1]
-    xf = xf.reshape(-1)
-    branch_modes = np.unique(f.mode[f.mode != LEAF])
-    one_test = _ONE_TEST.get(int(branch_modes[0])) if len(branch_modes) == 1 else None
-    track_nan = bool(f.nan_true.any()) and bool(np.isnan(xf).any())
+def _depth(f: Forest) -> int:
+    """Levels until every tree's every path has reached a leaf."""
+    frontier, depth = np.unique(f.roots), 0
     is_leaf = f.mode == LEAF
-    cur = np.broadcast_to(f.roots, (n_rows, n_trees)).reshape(-1).copy()
-    row_base = np.repeat(np.arange(n_rows, dtype=np.int64) * width, n_trees)
-    out = cur.copy()
-    live = np.nonzero(~is_leaf[cur])[0]   # pairs still inside a tree
-    cur, row_base = cur[live], row_base[live]
-    for _ in range(len(f.mode) + 1):      # no path is longer than the node count
-        if not len(live):
-            break
-        v = xf[row_base + f.feature[cur]]
-        if one_test is not None:
-            go = one_test(v, f.split[cur])
-        else:
-            m = f.mode[cur]
-            go = _branch(m, v, f.split[cur])
-            for node, members in f.members.items():
-                at = cur == node
-                go[at] = np.isin(v[at], members)
-        if track_nan:  # NaN fails every test but !=; nodes may send it the true way
+    while not is_leaf[frontier].all():
+        inner = frontier[~is_leaf[frontier]]
+        frontier = np.unique(np.concatenate([f.true_id[inner], f.false_id[inner]]))
+        depth += 1
+        if depth > len(f.mode):
+            raise ValueError("tree ensemble: a tree has a cycle (a path never reaches a leaf)")
+    return depth
+
+
+class Scorer:
+    """Scores rows with a forest: every (row, tree) pair moves down one level per step
+    (leaves lead to themselves, so a pair that arrived stays), for blocks of rows whose
+    temporaries fit in cache; then the leaves' weights are aggregated per target."""
+
+    def __init__(self, f: Forest, n_out: int, how: int):
+        self.f, self.n_out, self.how = f, n_out, how
+        self.depth = _depth(f)
+        self.children = np.stack([f.true_id, f.false_id], axis=1).reshape(-1).astype(np.int64)
+        self.feature = f.feature.astype(np.int64)
+        self.roots = f.roots.astype(np.int64)
+        modes = np.unique(f.mode[f.mode != LEAF])
+        self.false_test = _FALSE_TEST.get(int(modes[0])) if len(modes) == 1 else None
+        self.track_nan = bool(f.nan_true.any())
+        count = f.leaf_start[1:] - f.leaf_start[:-1]
+        # Sums and averages read a dense (node, target) weight table when it is small.
+        self.table = None
+        if how in (0, 1) and len(f.mode) * n_out <= 1 << 24:
+            table = np.zeros((len(f.mode), n_out))
+            node = np.repeat(np.arange(len(f.mode)), count)
+            np.add.at(table, (node, f.targets), f.weights)
+            self.table = np.ascontiguousarray(table.T)  # (target, node)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        n_rows = x.shape[0]
+        xf = np.ascontiguousarray(x.reshape(n_rows, -1), dtype=self.f.split.dtype)
+        n_trees = len(self.f.roots)
+        step = max(1, _PAIRS_PER_BLOCK // max(n_trees, 1))
+        out = np.empty((n_rows, self.n_out))
+        for lo in range(0, n_rows, step):
+            block = xf[lo:lo + step]
+            reached = self._leaves(block).reshape(block.shape[0], n_trees)
+            out[lo:lo + step] = self._aggregate(reached)
+        return out
+
+    def _leaves(self, xb: np.ndarray) -> np.ndarray:
+        # np.take with int64 indices: about 3x faster than a[int32 index] per gather.
+        f, rows, width = self.f, xb.shape[0], xb.shape[1]
+        flat = xb.reshape(-1)
+        cur = np.tile(self.roots, rows)
+        base = np.repeat(np.arange(rows, dtype=np.int64) * width, len(self.roots))
+        nan_rows = self.track_nan and bool(np.isnan(flat).any())
+        take = np.take
+        for _ in range(self.depth):
+            v = take(flat, base + take(self.feature, cur))
+            if self.false_test is not None and not nan_rows:
+                go_false = self.false_test(v, take(f.split, cur))
+            else:
+                go_false = ~self._go_true(cur, v, nan_rows)
+            cur = take(self.children, 2 * cur + go_false)
+        return cur
+
+    def _go_true(self, cur: np.ndarray, v: np.ndarray, nan_rows: bool) -> np.ndarray:
+        f = self.f
+        go = _branch(f.mode[cur], v, f.split[cur])
+        for node, members in f.members.items():
+            at = cur == node
+            go[at] = np.isin(v[at], members)
+        if nan_rows:  # NaN fails every test but !=; nodes may send it the true way
             go |= np.isnan(v) & f.nan_true[cur]
-        cur = np.where(go, f.true_id[cur], f.false_id[cur])
-        going = ~is_leaf[cur]
-        if not going.all():  # drop the pairs that reached a leaf: later levels skip them
-            out[live[~going]] = cur[~going]
-            live, cur, row_base = live[going], cur[going], row_base[going]
-    else:
-        raise ValueError("tree ensemble: a tree has a cycle (a path never reaches a leaf)")
-    return out.reshape(n_rows, n_trees)
+        return go
 
-
-def scores(f: Forest, reached: np.ndarray, n_out: int, how: int) -> np.ndarray:
-    """Sum (how=1), average (0), min (2) or max (3) over trees of the weights of the leaves
-    ``reached`` per target: (rows, n_out) float64; a target no leaf names scores 0."""
-    n_rows = reached.shape[0]
-    count = f.leaf_start[1:] - f.leaf_start[:-1]
-    per_pair = count[reached].reshape(-1)
-    if how in (0, 1) and per_pair.size and (per_pair == 1).all():
-        # One weight per leaf (regressors, one-score classifiers): one bincount.
-        entry = f.leaf_start[reached].reshape(-1)
-        rows = np.repeat(np.arange(n_rows), reached.shape[1])
-        y = np.bincount(rows * n_out + f.targets[entry], f.weights[entry],
-                        minlength=n_rows * n_out).reshape(n_rows, n_out)
-        return y / reached.shape[1] if how == 0 else y
-    # Leaves with several weights: expand each (row, tree) pair into its entries.
-    rows = np.repeat(np.repeat(np.arange(n_rows), reached.shape[1]), per_pair)
-    first = np.repeat(f.leaf_start[reached].reshape(-1), per_pair)
-    offset = np.arange(len(first)) - np.repeat(np.cumsum(per_pair) - per_pair, per_pair)
-    entry = first + offset
-    flat = rows * n_out + f.targets[entry]
-    if how in (0, 1):
-        y = np.bincount(flat, f.weights[entry], minlength=n_rows * n_out)
-        y = y.reshape(n_rows, n_out)
-        return y / reached.shape[1] if how == 0 else y
-    fill = np.inf if how == 2 else -np.inf
-    y = np.full(n_rows * n_out, fill)
-    (np.minimum if how == 2 else np.maximum).at(y, flat, f.weights[entry])
-    return np.where(y == fill, 0.0, y).reshape(n_rows, n_out)
+    def _aggregate(self, reached: np.ndarray) -> np.ndarray:
+        n_rows, n_trees = reached.shape
+        if self.table is not None:
+            # Per target, one gather and a sum along the contiguous tree axis.
+            y = np.stack([np.take(t, reached).sum(axis=1) for t in self.table], axis=1)
+            return y / n_trees if self.how == 0 else y
+        # MIN/MAX, or a table too large: expand each pair into its leaf's entries.
+        f, n_out = self.f, self.n_out
+        count = (f.leaf_start[1:] - f.leaf_start[:-1])[reached].reshape(-1)
+        rows = np.repeat(np.repeat(np.arange(n_rows), n_trees), count)
+        first = np.repeat(f.leaf_start[reached].reshape(-1), count)
+        entry = first + np.arange(len(first)) - np.repeat(np.cumsum(count) - count, count)
+        flat = rows * n_out + f.targets[entry]
+        if self.how in (0, 1):
+            y = np.bincount(flat, f.weights[entry], minlength=n_rows * n_out)
+            y = y.reshape(n_rows, n_out)
+            return y / n_trees if self.how == 0 else y
+        fill = np.inf if self.how == 2 else -np.inf
+        y = np.full(n_rows * n_out, fill)
+        (np.minimum if self.how == 2 else np.maximum).at(y, flat, f.weights[entry])
+        return np.where(y == fill, 0.0, y).reshape(n_rows, n_out)
 
 
 # -- post transforms -------------------------------------------------------------------
@@ -274,11 +308,11 @@ def tree_ensemble(site):
     n_out = (int(n_targets) if n_targets is not None
              else int(forest.targets.max(initial=-1)) + 1)
     how, kind = int(attrs.get("aggregate_function", 1)), int(attrs.get("post_transform", 0))
+    scorer = Scorer(forest, n_out, how)
 
     def run(x):
         x = np.asarray(x)
-        y = scores(forest, leaves(forest, x), n_out, how)
-        return post_transform(y, kind).astype(x.dtype)
+        return post_transform(scorer(x), kind).astype(x.dtype)
     return run
 
 
@@ -293,9 +327,10 @@ def tree_ensemble_regressor(site):
     kind = transform_code(attrs.get("post_transform", "NONE"))
     base = attrs.get("base_values_as_tensor")
     base = np.asarray(attrs.get("base_values") or 0.0 if base is None else base).reshape(-1)
+    scorer = Scorer(forest, n_out, how)
 
     def run(x):
-        y = scores(forest, leaves(forest, _float_input(x)), n_out, how) + base
+        y = scorer(_float_input(x)) + base
         return post_transform(y, kind).astype(np.float32)
     return run
 
@@ -319,10 +354,11 @@ def tree_ensemble_classifier(site):
     used = np.unique(forest.targets)
     one_score = n_classes == 2 and len(used) == 1
     positive = bool((forest.weights >= 0).all())
+    scorer = Scorer(forest, 2 if one_score else n_classes, 1)
 
     def run(x):
         if one_score:
-            s = scores(forest, leaves(forest, _float_input(x)), 2, 1)[:, used[0]]
+            s = scorer(_float_input(x))[:, used[0]]
             s = s + (base[0] if len(base) else 0.0)
             win = s > (0.5 if positive else 0.0)
             if positive:
@@ -333,7 +369,7 @@ def tree_ensemble_classifier(site):
             else:
                 z = post_transform(np.stack([-s, s], axis=1), kind)
             return labels[win.astype(np.int64)], z.astype(np.float32)
-        y = scores(forest, leaves(forest, _float_input(x)), n_classes, 1)
+        y = scorer(_float_input(x))
         if len(base):
             y = y + base
         return labels[np.argmax(y, axis=1)], post_transform(y, kind).astype(np.float32)
