@@ -156,7 +156,7 @@ def _infer_attention(ctx):
     return [_tensor(x.dtype, shape)]
 
 
-def _key_mask(mask, batch: int, seq: int, total: int, filter_value: float) -> np.ndarray:
+def key_mask(mask, batch: int, seq: int, total: int, filter_value: float) -> np.ndarray:
     """The additive score mask (batch, 1, seq, total) for an Attention ``mask_index`` in
     any of its forms: key lengths [B], lengths and starts [2B], or a raw 0/1 mask
     [B, T], [B, S, T] or [B, 1, max, max]."""
@@ -197,7 +197,7 @@ def attend(qkv: np.ndarray, num_heads: int, sizes, mask=None, attention_bias=Non
         scale = 1 / math.sqrt(q.shape[-1])
     scores = np.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(scale)
     if mask is not None:
-        scores += _key_mask(mask, b, s, s, mask_filter_value)
+        scores += key_mask(mask, b, s, s, mask_filter_value)
     if attention_bias is not None:
         scores += attention_bias.astype(scores.dtype)
     if unidirectional:
@@ -260,7 +260,7 @@ def ms_fused_gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0, acti
                       activation=activation, activation_params=params)
 
 
-def _fused_matmul_perm(rank: int, trans: int, trans_batch: int) -> list[int] | None:
+def fused_matmul_perm(rank: int, trans: int, trans_batch: int) -> list[int] | None:
     """The axis order giving a FusedMatMul operand its [..., rows, cols] view.
     transBatch moves the first axis behind the batch axes; trans swaps the last two."""
     perm = list(range(rank))
@@ -280,7 +280,7 @@ def _infer_fused_matmul(ctx):
     at = ctx.node.attrs
     sa, sb = list(a.shape), list(b.shape)
     for s, t, tb in ((sa, "transA", "transBatchA"), (sb, "transB", "transBatchB")):
-        perm = _fused_matmul_perm(len(s), at.get(t, 0), at.get(tb, 0))
+        perm = fused_matmul_perm(len(s), at.get(t, 0), at.get(tb, 0))
         if perm:
             s[:] = [s[i] for i in perm]
     batch = broadcast(tuple(sa[:-2]), tuple(sb[:-2]))
@@ -291,8 +291,8 @@ def _infer_fused_matmul(ctx):
 @_in_float32
 def ms_fused_matmul(a, b, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
     """alpha * A' @ B', each operand transposed as its trans/transBatch flags say."""
-    pa = _fused_matmul_perm(a.ndim, transA, transBatchA)
-    pb = _fused_matmul_perm(b.ndim, transB, transBatchB)
+    pa = fused_matmul_perm(a.ndim, transA, transBatchA)
+    pb = fused_matmul_perm(b.ndim, transB, transBatchB)
     y = np.matmul(a if pa is None else a.transpose(pa), b if pb is None else b.transpose(pb))
     if alpha != 1:
         y *= y.dtype.type(alpha)

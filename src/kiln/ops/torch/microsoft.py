@@ -1,0 +1,114 @@
+"""Torch kernels for onnxruntime's transformer ops (domain com.microsoft, defined in
+kiln/ops/microsoft.py). Their reference kernels are NumPy-only (GELU needs erf, which the
+array API lacks), so without these a torch session, on CUDA above all, would move every
+hidden state to the host and back at each of them."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.microsoft import MS_DOMAIN, fused_matmul_perm, key_mask, no_past, qkv_sizes
+from kiln.ops.torch import kernel
+from kiln.ops.torch.arrays import FLOATS
+
+NI = NotImplemented
+
+
+@kernel("Gelu", 1, domain=MS_DOMAIN)
+def gelu(x):
+    return F.gelu(x) if x.dtype in FLOATS else NI
+
+
+@kernel("BiasGelu", 1, domain=MS_DOMAIN)
+def bias_gelu(a, b):
+    return F.gelu(a + b) if a.dtype in FLOATS else NI
+
+
+@kernel("FastGelu", 1, domain=MS_DOMAIN)
+def fast_gelu(x, bias=None):
+    if x.dtype not in FLOATS:
+        return NI
+    return F.gelu(x if bias is None else x + bias, approximate="tanh")
+
+
+def _layer_norm(s, gamma, beta, epsilon):
+    # float16 inputs normalize in float32, as the NumPy kernel does
+    w = s.float() if s.dtype in (torch.float16, torch.bfloat16) else s
+    y = F.layer_norm(w, w.shape[-1:], gamma.to(w.dtype),
+                     None if beta is None else beta.to(w.dtype), epsilon)
+    return y.to(s.dtype)
+
+
+@kernel("SkipLayerNormalization", 1, domain=MS_DOMAIN)
+def skip_layer_norm(ctx, x, skip, gamma, beta=None, bias=None, *, epsilon=1e-12):
+    if x.dtype not in FLOATS:
+        return NI
+    s = x + skip if bias is None else x + skip + bias
+    y = _layer_norm(s, gamma, beta, epsilon)
+    if ctx.num_outputs == 1:
+        return y
+    w = s.float()
+    mean = w.mean(-1, keepdim=True)
+    inv = torch.rsqrt(w.var(-1, unbiased=False, keepdim=True) + epsilon)
+    return (y, mean, inv, s)[:ctx.num_outputs]
+
+
+@kernel("EmbedLayerNormalization", 1, domain=MS_DOMAIN)
+def embed_layer_norm(ctx, input_ids, segment_ids, word, position, segment, gamma, beta,
+                     mask=None, position_ids=None, *, epsilon=1e-12, mask_index_type=1):
+    if word.dtype not in FLOATS:
+        return NI
+    s = word[input_ids.long()]
+    if position_ids is None:
+        s = s + position[: input_ids.shape[1]].unsqueeze(0)
+    else:
+        s = s + position[position_ids.long()]
+    if segment is not None and segment_ids is not None:
+        s = s + segment[segment_ids.long()]
+    y = _layer_norm(s, gamma, beta, epsilon)
+    if mask is None:
+        index = torch.zeros(input_ids.shape[0], dtype=torch.int32, device=input_ids.device)
+    else:
+        index = (mask != 0).sum(1).to(torch.int32)
+    return (y, index, s)[:ctx.num_outputs]
+
+
+@kernel("Attention", 1, domain=MS_DOMAIN)
+def attention(x, weights, bias=None, mask_index=None, past=None, attention_bias=None,
+              past_sequence_length=None, *, num_heads=None, qkv_hidden_sizes=None,
+              scale=None, unidirectional=0, mask_filter_value=-10000.0,
+              past_present_share_buffer=0, do_rotary=0, rotary_embedding_dim=0):
+    if x.dtype not in FLOATS or do_rotary:
+        return NI
+    no_past("Attention", past)
+    qkv = x @ weights if bias is None else torch.addmm(
+        bias, x.reshape(-1, x.shape[-1]), weights).reshape(x.shape[:-1] + (-1,))
+    b, s, _ = qkv.shape
+    hq, hk, hv = qkv_sizes(weights.shape[1], qkv_hidden_sizes)
+    q, k, v = (t.reshape(b, s, num_heads, -1).transpose(1, 2)
+               for t in qkv.split([hq, hk, hv], dim=-1))
+    scores = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if mask_index is not None:
+        # the mask is a few integers per row: its additive form is built on the host
+        add = key_mask(mask_index.cpu().numpy(), b, s, s, mask_filter_value)
+        scores = scores + torch.from_numpy(add).to(scores.device, scores.dtype)
+    if attention_bias is not None:
+        scores = scores + attention_bias
+    if unidirectional:
+        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
+        scores = scores.masked_fill(future, mask_filter_value)
+    out = torch.softmax(scores, -1) @ v
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
+@kernel("FusedMatMul", 1, domain=MS_DOMAIN)
+def fused_matmul(a, b, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
+    if a.dtype not in FLOATS:
+        return NI
+    pa = fused_matmul_perm(a.dim(), transA, transBatchA)
+    pb = fused_matmul_perm(b.dim(), transB, transBatchB)
+    y = (a if pa is None else a.permute(pa)) @ (b if pb is None else b.permute(pb))
+    return y * alpha if alpha != 1 else y
