@@ -18,7 +18,7 @@ from kiln.ir import AttrRef, Function, Graph, Node, Value
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef, Site
 from kiln.runtime.backend import Backend, Candidate
-from kiln.runtime.executor import Program, active_control, can_run, layer_error
+from kiln.runtime.executor import Program, can_run, layer_error, run_state
 from kiln.runtime.placement import LayerPlacement
 
 
@@ -144,7 +144,7 @@ class Plan:
         called after each step with (step, start, end, result) times from perf_counter,
         for profiling. Inside ``executor.controlled`` the run's stop check is called between
         steps (here and in every subgraph), so another thread can cancel it."""
-        control = active_control()
+        control = run_state.control
         if control is not None:
             control()
         if self.program is not None and not overrides and observer is None:

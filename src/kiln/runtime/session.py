@@ -195,7 +195,7 @@ class InferenceSession(OrtSessionApi):
             from kiln.runtime.torch_backend import as_torch as convert
         else:
             convert = self.backend.to_numpy
-        check = stop_check(run_options)
+        check = None if run_options is None else stop_check(run_options)
         execute = self.backend.execute if self.profiler is None else self.profiler.execute
 
         def job() -> list:
