@@ -326,6 +326,16 @@ def test_intermediate_outputs_of_a_zoo_model_match_onnxruntime(backend, zoo_mode
     assert len(sess._variants) == 1 and sess.run([names[1]], feed)[0].shape == want[1].shape
 
 
+def test_inputs_and_initializers_are_outputs_too(mlp_model):
+    w1 = onnx.numpy_helper.to_array(next(t for t in mlp_model.graph.initializer
+                                         if t.name == "w1"))
+    sess = kiln.InferenceSession(mlp_model.SerializeToString())
+    x, w, h = sess.run(["x", "w1", "h"], {"x": X})
+    np.testing.assert_array_equal(x, X)
+    np.testing.assert_array_equal(w, w1)
+    np.testing.assert_allclose(h, X @ w1, rtol=1e-5, atol=1e-6)  # NumPy doing the MatMul
+
+
 def test_an_unknown_output_name_lists_close_matches(mlp_model):
     sess = kiln.InferenceSession(mlp_model)
     with pytest.raises(InputError, match=r"'logit'.*close matches: \['logits'"):

@@ -113,9 +113,10 @@ class InferenceSession(OrtSessionApi):
             if cfg.quiet:
                 warnings.simplefilter("ignore")
             self.backend = make_backend(cfg.backend, **cfg.options)  # before any I/O
-            # Kept to build plans that expose intermediate values (run(["name"])).
-            self._source = path_or_bytes
             model = path_or_bytes if isinstance(path_or_bytes, Model) else load(path_or_bytes)
+            # Kept to build plans that expose intermediate values (run(["name"])): the
+            # loaded model rather than bytes, as it shares its arrays with the optimized one.
+            self._source = model if isinstance(path_or_bytes, bytes) else path_or_bytes
             self.meta = model_metadata(model)
             self.model = self._optimized(model)
             g = self.model.graph
