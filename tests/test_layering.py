@@ -13,7 +13,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kiln"
 
 # Lower layers first; a module may import its own layer and any layer before it.
 LAYERS = ["errors", "ir", "onnxio", "ops", "passes", "edit", "runtime", "train", "quantize",
-          "tools", "zoo", "cli"]
+          "tools", "integrations", "zoo", "cli"]
 # Top-level modules that belong to a layer.
 MODULE_LAYER = {"optimize": "passes", "demo": "cli", "conformance": "cli", "__init__": "cli",
                 "__main__": "cli"}

@@ -299,6 +299,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make float32 inputs and outputs half too (no Casts at the boundary)")
     p.set_defaults(func=cmd_convert, parser=p)
 
+    p = sub.add_parser("batch", help="score parquet/.npz files on a Ray cluster, write "
+                       "parquet", description="Batch inference with Ray Data: one Kiln "
+                       "session per actor, columns named like the model's inputs (a single "
+                       "input takes a .npy); outputs become columns, other columns pass "
+                       "through. Needs the ray extra.")
+    _add_model(p)
+    p.add_argument("--input", action="append", required=True, metavar="GLOB",
+                   help="files to score, e.g. 'data/*.parquet' (repeatable; quote the glob)")
+    p.add_argument("--output", required=True, metavar="DIR",
+                   help="new or empty folder for the parquet output")
+    p.add_argument("--address", default=None,
+                   help="Ray cluster to join ('auto' finds a running one; default: start a "
+                        "local one)")
+    p.add_argument("--concurrency", type=_positive, default=1, help="actors (default 1)")
+    p.add_argument("--batch-size", type=_positive, default=256,
+                   help="rows per batch (default 256)")
+    p.add_argument("--threads", type=_positive, default=1,
+                   help="CPUs Ray reserves per actor, used as its threads (default 1)")
+    p.add_argument("--gpus", type=float, default=0,
+                   help="GPUs per actor (with --backend torch; default 0)")
+    _add_backend(p)
+    _add_no_optimize(p)
+    p.set_defaults(func=cmd_batch, parser=p)
+
     sub.add_parser("zoo", help="the offline model zoo (kiln zoo --help)", add_help=False)
     return ap
 
@@ -595,6 +619,18 @@ def cmd_convert(args) -> int:
     return 0
 
 
+def cmd_batch(args) -> int:
+    from kiln.integrations.ray import batch_files
+
+    r = batch_files(args.model, args.input, args.output, address=args.address,
+                    concurrency=args.concurrency, batch_size=args.batch_size,
+                    backend=args.backend, device=args.device, threads=args.threads,
+                    num_gpus=args.gpus, optimize=not args.no_optimize)
+    print(f"scored {r.rows} rows from {r.files} file(s) in {r.seconds:.1f} s "
+          f"({r.rows / r.seconds:.0f} rows/s); parquet in {r.output}")
+    return 0
+
+
 def cmd_zoo(argv: list[str]) -> int:
     if importlib.util.find_spec("kiln.zoo.__main__") is None:
         print("kiln: the model zoo is not available in this install "
@@ -612,7 +648,7 @@ def cmd_zoo(argv: list[str]) -> int:
 # Optional packages and the extra of pyproject.toml that installs each (for the safety net
 # in _guard: the places that need them raise MissingDependencyError themselves).
 _EXTRAS = {"torch": "torch", "PIL": "images", "onnxruntime": "zoo", "transformers": "zoo",
-           "onnxscript": "zoo", "tqdm": "zoo"}
+           "onnxscript": "zoo", "tqdm": "zoo", "ray": "ray"}
 
 
 def _missing_module_hint(e: ModuleNotFoundError) -> str | None:
