@@ -124,9 +124,17 @@ def snippet_iobinding_pointers(rt, path):
     return y
 
 
-SNIPPETS = [snippet_quickstart, snippet_session_options, snippet_bytes_and_positional,
-            snippet_modelmeta, snippet_iobinding_cpu, snippet_iobinding_ortvalue,
-            snippet_iobinding_pointers]
+def snippet_available_providers_and_options(rt, path):
+    sess = rt.InferenceSession(path, providers=rt.get_available_providers())
+    tuned = rt.InferenceSession(
+        path, providers=[("CPUExecutionProvider", {"arena_extend_strategy": "kSameAsRequested"})])
+    return sess.run(None, {"x": X}), tuned.run(None, {"x": X}), tuned.get_provider_options(), \
+        [i.name for i in sess.get_overridable_initializers()]
+
+
+SNIPPETS = [snippet_available_providers_and_options, snippet_quickstart,
+            snippet_session_options, snippet_bytes_and_positional, snippet_modelmeta,
+            snippet_iobinding_cpu, snippet_iobinding_ortvalue, snippet_iobinding_pointers]
 
 
 def _same(a, b):
@@ -179,6 +187,23 @@ def test_profiling_file_lists_each_run_and_layer_as_onnxruntime_does(mlp_path, t
         assert sum(e["name"] == "model_run" for e in events) == 3
         layers.append(sorted(e["args"]["op_name"] for e in events if e["cat"] == "Node"))
     assert layers[0] == layers[1]  # the same five layers, run three times
+
+
+def test_log_severity_level_3_silences_warnings_while_the_session_is_built():
+    pytest.importorskip("torch")
+    unique = make_model([helper.make_node("Unique", ["x"], ["y"])],  # on the CPU fallback
+                        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    so = kiln.SessionOptions()
+    for level, expected in ((2, 1), (3, 0)):
+        so.log_severity_level = level
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            sess = kiln.InferenceSession(unique, so, backend="torch")
+        assert sum("CPU fallback" in str(x.message) for x in w) == expected
+    x = np.array([3, 1, 3, 2], np.float32)
+    want = ort.InferenceSession(unique.SerializeToString()).run(None, {"x": x})[0]
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
 
 
 def test_optimized_model_filepath_saves_a_model_that_runs_the_same(mlp_path, tmp_path):
