@@ -434,6 +434,24 @@ def test_terminate_from_another_thread_stops_a_long_run(backend, model):
         sess.run(None, {"x": x}, ro)
 
 
+def test_terminate_stops_a_queued_async_run_and_later_runs_still_work():
+    sess = kiln.InferenceSession(_endless_loop(), optimize=False)
+    ro = kiln.RunOptions()
+    handle = sess.run_async(None, {"x": np.zeros(4, np.float32)}, ro)
+    time.sleep(0.2)
+    ro.terminate = True
+    with pytest.raises(RunCancelledError):
+        handle.result(timeout=20)
+    stop_after_3 = _endless_loop()
+    stop_after_3.graph.initializer[0].CopyFrom(helper.make_tensor("trip", TensorProto.INT64,
+                                                                  [], [3]))
+    want = ort.InferenceSession(stop_after_3.SerializeToString()).run(
+        None, {"x": np.zeros(4, np.float32)})[0]
+    got = kiln.InferenceSession(stop_after_3).run_async(
+        None, {"x": np.zeros(4, np.float32)}, kiln.RunOptions()).result(timeout=20)[0]
+    np.testing.assert_array_equal(got, want)
+
+
 def test_a_terminated_run_options_stops_the_run_as_onnxruntime_does(mlp_path):
     for rt, error in ((kiln, RunCancelledError),
                       (ort, ort.capi.onnxruntime_pybind11_state.Fail)):
