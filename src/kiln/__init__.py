@@ -21,7 +21,7 @@ from kiln.ir import DType, Model
 from kiln.onnxio import load, save
 from kiln.ops import register_op
 from kiln.optimize import optimize
-from kiln.quantize import convert_float16
+from kiln.quantize import convert_float16, quantize
 from kiln.runtime import (
     ExecutionMode,
     GraphOptimizationLevel,
@@ -45,5 +45,5 @@ __all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLeve
            "InferenceSession", "InputError", "KernelError",
            "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
            "UnsupportedOpError", "add_tail", "bench", "compose", "convert_float16", "cut",
-           "inspect", "load", "optimize", "preprocess", "profile", "register_op", "report",
-           "rename", "save", "set_batch", "to_torch"]
+           "inspect", "load", "optimize", "preprocess", "profile", "quantize", "register_op",
+           "report", "rename", "save", "set_batch", "to_torch"]

@@ -1,0 +1,122 @@
+"""What a quantization cost and bought, measured: file size, per-output error and top-1
+agreement against the float model on the given data, layers quantized and kept in float
+(with the reason), and latency before and after on one backend."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.ir import Model
+from kiln.onnxio import to_proto
+from kiln.runtime import InferenceSession
+
+__all__ = ["OutputError", "QuantizeReport", "compare", "latency_ms", "model_bytes"]
+
+
+@dataclass
+class OutputError:
+    """How far one output of the quantized model is from the float model's."""
+
+    max_abs: float
+    rel: float
+    """max |quantized - float| / max |float|"""
+    top1: float | None
+    """fraction of rows whose argmax over the last axis agrees (None: not a score output)"""
+
+
+@dataclass
+class QuantizeReport:
+    """Sizes, accuracy, layers and latency of one quantization."""
+
+    mode: str
+    size_before: int
+    size_after: int
+    quantized: list[str] = field(default_factory=list)
+    kept: dict[str, str] = field(default_factory=dict)
+    outputs: dict[str, OutputError] = field(default_factory=dict)
+    samples: int = 0
+    backend: str = "numpy"
+    latency_before_ms: float | None = None
+    latency_after_ms: float | None = None
+
+    def worst_rel(self) -> float:
+        """The largest relative error over the outputs (0 when nothing was measured)."""
+        return max((e.rel for e in self.outputs.values()), default=0.0)
+
+    def worst_top1(self) -> float | None:
+        """The lowest top-1 agreement over the score outputs, or None."""
+        vals = [e.top1 for e in self.outputs.values() if e.top1 is not None]
+        return min(vals) if vals else None
+
+    def __str__(self) -> str:
+        mb = 1e6
+        lines = [f"quantization ({self.mode}): {self.size_before / mb:.2f} MB -> "
+                 f"{self.size_after / mb:.2f} MB "
+                 f"({self.size_before / max(self.size_after, 1):.2f}x smaller)",
+                 f"layers quantized: {len(self.quantized)}, kept in float: {len(self.kept)}"]
+        for name, why in list(self.kept.items())[:20]:
+            lines.append(f"  kept {name}: {why}")
+        if len(self.kept) > 20:
+            lines.append(f"  ... {len(self.kept) - 20} more kept")
+        if self.outputs:
+            lines.append(f"error against the float model on {self.samples} sample(s):")
+            for name, e in self.outputs.items():
+                top = "" if e.top1 is None else f", top-1 agreement {e.top1:.2%}"
+                lines.append(f"  {name}: max abs {e.max_abs:.4g}, relative {e.rel:.2%}{top}")
+        else:
+            lines.append("error: not measured (no data given)")
+        if self.latency_before_ms is not None and self.latency_after_ms is not None:
+            ratio = self.latency_before_ms / max(self.latency_after_ms, 1e-9)
+            lines.append(f"latency on {self.backend} (best of runs, first sample): "
+                         f"{self.latency_before_ms:.2f} ms -> {self.latency_after_ms:.2f} ms "
+                         f"({ratio:.2f}x {'faster' if ratio >= 1 else 'as fast'})")
+        return "\n".join(lines)
+
+
+def model_bytes(m: Model) -> int:
+    """Serialized size of ``m`` in bytes."""
+    return to_proto(m).ByteSize()
+
+
+def compare(ref: Model, quant: Model, feeds: list[dict], backend: str = "numpy"
+            ) -> dict[str, OutputError]:
+    """Per-output error of ``quant`` against ``ref`` over ``feeds``."""
+    s_ref = InferenceSession(ref, backend=backend)
+    s_q = InferenceSession(quant, backend=backend)
+    names = [o.name for o in s_ref.get_outputs()]
+    refs: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    gots: dict[str, list[np.ndarray]] = {n: [] for n in names}
+    for feed in feeds:
+        for n, r, g in zip(names, s_ref.run(None, feed), s_q.run(None, feed)):
+            refs[n].append(np.asarray(r))
+            gots[n].append(np.asarray(g))
+    out = {}
+    for n in names:
+        r = np.concatenate([a.reshape(-1, *a.shape[-1:]) if a.ndim else a.reshape(1, 1)
+                            for a in refs[n]])
+        g = np.concatenate([a.reshape(-1, *a.shape[-1:]) if a.ndim else a.reshape(1, 1)
+                            for a in gots[n]])
+        if r.dtype.kind != "f":
+            out[n] = OutputError(float(np.abs(r.astype(np.float64) - g).max(initial=0)),
+                                 float((r != g).mean()) if r.size else 0.0, None)
+            continue
+        diff = float(np.abs(r - g).max(initial=0.0))
+        scale = float(np.abs(r).max(initial=0.0))
+        top1 = float((r.argmax(-1) == g.argmax(-1)).mean()) if r.shape[-1] > 1 else None
+        out[n] = OutputError(diff, diff / scale if scale > 0 else diff, top1)
+    return out
+
+
+def latency_ms(m: Model, feed: dict, backend: str = "numpy", runs: int = 5) -> float:
+    """Best-of-``runs`` wall time of one run of ``m`` on ``feed`` (after a warm-up)."""
+    sess = InferenceSession(m, backend=backend)
+    sess.run(None, feed)
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        sess.run(None, feed)
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3

@@ -1,0 +1,263 @@
+"""INT8 (static, dynamic) and weight-only INT4/INT8 quantization in QDQ format.
+
+Oracles: onnxruntime running the same quantized file (Kiln must agree within one
+quantization step), the fp32 model's held-out accuracy (the shipped digits CNN,
+calibrated on scikit-learn's training digits), NumPy for calibration statistics and for
+the int4 packing ONNX specifies."""
+
+from __future__ import annotations
+
+import warnings
+from importlib import resources
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+import kiln
+from conftest import ort_run
+from kiln.onnxio import to_proto
+from kiln.quantize.calibrate import Range, calibrate
+
+DIGITS = resources.files("kiln") / "data"
+
+
+@pytest.fixture(scope="module")
+def digits():
+    """(model path, calibration feeds from the training digits, held-out images, labels).
+    The CNN takes (n, 1, 8, 8) images scaled to [0, 1] (examples/train_digits.py)."""
+    sklearn = pytest.importorskip("sklearn.datasets")
+    from sklearn.model_selection import train_test_split
+
+    d = sklearn.load_digits()
+    x = (d.images / 16.0).astype(np.float32)[:, None]
+    x_tr, x_te, _, _ = train_test_split(x, d.target, test_size=0.25, random_state=0,
+                                        stratify=d.target)
+    test = np.load(str(DIGITS / "digits_test.npz"))
+    np.testing.assert_array_equal(x_te, test["images"])  # same split as the shipped data
+    feeds = [{"image": x_tr[i:i + 128]} for i in range(0, len(x_tr), 128)]
+    return str(DIGITS / "digits_cnn.onnx"), feeds, test["images"], test["labels"]
+
+
+def _one_step(proto: onnx.ModelProto) -> float:
+    """The coarsest activation grid step in the file: integer kernels and a float
+    reference may round one tensor differently by up to one step of its grid."""
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    return max(float(inits[n.input[1]].max()) for n in proto.graph.node
+               if n.op_type == "QuantizeLinear")
+
+
+def _ort_unoptimized(proto: onnx.ModelProto, feeds: dict) -> list[np.ndarray]:
+    """onnxruntime running every node as written (no fusion into integer kernels)."""
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
+    sess = ort.InferenceSession(proto.SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    return sess.run(None, feeds)
+
+
+def _accuracy(logits, labels) -> float:
+    return float((np.argmax(logits, 1) == labels).mean())
+
+
+@pytest.mark.parametrize("method", ["minmax", "percentile", "entropy"])
+def test_digits_static_keeps_accuracy_and_matches_onnxruntime(digits, method):
+    path, feeds, images, labels = digits
+    q = kiln.quantize(path, "static", feeds, method=method, measure_latency=False)
+    proto = to_proto(q.model)
+    onnx.checker.check_model(proto, full_check=True)
+    ops = {n.op_type for n in proto.graph.node}
+    assert {"QuantizeLinear", "DequantizeLinear", "Conv", "Gemm"} <= ops
+    (fp32,) = ort_run(path, {"image": images})
+    (ort_q,) = ort_run(proto, {"image": images})
+    (kiln_q,) = kiln.InferenceSession(proto).run(None, {"image": images})
+    assert abs(_accuracy(ort_q, labels) - _accuracy(fp32, labels)) <= 0.005
+    assert abs(_accuracy(kiln_q, labels) - _accuracy(fp32, labels)) <= 0.005
+    np.testing.assert_allclose(kiln_q, ort_q, atol=_one_step(proto), rtol=0)
+    assert q.report.size_before > 3 * q.report.size_after
+    assert len(q.report.quantized) == 8 and not q.report.kept
+
+
+def test_weights_int8_symmetric_per_channel_biases_int32(digits):
+    path, feeds, _, _ = digits
+    q = kiln.quantize(path, "static", feeds[:2], measure_latency=False)
+    proto = to_proto(q.model)
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    src = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
+    for n in proto.graph.node:
+        if n.op_type != "DequantizeLinear" or n.input[0] not in inits:
+            continue
+        w, scale, zp = (inits[i] for i in n.input)
+        assert not zp.any()
+        if w.dtype == np.int8:  # a weight: 7-bit range (no 16-bit overflow on AVX2)
+            assert np.abs(w).max() <= 63 and scale.ndim == 1
+            orig = src[n.input[0].removesuffix("_quantized")]
+            deq = w * scale.reshape((-1,) + (1,) * (w.ndim - 1)) if n.attribute[0].i == 0 \
+                else w * scale
+            np.testing.assert_allclose(deq, orig, atol=float(scale.max()) / 2 + 1e-7)
+        else:
+            assert w.dtype == np.int32  # a bias at x_scale * w_scale
+
+
+@pytest.mark.parametrize("kw", [dict(symmetric=True), dict(per_channel=False),
+                                dict(reduce_range=False, method="percentile")])
+def test_variants_run_the_same_in_kiln_and_onnxruntime(digits, kw):
+    path, feeds, images, labels = digits
+    q = kiln.quantize(path, "static", feeds[:3], measure_latency=False, **kw)
+    proto = to_proto(q.model)
+    (ort_q,) = ort_run(proto, {"image": images[:100]})
+    (kiln_q,) = kiln.InferenceSession(proto).run(None, {"image": images[:100]})
+    if kw.get("reduce_range", True):
+        np.testing.assert_allclose(kiln_q, ort_q, atol=_one_step(proto), rtol=0)
+    else:
+        # Full-range weights overflow onnxruntime's AVX2 u8s8 kernel where the machine
+        # lacks VNNI; Kiln computes exactly. Both still classify.
+        assert _accuracy(kiln_q, labels[:100]) > 0.95
+
+
+def test_digits_dynamic(digits):
+    path, feeds, images, labels = digits
+    q = kiln.quantize(path, "dynamic", measure_latency=False)
+    proto = to_proto(q.model)
+    onnx.checker.check_model(proto, full_check=True)
+    assert sum(n.op_type == "DynamicQuantizeLinear" for n in proto.graph.node) == 4
+    (fp32,) = ort_run(path, {"image": images})
+    (ort_q,) = ort_run(proto, {"image": images})
+    (kiln_q,) = kiln.InferenceSession(proto).run(None, {"image": images})
+    np.testing.assert_allclose(kiln_q, ort_q, atol=1e-4, rtol=1e-5)
+    assert abs(_accuracy(kiln_q, labels) - _accuracy(fp32, labels)) <= 0.005
+    assert q.report.outputs == {}  # no data given: nothing measured, and it says so
+    assert "not measured" in str(q.report)
+
+
+def test_report_measures_against_the_float_model(digits):
+    path, feeds, images, labels = digits
+    q = kiln.quantize(path, "static", feeds[:2], validation={"image": images})
+    (fp32,) = ort_run(path, {"image": images})
+    (kq,) = kiln.InferenceSession(q.model).run(None, {"image": images})
+    err = q.report.outputs["logits"]
+    assert err.max_abs == pytest.approx(float(np.abs(kq - fp32).max()), rel=1e-3, abs=1e-4)
+    assert err.top1 == pytest.approx(float((kq.argmax(1) == fp32.argmax(1)).mean()))
+    assert q.report.samples == len(images)
+    assert q.report.latency_before_ms > 0 and q.report.latency_after_ms > 0
+    text = str(q)
+    assert "top-1 agreement" in text and "MB ->" in text and "latency on numpy" in text
+
+
+def test_calibration_statistics_against_numpy(digits):
+    path, feeds, _, _ = digits
+    m = kiln.load(path)
+    names = ["/0/Conv_output_0", "/10/Relu_output_0"]
+    # The oracle: onnxruntime computing the same intermediate tensors.
+    proto = onnx.load(path)
+    for n in names:
+        proto.graph.output.append(onnx.ValueInfoProto(name=n))
+    acts = [np.concatenate(x) for x in zip(*(ort_run(proto, f)[1:] for f in feeds))]
+    got = calibrate(m, names, feeds, "minmax")
+    for n, a in zip(names, acts):
+        assert got[n].lo == pytest.approx(a.min(), abs=1e-4)
+        assert got[n].hi == pytest.approx(a.max(), abs=1e-4)
+    got = calibrate(m, names, feeds, "percentile", percentile=99.0)
+    for n, a in zip(names, acts):
+        width = (a.max() - a.min()) / 2048
+        assert abs(got[n].hi - np.percentile(a, 99.5)) <= 2 * width
+        assert abs(got[n].lo - np.percentile(a, 0.5)) <= 2 * width
+
+
+def test_entropy_clips_outliers():
+    # One tensor: Gaussian values plus a few huge outliers; KL calibration should clip
+    # near the Gaussian's reach, not at the outliers.
+    from onnx import TensorProto, helper
+    g = helper.make_graph([helper.make_node("Identity", ["x"], ["y"])], "g",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [None])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [None])])
+    m = kiln.load(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]))
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal(200_000).astype(np.float32)
+    x[:5] = 60.0
+    got = calibrate(m, ["y"], [{"x": x}], "entropy")["y"]
+    assert isinstance(got, Range)
+    assert 2.5 < got.hi < 10 and -10 < got.lo < -2.5
+
+
+def test_weight_only_int4_blocked_bert(zoo_model):
+    from kiln.zoo.registry import make_inputs
+
+    path = str(zoo_model("bert"))
+    feeds = make_inputs("bert", batch=2, seed=3)
+    q = kiln.quantize(path, "weight-only", bits=4, block_size=32, validation=[feeds],
+                      measure_latency=False)
+    proto = to_proto(q.model)
+    onnx.checker.check_model(proto, full_check=True)
+    assert proto.opset_import[0].version >= 21
+    dqs = [n for n in proto.graph.node if n.op_type == "DequantizeLinear"]
+    assert len(dqs) == len(q.report.quantized) >= 24
+    inits = {t.name: t for t in proto.graph.initializer}
+    w = inits[dqs[0].input[0]]
+    assert w.data_type == onnx.TensorProto.INT4
+    # ONNX packs two int4 per byte, low nibble first.
+    vals = numpy_helper.to_array(w).astype(np.int8).ravel()
+    raw = np.frombuffer(w.raw_data, np.uint8)
+    low = ((raw & 0x0F).astype(np.int8) ^ 8) - 8
+    np.testing.assert_array_equal(low[: (vals.size + 1) // 2], vals[::2])
+    assert {a.name: a.i for a in dqs[0].attribute}["block_size"] == 32
+    refs, gots = ort_run(path, feeds), ort_run(proto, feeds)
+    literal = _ort_unoptimized(proto, feeds)
+    kilns = kiln.InferenceSession(proto).run(None, feeds)
+    for r, g, lit, k in zip(refs, gots, literal, kilns):
+        # onnxruntime's fused int4 MatMul rounds differently (~1% here); run literally
+        # (DQ, then a float MatMul) it is what Kiln computes.
+        np.testing.assert_allclose(k, lit, atol=1e-4 * np.abs(lit).max() + 1e-5)
+        np.testing.assert_allclose(k, g, atol=2e-2 * np.abs(g).max())
+        assert np.abs(g - r).max() <= 0.3 * np.abs(r).max()  # the int4 cost, bounded
+    assert q.report.size_before > 1.8 * q.report.size_after
+
+
+@pytest.mark.parametrize("bits,block", [(8, 64), (4, 128)])
+def test_weight_only_matches_onnxruntime(mlp_model, bits, block):
+    q = kiln.quantize(mlp_model, "weight-only", bits=bits, block_size=block,
+                      measure_latency=False)
+    proto = to_proto(q.model)
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    (lit,) = _ort_unoptimized(proto, {"x": x})
+    (g,) = ort_run(proto, {"x": x})
+    (k,) = kiln.InferenceSession(proto).run(None, {"x": x})
+    np.testing.assert_allclose(k, lit, atol=1e-6)
+    np.testing.assert_allclose(k, g, atol=2e-2)  # onnxruntime's fused kernel rounds more
+
+
+def test_static_mlp_matches_onnxruntime(mlp_model):
+    rng = np.random.default_rng(0)
+    cal = [{"x": rng.standard_normal((16, 4)).astype(np.float32)} for _ in range(4)]
+    q = kiln.quantize(mlp_model, "static", cal, measure_latency=False)
+    proto = to_proto(q.model)
+    onnx.checker.check_model(proto, full_check=True)
+    x = rng.standard_normal((64, 4)).astype(np.float32)
+    (g,) = ort_run(proto, {"x": x})
+    (k,) = kiln.InferenceSession(proto).run(None, {"x": x})
+    (kt,) = kiln.InferenceSession(proto, backend="torch").run(None, {"x": x})
+    np.testing.assert_allclose(k, g, atol=_one_step(proto), rtol=0)
+    np.testing.assert_allclose(kt, g, atol=_one_step(proto), rtol=0)
+    assert q.report.outputs["y"].top1 >= 0.9
+
+
+@pytest.mark.slow
+def test_static_bert_matches_onnxruntime(zoo_model):
+    from kiln.zoo.registry import make_inputs
+
+    path = str(zoo_model("bert"))
+    cal = [make_inputs("bert", batch=2, seed=s) for s in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = kiln.quantize(path, "static", cal, measure_latency=False)
+    proto = to_proto(q.model)
+    onnx.checker.check_model(proto, full_check=True)
+    assert sum(n.op_type == "MatMul" for n in proto.graph.node) == 33
+    feeds = make_inputs("bert", batch=2, seed=9)
+    gots = ort_run(proto, feeds)
+    kilns = kiln.InferenceSession(proto).run(None, feeds)
+    for g, k in zip(gots, kilns):
+        np.testing.assert_allclose(k, g, atol=_one_step(proto), rtol=0)
