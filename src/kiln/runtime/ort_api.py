@@ -176,8 +176,9 @@ def configure(sess_options: SessionOptions | None, providers, provider_options,
     onnxruntime does."""
     so = SessionOptions() if sess_options is None else sess_options
     if not isinstance(so, SessionOptions):
+        hint = f"; for a backend write backend={so!r}" if isinstance(so, str) else ""
         raise OptionError("sess_options must be a kiln.SessionOptions (got "
-                          f"{type(so).__name__}); build one with kiln.SessionOptions()")
+                          f"{type(so).__name__}); build one with kiln.SessionOptions(){hint}")
     options = dict(options)
     chosen = _choose_provider(providers, provider_options)
     name, popts = chosen

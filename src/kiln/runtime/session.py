@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import inspect
 import os
@@ -109,9 +110,7 @@ class InferenceSession(OrtSessionApi):
                                       backend_options)
         self._level = optimize if cfg.level is None else cfg.level
         self._input_shapes = input_shapes
-        with warnings.catch_warnings():
-            if cfg.quiet:
-                warnings.simplefilter("ignore")
+        with _silenced(cfg.quiet):
             self.backend = make_backend(cfg.backend, **cfg.options)  # before any I/O
             model = path_or_bytes if isinstance(path_or_bytes, Model) else load(path_or_bytes)
             # Kept to build plans that expose intermediate values (run(["name"])): the
@@ -233,9 +232,7 @@ class InferenceSession(OrtSessionApi):
                                  + (f"; close matches: {close}" if close else
                                     f"; the model's outputs are {list(self._outputs)}"))
             model.graph.outputs.append(values[n])
-        with warnings.catch_warnings():
-            if self.config.quiet:
-                warnings.simplefilter("ignore")
+        with _silenced(self.config.quiet):
             model = self._optimized(model)
             plan = compile_model(model.graph, model.opset_imports, model.functions,
                                  self.backend)
@@ -288,6 +285,18 @@ class InferenceSession(OrtSessionApi):
                         f"input {v.name!r} dim {i} is fixed to {want} {_fmt(t.shape)} but got "
                         f"shape {shape}")
         return x
+
+
+@contextlib.contextmanager
+def _silenced(quiet: bool):
+    """Warnings off inside (log_severity_level >= 3); else nothing: catch_warnings swaps
+    process-wide state, which threads building sessions at once should not race on."""
+    if not quiet:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _values_by_name(g: Graph) -> dict[str, Value]:
