@@ -7,6 +7,7 @@ from __future__ import annotations
 import warnings
 
 import numpy as np
+import onnx
 import pytest
 
 pytest.importorskip("skl2onnx")
@@ -240,3 +241,35 @@ def test_column_transformer_strings_and_numbers():
     label, proba = _run_everywhere(onx, feed)
     np.testing.assert_array_equal(label, model.predict(frame))
     np.testing.assert_allclose(_as_array(proba), model.predict_proba(frame), atol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["logistic_multi", "random_forest", "svc_rbf_proba",
+                                  "linear_svc_binary", "svc_rbf"])
+def test_inferred_types_match_onnxruntime_outputs(name):
+    from kiln.ir import TensorType
+    from kiln.passes.infer_shapes import infer_model
+
+    make, n_classes = {**CLASSIFIERS, **LABEL_ONLY}[name]
+    x, y, _ = _data(n_classes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = make().fit(x, y)
+    proto = onnx.load_from_string(_convert(model, x))
+    for o in proto.graph.output:  # what the converter declared must not be what we check
+        if o.type.HasField("tensor_type"):
+            o.type.tensor_type.ClearField("shape")
+    onx = proto.SerializeToString()
+    outs = ort.InferenceSession(onx, providers=["CPUExecutionProvider"]).run(None, {"X": x})
+    m = kiln.load(onx)
+    infer_model(m)
+    checked = 0
+    for v, arr in zip(m.graph.outputs, outs):
+        if isinstance(arr, list):  # ZipMap's sequence of maps
+            continue
+        assert isinstance(v.type, TensorType) and v.type.shape is not None, v.name
+        assert v.type.dtype.numpy == arr.dtype, v.name
+        assert len(v.type.shape) == arr.ndim, v.name
+        # The row dim is dynamic; every other dim is known and is what onnxruntime returns.
+        assert list(v.type.shape[1:]) == list(arr.shape[1:]), (v.name, v.type.shape)
+        checked += 1
+    assert checked >= 1
