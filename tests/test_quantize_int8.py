@@ -261,3 +261,38 @@ def test_static_bert_matches_onnxruntime(zoo_model):
     kilns = kiln.InferenceSession(proto).run(None, feeds)
     for g, k in zip(gots, kilns):
         np.testing.assert_allclose(k, g, atol=_one_step(proto), rtol=0)
+
+
+def test_accuracy_budget_reverts_sensitive_layers(digits):
+    path, feeds, images, _ = digits
+    val = {"image": images}
+    full = kiln.quantize(path, "static", feeds[:3], validation=val, measure_latency=False)
+    budget = full.report.worst_rel() * 0.7  # tighter than plain quantization reaches
+    q = kiln.quantize(path, "static", feeds[:3], validation=val, budget=f"rel={budget}",
+                      measure_latency=False)
+    reverted = {k: v for k, v in q.report.kept.items() if "accuracy budget" in v}
+    assert reverted and len(q.report.quantized) < len(full.report.quantized)
+    # The oracle: onnxruntime on the saved file against onnxruntime on the float model.
+    (fp32,) = ort_run(path, val)
+    (got,) = ort_run(to_proto(q.model), val)
+    assert np.abs(got - fp32).max() / np.abs(fp32).max() <= budget + 1e-6
+    for name in reverted:  # reverted layers read float weights again
+        node = next(n for n in q.model.graph.nodes if n.name == name)
+        assert node.inputs[1].producer is None
+
+
+def test_cli_quantize(tmp_path, digits, capsys):
+    from kiln.cli.main import main
+
+    path, feeds, images, labels = digits
+    data, out = tmp_path / "cal.npz", tmp_path / "q.onnx"
+    np.savez(data, image=np.concatenate([f["image"] for f in feeds[:2]]))
+    assert main(["quantize", path, "-o", str(out), "--mode", "static", "--calibration",
+                 str(data), "--method", "percentile"]) == 0
+    text = capsys.readouterr().out
+    assert "layers quantized: 8" in text and "top-1 agreement" in text and "latency" in text
+    (fp32,) = ort_run(path, {"image": images})
+    (got,) = ort_run(str(out), {"image": images})
+    assert abs(_accuracy(got, labels) - _accuracy(fp32, labels)) <= 0.005
+    assert main(["quantize", path, "-o", str(out), "--mode", "static"]) == 1
+    assert "calibration data" in capsys.readouterr().err

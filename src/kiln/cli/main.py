@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                "1 failure, 2 usage error.")
     from kiln import __version__
     ap.add_argument("--version", action="version", version=f"kiln {__version__}")
+    ap.add_argument("--debug", action="store_true",
+                    help="print the full traceback when a command fails (anywhere on the line)")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("inspect", help="what a model is made of: I/O, layers, ops, "
@@ -322,6 +324,42 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend(p)
     _add_no_optimize(p)
     p.set_defaults(func=cmd_batch, parser=p)
+
+    p = sub.add_parser("quantize", help="write an INT8 (or weight-only INT4) model in "
+                       "standard QDQ format, with a report of what it cost",
+                       description="Quantize a model: static INT8 (calibrated), dynamic "
+                       "INT8, or weight-only INT4/INT8; prints size, error, top-1 "
+                       "agreement and latency before/after.")
+    _add_model(p)
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="quantized .onnx")
+    p.add_argument("--mode", choices=["static", "dynamic", "weight-only"], default="static",
+                   help="static: int8 weights and activations (needs --calibration); "
+                        "dynamic: activation scales at run time; weight-only: MatMul/Gemm "
+                        "weights int4/int8 in blocks (default: static)")
+    p.add_argument("--calibration", metavar="DATA.npz",
+                   help="calibration inputs: an .npz whose keys are the model's inputs")
+    p.add_argument("--validation", metavar="DATA.npz",
+                   help="data the report (and --accuracy-budget) checks on "
+                        "(default: the calibration data)")
+    p.add_argument("--method", choices=["minmax", "percentile", "entropy"], default="minmax",
+                   help="how calibration picks each range (default: minmax)")
+    p.add_argument("--per-tensor", action="store_true",
+                   help="one weight scale per tensor instead of per output channel")
+    p.add_argument("--symmetric", action="store_true",
+                   help="int8 activations around 0 instead of uint8 with a zero point")
+    p.add_argument("--exclude", action="append", default=[], metavar="OP_OR_LAYER",
+                   help="an op type or layer name to keep in float (repeatable)")
+    p.add_argument("--bits", type=int, choices=[4, 8], default=4,
+                   help="weight-only: bits per weight (default: 4)")
+    p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=128,
+                   help="weight-only: weights per scale along the reduction axis")
+    p.add_argument("--accuracy-budget", metavar="rel=R,top1=F",
+                   help="revert the most sensitive layers to float until the error holds: "
+                        "rel=0.01 (max relative output error), top1=0.995 (top-1 agreement "
+                        "with the float model)")
+    p.add_argument("--backend", choices=["numpy", "torch"], default="numpy",
+                   help="backend that calibrates and whose latency the report measures")
+    p.set_defaults(func=cmd_quantize, parser=p)
 
     sub.add_parser("zoo", help="the offline model zoo (kiln zoo --help)", add_help=False)
     return ap
@@ -631,6 +669,32 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def cmd_quantize(args) -> int:
+    from kiln.quantize import quantize
+    from kiln.tools.common import resolve_path
+    from kiln.tools.progress import progress_bar
+
+    bar: list[Any] = []
+
+    def on_batch(done: int, total: int) -> None:
+        if not bar:
+            bar.append(progress_bar(total, "calibrating", enabled=None, unit="batch"))
+        if bar[0] is not None:
+            bar[0].update(1)
+            if done == total:
+                bar[0].close()
+
+    q = quantize(resolve_path(args.model), args.mode, args.calibration, method=args.method,
+                 per_channel=not args.per_tensor, symmetric=args.symmetric,
+                 exclude=args.exclude, validation=args.validation, bits=args.bits,
+                 block_size=args.block_size, budget=args.accuracy_budget,
+                 backend=args.backend, on_batch=on_batch)
+    q.save(args.output)
+    print(f"{args.model} -> {args.output}")
+    print(q.report)
+    return 0
+
+
 def cmd_zoo(argv: list[str]) -> int:
     if importlib.util.find_spec("kiln.zoo.__main__") is None:
         print("kiln: the model zoo is not available in this install "
@@ -666,15 +730,33 @@ def _missing_module_hint(e: ModuleNotFoundError) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``kiln`` command line; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is taken wherever it stands, so `kiln run m.onnx --debug` works too.
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if argv and argv[0] == "zoo":
-        return _guard(lambda: cmd_zoo(argv[1:]), None)
+        return _guard(lambda: cmd_zoo(argv[1:]), None, debug)
     parser = build_parser()
     args = parser.parse_args(argv)
-    return _guard(lambda: args.func(args), args.parser)
+    return _guard(lambda: args.func(args), args.parser, debug)
 
 
-def _guard(fn: Callable[[], int], parser: argparse.ArgumentParser | None) -> int:
-    """Turn expected failures into a message and an exit code (no traceback)."""
+def _guard(fn: Callable[[], int], parser: argparse.ArgumentParser | None,
+           debug: bool = False) -> int:
+    """Turn failures into one line on stderr and an exit code; the traceback only with
+    ``--debug``."""
+    if debug:
+        return fn()
+    try:
+        return _explain(fn, parser)
+    except Exception as e:  # noqa: BLE001 - a bug in Kiln still gets one readable line
+        what = (str(e).strip().splitlines() or [""])[0]
+        print(f"kiln: internal error: {type(e).__name__}: {what} (run again with --debug "
+              "for the traceback, and please report it)", file=sys.stderr)
+        return 1
+
+
+def _explain(fn: Callable[[], int], parser: argparse.ArgumentParser | None) -> int:
+    """Expected failures as a message and an exit code; anything else propagates."""
     try:
         return fn()
     except UsageError as e:
@@ -688,7 +770,7 @@ def _guard(fn: Callable[[], int], parser: argparse.ArgumentParser | None) -> int
     except ModuleNotFoundError as e:
         hint = _missing_module_hint(e)
         if hint is None:
-            raise  # Kiln itself is broken: the traceback is what a bug report needs
+            raise  # Kiln itself is broken: reported by _guard
         print(f"kiln: error: {hint}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # output piped into `head` and the like

@@ -17,7 +17,7 @@ from kiln.quantize.calibrate import calibrate, load_feeds
 from kiln.quantize.fp16 import as_model
 from kiln.quantize.report import QuantizeReport, compare, latency_ms, model_bytes
 
-__all__ = ["MODES", "Quantized", "quantize"]
+__all__ = ["MODES", "Budget", "Quantized", "quantize"]
 
 MODES = ("dynamic", "static", "weight-only")
 # How many feeds the report's accuracy check runs at most.
@@ -44,7 +44,8 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
              op_types: Iterable[str] | None = None, exclude: Iterable[str] = (),
              reduce_range: bool = True, validation=None, percentile: float = 99.99,
              bits: int = 4,
-             block_size: int = 128, backend: str = "numpy", measure_latency: bool = True,
+             block_size: int = 128, budget: Budget | str | None = None,
+             backend: str = "numpy", measure_latency: bool = True,
              on_batch: Callable[[int, int], None] | None = None) -> Quantized:
     """Quantize ``model`` (a path, bytes, ModelProto or Kiln Model) in QDQ format.
 
@@ -61,38 +62,54 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     ``op_types``/``exclude``: which op types to consider / layer names or op types to keep
     in float. ``validation`` (default: the calibration data) is what the report's error
     and top-1 agreement are measured on; latency is measured on ``backend``.
+    ``budget`` (a :class:`Budget` or ``"rel=0.01"``/``"top1=0.995"``): accuracy-aware
+    mode; layers go back to float, most sensitive first, until the quantized model is
+    within the budget on the validation data (the report says which, and why).
     ``on_batch(done, total)`` follows calibration (a progress bar hooks in).
     """
+    if isinstance(budget, str):
+        budget = Budget.parse(budget)
     if mode not in MODES:
         raise OptionError(f"unknown quantization mode {mode!r}; choose one of "
                           f"{', '.join(MODES)}")
     original = as_model(model)
     infer_model(original)
-    m = _at_opset(original, 21) if mode == "weight-only" else as_model(original)
-    infer_model(m)
-    inputs = [v.name for v in m.graph.inputs]
+    base = _at_opset(original, 21) if mode == "weight-only" else as_model(original)
+    infer_model(base)
+    inputs = [v.name for v in base.graph.inputs]
     feeds = load_feeds(calibration, inputs) if calibration is not None or mode == "static" \
         else []
     exclude = set(exclude)
-    if mode == "weight-only":
-        plan = weight_only.plan_weight_only(m, exclude)
-        weight_only.rewrite_weight_only(m, plan, block_size, bits)
-    else:
-        types = tuple(op_types) if op_types is not None else qdq.COMPUTE_OPS + qdq.ELEMENTWISE_OPS
-        plan = qdq.plan_layers(m, mode, types, exclude)
-        ranges = None
-        if mode == "static":
-            tensors = sorted({v.name for n in plan.quantized
-                              for v in list(n.inputs) + list(n.outputs)
-                              if v is not None and v.const is None and v.dtype == DType.FLOAT})
-            ranges = calibrate(m, tensors, feeds, method, percentile, backend, on_batch)
-        qdq.rewrite(m, plan, mode, ranges, per_channel, symmetric,
-                    7 if reduce_range else 8)
+    types = tuple(op_types) if op_types is not None else qdq.COMPUTE_OPS + qdq.ELEMENTWISE_OPS
+    ranges = None
+    if mode == "static":
+        plan = qdq.plan_layers(base, mode, types, exclude)
+        tensors = sorted({v.name for n in plan.quantized for v in list(n.inputs) + list(n.outputs)
+                          if v is not None and v.const is None and v.dtype == DType.FLOAT})
+        ranges = calibrate(base, tensors, feeds, method, percentile, backend, on_batch)
+
+    def build(skip: set[str]) -> tuple[Model, qdq.Plan]:
+        m = as_model(base)
+        if mode == "weight-only":
+            plan = weight_only.plan_weight_only(m, skip)
+            weight_only.rewrite_weight_only(m, plan, block_size, bits)
+        else:
+            plan = qdq.plan_layers(m, mode, types, skip)
+            qdq.rewrite(m, plan, mode, ranges, per_channel, symmetric, 7 if reduce_range else 8)
+        return m, plan
+
+    check = (load_feeds(validation, inputs) if validation is not None else feeds)[:REPORT_FEEDS]
+    m, plan = build(exclude)
+    reverted: dict[str, str] = {}
+    if budget is not None:
+        if not check:
+            raise OptionError("an accuracy budget needs data to check it on: give "
+                              "calibration or validation feeds")
+        m, plan, reverted = _meet_budget(original, build, exclude, budget, check, backend)
     report = QuantizeReport(mode=mode, size_before=model_bytes(original),
                             size_after=model_bytes(m), backend=backend,
-                            quantized=[_label(n) for n in plan.quantized], kept=dict(plan.kept))
-    check = load_feeds(validation, inputs) if validation is not None else feeds
-    check = check[:REPORT_FEEDS]
+                            quantized=[_label(n) for n in plan.quantized],
+                            kept={**plan.kept, **reverted})
     if check:
         report.outputs = compare(original, m, check, backend)
         report.samples = sum(len(next(iter(f.values()))) for f in check)
@@ -100,6 +117,77 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
             report.latency_before_ms = latency_ms(original, check[0], backend)
             report.latency_after_ms = latency_ms(m, check[0], backend)
     return Quantized(m, report)
+
+
+@dataclass(frozen=True)
+class Budget:
+    """How much worse than the float model a quantized one may be, on the given data:
+    ``max_rel`` bounds every output's max |error| / max |float output|, ``min_top1`` the
+    fraction of rows whose argmax agrees with the float model's (0.995 bounds a top-1
+    accuracy drop at 0.5 points)."""
+
+    max_rel: float | None = None
+    min_top1: float | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> Budget:
+        """``rel=0.01``, ``top1=0.995`` or both, comma-separated."""
+        kw: dict[str, float] = {}
+        for part in text.split(","):
+            key, _, val = part.partition("=")
+            names = {"rel": "max_rel", "top1": "min_top1"}
+            try:
+                kw[names[key.strip()]] = float(val)
+            except (KeyError, ValueError):
+                raise OptionError(f"accuracy budget {text!r}: expected rel=R and/or top1=F, "
+                                  "e.g. rel=0.01 or top1=0.995") from None
+        return cls(**kw)
+
+    def shortfall(self, outputs: dict) -> float:
+        """How far ``outputs`` (name -> OutputError) are outside the budget; 0 inside."""
+        worst_rel = max((e.rel for e in outputs.values()), default=0.0)
+        tops = [e.top1 for e in outputs.values() if e.top1 is not None]
+        gap = 0.0
+        if self.max_rel is not None:
+            gap += max(0.0, worst_rel - self.max_rel) / max(self.max_rel, 1e-12)
+        if self.min_top1 is not None and tops:
+            gap += max(0.0, self.min_top1 - min(tops)) * 100
+        return gap
+
+    def __str__(self) -> str:
+        parts = []
+        if self.max_rel is not None:
+            parts.append(f"relative error <= {self.max_rel:g}")
+        if self.min_top1 is not None:
+            parts.append(f"top-1 agreement >= {self.min_top1:.2%}")
+        return " and ".join(parts) or "none"
+
+
+def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, check: list,
+                 backend: str):
+    """Revert compute layers to float, most sensitive first, until ``budget`` holds.
+
+    A layer's sensitivity is how much the error shrinks when that one layer alone is
+    kept in float (everything else quantized); layers are then reverted in that order,
+    re-measuring after each, until the budget holds or nothing is left to revert."""
+    m, plan = build(exclude)
+    gap = budget.shortfall(compare(original, m, check, backend))
+    if gap == 0:
+        return m, plan, {}
+    names = [n.name for n in plan.quantized if n.op_type in qdq.COMPUTE_OPS and n.name]
+    gain = {}
+    for name in names:
+        trial, _ = build(exclude | {name})
+        gain[name] = gap - budget.shortfall(compare(original, trial, check, backend))
+    order = sorted(names, key=lambda n: -gain[n])
+    reverted: dict[str, str] = {}
+    for name in order:
+        reverted[name] = (f"reverted to float for the accuracy budget ({budget}): "
+                          f"keeping it in float alone cut the shortfall by {gain[name]:.3g}")
+        m, plan = build(exclude | set(reverted))
+        if budget.shortfall(compare(original, m, check, backend)) == 0:
+            break
+    return m, plan, reverted
 
 
 def _label(n) -> str:
