@@ -99,6 +99,7 @@ _TRANSFORMERS = {"bert": "bert", "roberta": "bert", "gpt2": "gpt2"}
 @pytest.fixture(scope="module")
 def transformer_optimized(zoo_model, tmp_path_factory):
     """zoo name -> (optimized file, its float16 version, zoo model path)."""
+    from onnxruntime.transformers.fusion_options import FusionOptions
     from onnxruntime.transformers.optimizer import optimize_model
 
     out = tmp_path_factory.mktemp("ms_opt")
@@ -111,10 +112,17 @@ def transformer_optimized(zoo_model, tmp_path_factory):
             opt.convert_float_to_float16(keep_io_types=True)
             opt.save_model_to_file(str(out / f"{name}_fp16.onnx"))
         made[name] = (out / f"{name}.onnx", out / f"{name}_fp16.onnx", src)
+    # asked for GPU-style fusions, the optimizer writes MultiHeadAttention instead
+    options = FusionOptions("bert")
+    options.use_multi_head_attention = True
+    opt = optimize_model(str(made["bert"][2]), model_type="bert", num_heads=4, hidden_size=256,
+                         optimization_options=options, use_gpu=True)
+    opt.save_model_to_file(str(out / "bert_mha.onnx"))
+    made["bert_mha"] = (out / "bert_mha.onnx", None, made["bert"][2])
     return made
 
 
-@pytest.mark.parametrize("name", sorted(_TRANSFORMERS))
+@pytest.mark.parametrize("name", sorted(_TRANSFORMERS) + ["bert_mha"])
 def test_transformer_optimizer(transformer_optimized, name):
     path, half, src = transformer_optimized[name]
     assert {"SkipLayerNormalization"} <= _ms_ops(path)
@@ -127,7 +135,7 @@ def test_transformer_optimizer(transformer_optimized, name):
 def test_transformer_optimizer_wrote_the_fusions(transformer_optimized):
     written = set().union(*(_ms_ops(p) for p, _, _ in transformer_optimized.values()))
     assert {"Attention", "EmbedLayerNormalization", "SkipLayerNormalization", "BiasGelu",
-            "FastGelu"} <= written
+            "FastGelu", "MultiHeadAttention"} <= written
 
 
 @pytest.fixture(scope="module")
@@ -361,3 +369,52 @@ def test_qlinear_elementwise_ops(tmp_path, dtype):
             diff = np.abs(g.astype(np.int32) - r.astype(np.int32))
             assert diff.max() <= 1, (name, backend, diff.max())
             assert (diff > 0).mean() < 0.02, (name, backend, (diff > 0).mean())
+
+
+@pytest.mark.parametrize("mask_kind", ["none", "lengths", "raw2d", "bias", "unidirectional"])
+def test_multi_head_attention(tmp_path, mask_kind):
+    """Cross attention (3 queries over 5 keys) with each mask form; causal self-attention."""
+    rng = np.random.default_rng(5)
+    b, s, t, d, heads = 2, 3, 5, 8, 2
+    if mask_kind == "unidirectional":
+        s = t
+    feeds = {"q": rng.standard_normal((b, s, d)).astype(np.float32),
+             "k": rng.standard_normal((b, t, d)).astype(np.float32),
+             "v": rng.standard_normal((b, t, d)).astype(np.float32)}
+    ins = ["q", "k", "v", "bias"]
+    inits = [helper.make_tensor("bias", 1, [3 * d], rng.standard_normal(3 * d).tolist())]
+    attrs = {"num_heads": heads}
+    if mask_kind == "lengths":
+        feeds["m"] = np.array([5, 2], np.int32)
+    elif mask_kind == "raw2d":
+        feeds["m"] = np.array([[1, 0, 1, 1, 0], [1, 1, 1, 0, 0]], np.int32)
+    if "m" in feeds:
+        ins.append("m")
+    if mask_kind == "bias":
+        ins += ["", "ab"]
+        feeds["ab"] = rng.standard_normal((1, heads, s, t)).astype(np.float32)
+    if mask_kind == "unidirectional":
+        attrs["unidirectional"] = 1
+    node = helper.make_node("MultiHeadAttention", ins, ["y"], domain="com.microsoft", **attrs)
+    graph_ins = [_vi(n, TensorProto.INT32 if n == "m" else 1, a.shape) for n, a in feeds.items()]
+    _run_both(_one_op(node, graph_ins, [_vi("y", 1, None)], inits), feeds, tmp_path, atol=1e-4)
+
+
+def test_small_fusions(tmp_path):
+    """QuickGelu, SkipSimplifiedLayerNormalization and SimplifiedLayerNormalization
+    (onnxruntime's, in the ONNX domain) against onnxruntime."""
+    rng = np.random.default_rng(6)
+    shape = (2, 3, 8)
+    feeds = {n: rng.standard_normal(shape).astype(np.float32) for n in ("x", "s")}
+    inits = [helper.make_tensor(n, 1, [8], rng.standard_normal(8).tolist()) for n in ("g", "b")]
+    ms = "com.microsoft"
+    nodes = [helper.make_node("QuickGelu", ["x"], ["qg"], domain=ms, alpha=1.5),
+             helper.make_node("SkipSimplifiedLayerNormalization", ["x", "s", "g", "b"],
+                              ["ssl", "", "inv", "sum"], domain=ms, epsilon=1e-5),
+             helper.make_node("SimplifiedLayerNormalization", ["x", "g"], ["sl"],
+                              epsilon=1e-5)]
+    outs = ["qg", "ssl", "inv", "sum", "sl"]
+    m = make_model(nodes, [_vi("x", 1, shape), _vi("s", 1, shape)],
+                   [_vi(o, 1, None) for o in outs], inits)
+    m.opset_import.append(helper.make_opsetid(ms, 1))
+    _run_both(m, feeds, tmp_path, atol=1e-5)

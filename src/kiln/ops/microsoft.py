@@ -19,6 +19,7 @@ from kiln.ir import TensorType
 from kiln.ir.symbolic import broadcast
 from kiln.ir.types import DType
 from kiln.ops import cost
+from kiln.ops._array import namespace
 from kiln.ops.fused import (
     _in_float32,
     _infer_conv,
@@ -185,23 +186,32 @@ def attend(qkv: np.ndarray, num_heads: int, sizes, mask=None, attention_bias=Non
            mask_filter_value: float = -10000.0) -> np.ndarray:
     """Multi-head self-attention over a packed [batch, seq, q+k+v] projection, returning
     [batch, seq, v]: onnxruntime's Attention after its input projection."""
-    b, s, _ = qkv.shape
     hq, hk, hv = sizes
     q, k, v = qkv[..., :hq], qkv[..., hq:hq + hk], qkv[..., hq + hk:hq + hk + hv]
+    return attend_heads(q, k, v, num_heads, mask, attention_bias, scale=scale,
+                        unidirectional=unidirectional, mask_filter_value=mask_filter_value)
+
+
+def attend_heads(q, k, v, num_heads: int, mask=None, attention_bias=None, *,
+                 scale: float | None = None, unidirectional: int = 0,
+                 mask_filter_value: float = -10000.0) -> np.ndarray:
+    """Multi-head attention of queries [batch, seq, dq] over keys/values [batch, total, d]
+    (heads side by side in the last axis), returning [batch, seq, dv]."""
+    b, s, total = q.shape[0], q.shape[1], k.shape[1]
 
     def heads(t):
-        return t.reshape(b, s, num_heads, -1).transpose(0, 2, 1, 3)
+        return t.reshape(t.shape[0], t.shape[1], num_heads, -1).transpose(0, 2, 1, 3)
 
     q, k, v = heads(q), heads(k), heads(v)
     if scale is None or scale == 0:
         scale = 1 / math.sqrt(q.shape[-1])
     scores = np.matmul(q, k.transpose(0, 1, 3, 2)) * np.float32(scale)
     if mask is not None:
-        scores += key_mask(mask, b, s, s, mask_filter_value)
+        scores += key_mask(mask, b, s, total, mask_filter_value)
     if attention_bias is not None:
         scores += attention_bias.astype(scores.dtype)
     if unidirectional:
-        future = np.triu(np.ones((s, s), bool), 1)
+        future = np.triu(np.ones((s, total), bool), 1)
         scores = np.where(future, np.float32(mask_filter_value), scores)
     scores -= scores.max(axis=-1, keepdims=True)
     np.exp(scores, out=scores)
@@ -242,6 +252,80 @@ def ms_attention(x, weights, bias=None, mask_index=None, past=None, attention_bi
     return attend(qkv, num_heads, qkv_sizes(weights.shape[1], qkv_hidden_sizes), mask_index,
                   attention_bias, scale=scale, unidirectional=unidirectional,
                   mask_filter_value=mask_filter_value)
+
+
+def _infer_mha(ctx):
+    q, v = ctx.tensor_type(0), ctx.shape(2)
+    if q is None:
+        return None
+    if q.shape is None or v is None or len(q.shape) != 3:
+        return [TensorType(q.dtype)]
+    return [_tensor(q.dtype, tuple(q.shape[:2]) + (v[-1],))]
+
+
+@op("MultiHeadAttention", 1, domain=MS_DOMAIN, infer=_infer_mha, cost=cost.attention)
+@_in_float32
+def multi_head_attention(query, key=None, value=None, bias=None, key_padding_mask=None,
+                         attention_bias=None, past_key=None, past_value=None,
+                         past_sequence_length=None, cache_indirection=None, *,
+                         num_heads=None, scale=None, unidirectional=0,
+                         mask_filter_value=-10000.0):
+    """Attention of projected queries [batch, seq, d] over projected keys and values
+    [batch, total, d], each plus its part of ``bias``."""
+    no_past("MultiHeadAttention", past_key)
+    if key is None or value is None or query.ndim != 3 or key.ndim != 3:
+        raise UnsupportedOpError("MultiHeadAttention: only separate 3-D query, key and value "
+                                 "inputs are supported (not packed QKV or per-head keys)",
+                                 ["MultiHeadAttention"])
+    if unidirectional and query.shape[1] != key.shape[1]:
+        raise UnsupportedOpError("MultiHeadAttention: unidirectional cross attention (query "
+                                 "and key lengths differ) is not supported",
+                                 ["MultiHeadAttention"])
+    if bias is not None:
+        dq, dk = query.shape[-1], key.shape[-1]
+        query, key, value = query + bias[:dq], key + bias[dq:dq + dk], value + bias[dq + dk:]
+    return attend_heads(query, key, value, num_heads, key_padding_mask, attention_bias,
+                        scale=scale, unidirectional=unidirectional,
+                        mask_filter_value=mask_filter_value)
+
+
+# ---------------------------------------------------------------- small fusions
+
+@op("QuickGelu", 1, domain=MS_DOMAIN, infer=_same_as_first, generic=True,
+    cost=cost.per_element(4))
+def quick_gelu(x, *, alpha=1.702):
+    """x * sigmoid(alpha * x)."""
+    xp = namespace(x)
+    return x / (1 + xp.exp(-alpha * x))
+
+
+def _rms(s: np.ndarray, epsilon: float, axes=(-1,)) -> np.ndarray:
+    """1/sqrt(mean(s^2) + epsilon) over ``axes`` in float32 or wider, kept dims."""
+    w = s.astype(np.promote_types(s.dtype, np.float32), copy=False)
+    return 1 / np.sqrt(np.square(w).mean(axis=axes, keepdims=True) + np.float32(epsilon))
+
+
+@op("SkipSimplifiedLayerNormalization", 1, domain=MS_DOMAIN, infer=_infer_skip_ln,
+    cost=cost.per_element(5))
+def skip_simplified_layer_norm(ctx, x, skip, gamma, bias=None, *, epsilon=1e-12):
+    """RMS normalization of input + skip + bias over the last axis, times gamma; optional
+    outputs: (unused) mean, inverse RMS, and the sum that was normalized."""
+    s = np.add(x, skip)
+    if bias is not None:
+        s += bias.astype(s.dtype)
+    inv = _rms(s, epsilon)
+    y = (s * inv * gamma).astype(s.dtype, copy=False)
+    return (y, None, inv.astype(np.float32), s)[:ctx.num_outputs]
+
+
+@op("SimplifiedLayerNormalization", 1, infer=_same_as_first, cost=cost.per_element(4))
+def simplified_layer_norm(ctx, x, scale, *, axis=-1, epsilon=1e-5, stash_type=1):
+    """RMS normalization from ``axis`` on, times scale (onnxruntime registers it in the
+    ONNX domain; ONNX itself has no op of this name)."""
+    ax = axis + x.ndim if axis < 0 else axis
+    inv = _rms(x, epsilon, tuple(range(ax, x.ndim)))
+    y = (x * inv * scale).astype(x.dtype, copy=False)
+    return (y, inv.astype(np.float32))[:ctx.num_outputs]
 
 
 # ---------------------------------------------------------------- fused Conv / Gemm / MatMul

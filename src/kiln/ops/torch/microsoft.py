@@ -76,6 +76,25 @@ def embed_layer_norm(ctx, input_ids, segment_ids, word, position, segment, gamma
     return (y, index, s)[:ctx.num_outputs]
 
 
+def _attend(q, k, v, num_heads, mask, attention_bias, scale, unidirectional, filter_value):
+    """Torch form of kiln.ops.microsoft.attend_heads."""
+    b, s, total = q.shape[0], q.shape[1], k.shape[1]
+    q, k, v = (t.reshape(t.shape[0], t.shape[1], num_heads, -1).transpose(1, 2)
+               for t in (q, k, v))
+    scores = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
+    if mask is not None:
+        # the mask is a few integers per row: its additive form is built on the host
+        add = key_mask(mask.cpu().numpy(), b, s, total, filter_value)
+        scores = scores + torch.from_numpy(add).to(scores.device, scores.dtype)
+    if attention_bias is not None:
+        scores = scores + attention_bias
+    if unidirectional:
+        future = torch.ones(s, total, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, filter_value)
+    out = torch.softmax(scores, -1) @ v
+    return out.transpose(1, 2).reshape(b, s, -1)
+
+
 @kernel("Attention", 1, domain=MS_DOMAIN)
 def attention(x, weights, bias=None, mask_index=None, past=None, attention_bias=None,
               past_sequence_length=None, *, num_heads=None, qkv_hidden_sizes=None,
@@ -86,22 +105,27 @@ def attention(x, weights, bias=None, mask_index=None, past=None, attention_bias=
     no_past("Attention", past)
     qkv = x @ weights if bias is None else torch.addmm(
         bias, x.reshape(-1, x.shape[-1]), weights).reshape(x.shape[:-1] + (-1,))
-    b, s, _ = qkv.shape
-    hq, hk, hv = qkv_sizes(weights.shape[1], qkv_hidden_sizes)
-    q, k, v = (t.reshape(b, s, num_heads, -1).transpose(1, 2)
-               for t in qkv.split([hq, hk, hv], dim=-1))
-    scores = (q @ k.transpose(-1, -2)) * (scale or 1 / math.sqrt(q.shape[-1]))
-    if mask_index is not None:
-        # the mask is a few integers per row: its additive form is built on the host
-        add = key_mask(mask_index.cpu().numpy(), b, s, s, mask_filter_value)
-        scores = scores + torch.from_numpy(add).to(scores.device, scores.dtype)
-    if attention_bias is not None:
-        scores = scores + attention_bias
-    if unidirectional:
-        future = torch.ones(s, s, dtype=torch.bool, device=x.device).triu(1)
-        scores = scores.masked_fill(future, mask_filter_value)
-    out = torch.softmax(scores, -1) @ v
-    return out.transpose(1, 2).reshape(b, s, -1)
+    q, k, v = qkv.split(list(qkv_sizes(weights.shape[1], qkv_hidden_sizes)), dim=-1)
+    return _attend(q, k, v, num_heads, mask_index, attention_bias, scale, unidirectional,
+                   mask_filter_value)
+
+
+@kernel("MultiHeadAttention", 1, domain=MS_DOMAIN)
+def multi_head_attention(query, key=None, value=None, bias=None, key_padding_mask=None,
+                         attention_bias=None, past_key=None, past_value=None,
+                         past_sequence_length=None, cache_indirection=None, *,
+                         num_heads=None, scale=None, unidirectional=0,
+                         mask_filter_value=-10000.0):
+    if query.dtype not in FLOATS or key is None or value is None or query.dim() != 3 \
+            or key.dim() != 3 or past_key is not None \
+            or unidirectional and query.shape[1] != key.shape[1]:
+        return NI  # the reference kernel runs it, or says what is unsupported
+    if bias is not None:
+        query, key, value = (t + c for t, c in zip(
+            (query, key, value), bias.split([query.shape[-1], key.shape[-1],
+                                             value.shape[-1]])))
+    return _attend(query, key, value, num_heads, key_padding_mask, attention_bias, scale,
+                   unidirectional, mask_filter_value)
 
 
 @kernel("FusedMatMul", 1, domain=MS_DOMAIN)
