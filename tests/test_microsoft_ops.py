@@ -9,7 +9,7 @@ not one of these) rounds some int8 outputs one step differently and the steps pr
 so outputs agree to 5% of their range and in their top class. Dynamic quantization: 1.5%
 of the range (the same gap as onnxruntime's own standard-op file, MatMulInteger +
 DynamicQuantizeLinear, shows against Kiln). DynamicQuantizeLSTM: onnxruntime quantizes the
-activations too, Kiln only the weights: 0.1 absolute on outputs in (-1, 1).
+activations too, Kiln only the weights: 0.05 absolute on outputs in (-1, 1) (measured 0.033).
 
 Whole quantized models run on the NumPy backend only (their integer ops have NumPy kernels,
 which the torch backend runs through its CPU fallback; the single-op tests run both).
@@ -241,7 +241,7 @@ def test_dynamic_quantize_lstm(tmp_path):
     onnx.save(model, src)
     quantize_dynamic(str(src), str(path))
     assert _ms_ops(path) == {"DynamicQuantizeLSTM"}
-    _compare(path, {"x": rng.standard_normal((6, 2, inp)).astype(np.float32)}, atol=0.1)
+    _compare(path, {"x": rng.standard_normal((6, 2, inp)).astype(np.float32)}, atol=0.05)
 
 
 # ---------------------------------------------------------------- one op, every form
