@@ -5,6 +5,7 @@ values, maps in and out), on both Kiln backends."""
 from __future__ import annotations
 
 import numpy as np
+import onnx
 import pytest
 from onnx import TensorProto, helper
 
@@ -255,3 +256,12 @@ def test_cast_map(form, cast):
     onx = _model(node, [helper.make_value_info("X", map_type)],
                  [helper.make_tensor_value_info("Y", out, None)])
     _check(onx, {"X": {4: 2.5, 0: -1.0, 2: 7.0}})
+
+
+def test_every_ai_onnx_ml_schema_has_a_kernel():
+    from kiln.ops import lookup
+
+    schemas = {(s.name, s.since_version) for s in onnx.defs.get_all_schemas_with_history()
+               if s.domain == ML and not s.deprecated}
+    missing = sorted(k for k in schemas if lookup(ML, k[0], k[1]) is None)
+    assert not missing
