@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
                "1 failure, 2 usage error.")
     from kiln import __version__
     ap.add_argument("--version", action="version", version=f"kiln {__version__}")
+    ap.add_argument("--debug", action="store_true",
+                    help="print the full traceback when a command fails (anywhere on the line)")
     sub = ap.add_subparsers(dest="command", metavar="COMMAND", required=True)
 
     p = sub.add_parser("inspect", help="what a model is made of: I/O, layers, ops, "
@@ -728,15 +730,33 @@ def _missing_module_hint(e: ModuleNotFoundError) -> str | None:
 def main(argv: list[str] | None = None) -> int:
     """Run the ``kiln`` command line; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
+    # --debug is taken wherever it stands, so `kiln run m.onnx --debug` works too.
+    debug = "--debug" in argv
+    argv = [a for a in argv if a != "--debug"]
     if argv and argv[0] == "zoo":
-        return _guard(lambda: cmd_zoo(argv[1:]), None)
+        return _guard(lambda: cmd_zoo(argv[1:]), None, debug)
     parser = build_parser()
     args = parser.parse_args(argv)
-    return _guard(lambda: args.func(args), args.parser)
+    return _guard(lambda: args.func(args), args.parser, debug)
 
 
-def _guard(fn: Callable[[], int], parser: argparse.ArgumentParser | None) -> int:
-    """Turn expected failures into a message and an exit code (no traceback)."""
+def _guard(fn: Callable[[], int], parser: argparse.ArgumentParser | None,
+           debug: bool = False) -> int:
+    """Turn failures into one line on stderr and an exit code; the traceback only with
+    ``--debug``."""
+    if debug:
+        return fn()
+    try:
+        return _explain(fn, parser)
+    except Exception as e:  # noqa: BLE001 - a bug in Kiln still gets one readable line
+        what = (str(e).strip().splitlines() or [""])[0]
+        print(f"kiln: internal error: {type(e).__name__}: {what} (run again with --debug "
+              "for the traceback, and please report it)", file=sys.stderr)
+        return 1
+
+
+def _explain(fn: Callable[[], int], parser: argparse.ArgumentParser | None) -> int:
+    """Expected failures as a message and an exit code; anything else propagates."""
     try:
         return fn()
     except UsageError as e:
@@ -750,7 +770,7 @@ def _guard(fn: Callable[[], int], parser: argparse.ArgumentParser | None) -> int
     except ModuleNotFoundError as e:
         hint = _missing_module_hint(e)
         if hint is None:
-            raise  # Kiln itself is broken: the traceback is what a bug report needs
+            raise  # Kiln itself is broken: reported by _guard
         print(f"kiln: error: {hint}", file=sys.stderr)
         return 1
     except BrokenPipeError:  # output piped into `head` and the like

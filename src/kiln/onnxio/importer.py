@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import os
 from collections import ChainMap
 from pathlib import Path
 from typing import Any
 
 import onnx
+import onnx.defs
 from google.protobuf.message import DecodeError
 
 from kiln.errors import ModelLoadError
@@ -30,6 +32,10 @@ from kiln.onnxio.tensors import sparse_to_array, to_array
 
 A = onnx.AttributeProto
 
+# ONNX files cannot nest deeper than protobuf's 100-message decode limit (about 33 levels of
+# If/Loop bodies); an in-memory ModelProto can, and would exhaust Python's stack later on.
+MAX_SUBGRAPH_DEPTH = 64
+
 
 def load(source: str | os.PathLike | bytes | onnx.ModelProto, base_dir=None) -> Model:
     """Import an ONNX model from a file path, serialized bytes or a ModelProto.
@@ -49,6 +55,7 @@ def load(source: str | os.PathLike | bytes | onnx.ModelProto, base_dir=None) -> 
             data = path.read_bytes()
             base_dir = path.parent if base_dir is None else base_dir
         proto = _parse(data, str(source)[:80] if not isinstance(source, bytes) else "<bytes>")
+    _check_depth(proto)
     return ModelImporter(proto, base_dir).model()
 
 
@@ -67,6 +74,73 @@ def _parse(data: bytes, what: str) -> onnx.ModelProto:
     return proto
 
 
+def _check_depth(proto: onnx.ModelProto) -> None:
+    """Refuse subgraphs nested deeper than MAX_SUBGRAPH_DEPTH (walked without recursion)."""
+    stack = [(proto.graph, 0)] + [(f, 0) for f in proto.functions]
+    while stack:
+        g, depth = stack.pop()
+        if depth > MAX_SUBGRAPH_DEPTH:
+            raise ModelLoadError(
+                f"subgraphs are nested more than {MAX_SUBGRAPH_DEPTH} levels deep; Kiln (like "
+                "protobuf's decoder for ONNX files) refuses such models")
+        for n in g.node:
+            for a in n.attribute:
+                if a.type == A.GRAPH:
+                    stack.append((a.g, depth + 1))
+                elif a.type == A.GRAPHS:
+                    stack.extend((sg, depth + 1) for sg in a.graphs)
+
+
+def dtype_of(number: int, what: str) -> DType:
+    """The DType of an ONNX element-type number, or ModelLoadError naming ``what``."""
+    try:
+        return DType(number)
+    except ValueError:
+        raise ModelLoadError(f"{what} has unknown element type {number}; the model is "
+                             "malformed or needs a newer ONNX than Kiln knows") from None
+
+
+def text(s: str | bytes, what: str) -> str:
+    """A name from the proto; protobuf hands invalid UTF-8 over as bytes, which ONNX
+    forbids (names and op types are UTF-8 strings)."""
+    if isinstance(s, str):
+        return s
+    raise ModelLoadError(f"{what} {s!r} is not valid UTF-8; the model is malformed")
+
+
+@functools.cache
+def _schema(op_type: str, domain: str, version: int) -> onnx.defs.OpSchema | None:
+    try:
+        return onnx.defs.get_schema(op_type, version, domain)
+    except onnx.defs.SchemaError:
+        return None  # custom domains and Kiln's own ops: their kernels check themselves
+
+
+def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: str) -> None:
+    """Input/output counts and attribute types against the op's ONNX schema (onnxruntime
+    rejects the same graphs); the schema lookup is cached per op type and opset."""
+    version = opsets.get(domain)
+    if version is None:
+        return
+    schema = _schema(np_.op_type, domain, version)
+    if schema is None:
+        return
+    for kind, n, lo, hi in (("inputs", len(np_.input), schema.min_input, schema.max_input),
+                            ("outputs", len(np_.output), schema.min_output, schema.max_output)):
+        if not lo <= n <= hi:
+            want = str(lo) if lo == hi else f"{lo} to {hi}" if hi < 2**30 else f"at least {lo}"
+            raise ModelLoadError(f"{where} has {n} {kind}, but {np_.op_type}-"
+                                 f"{schema.since_version} takes {want}; the model is malformed")
+    attrs = schema.attributes
+    for a in np_.attribute:
+        spec = attrs.get(a.name)
+        if spec is not None and not a.ref_attr_name and int(a.type) != int(spec.type):
+            got = A.AttributeType.Name(a.type) if a.type in A.AttributeType.values() else a.type
+            raise ModelLoadError(
+                f"{where}: attribute {a.name!r} is {got}, but {np_.op_type} takes "
+                f"{A.AttributeType.Name(int(spec.type))}; the model is malformed")
+
+
 def value_type(tp: onnx.TypeProto) -> ValueType | None:
     """IR type of an ONNX TypeProto (None when the proto declares nothing)."""
     kind = tp.WhichOneof("value")
@@ -80,17 +154,14 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
                 d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else
                 (parse_dim(d.dim_param) if d.dim_param else None)
                 for d in t.shape.dim)
-        try:
-            dtype = DType(t.elem_type)
-        except ValueError:
-            raise ModelLoadError(f"unknown tensor element type {t.elem_type}") from None
-        return TensorType(dtype, shape)
+        return TensorType(dtype_of(t.elem_type, "a tensor type"), shape)
     if kind == "sequence_type":
         return SequenceType(value_type(tp.sequence_type.elem_type))
     if kind == "optional_type":
         return OptionalType(value_type(tp.optional_type.elem_type))
     if kind == "map_type":
-        return MapType(DType(tp.map_type.key_type), value_type(tp.map_type.value_type))
+        return MapType(dtype_of(tp.map_type.key_type, "a map key"),
+                       value_type(tp.map_type.value_type))
     return None
 
 
@@ -100,12 +171,14 @@ class ModelImporter:
     def __init__(self, proto: onnx.ModelProto, base_dir=None):
         self.proto = proto
         self.base_dir = base_dir
+        self.opsets: dict[str, int] = {}
 
     def model(self) -> Model:
         p = self.proto
         opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version for o in p.opset_import}
         if not opsets:
             opsets = {"": 1}  # IR v1/v2 models predate opset_import
+        self.opsets = opsets
         functions = {(f.domain, f.name): self.function(f) for f in p.functions}
         graph = self.graph(p.graph, ChainMap(), top=True)
         return Model(
@@ -120,8 +193,14 @@ class ModelImporter:
         for v in inputs:
             scope[v.name] = v
         body = Graph(inputs=inputs, name=f.name)
-        for np_ in _toposort(list(f.node), set(f.input), f.name):
-            body.nodes.append(self.node(np_, scope))
+        outer_opsets = self.opsets
+        self.opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version
+                       for o in f.opset_import} or outer_opsets
+        try:
+            for np_ in _toposort(list(f.node), set(f.input), f.name):
+                body.nodes.append(self.node(np_, scope))
+        finally:
+            self.opsets = outer_opsets
         body.outputs = [self._lookup(scope, n, f"function {f.name} output") for n in f.output]
         defaults = {a.name: self.attr_value(a) for a in f.attribute_proto}
         return Function(
@@ -136,8 +215,9 @@ class ModelImporter:
         g = Graph(name=gp.name, doc=gp.doc_string)
         init_names = set()
         for t in gp.initializer:
-            v = Value(t.name, TensorType(DType(t.data_type), tuple(t.dims)),
-                      const=to_array(t, self.base_dir))
+            const = to_array(t, self.base_dir)
+            v = Value(text(t.name, "initializer name"),
+                      TensorType(DType(t.data_type), tuple(t.dims)), const=const)
             g.initializers[t.name] = scope[t.name] = v
             init_names.add(t.name)
         for s in gp.sparse_initializer:
@@ -150,7 +230,7 @@ class ModelImporter:
                 # An input with a default (older IR): a feed may override the initializer.
                 scope[vi.name].meta["overridable"] = True
                 continue
-            v = Value(vi.name, value_type(vi.type))
+            v = Value(text(vi.name, "input name"), value_type(vi.type))
             g.inputs.append(v)
             scope[vi.name] = v
         known = set(scope.keys())
@@ -168,7 +248,10 @@ class ModelImporter:
         return g
 
     def node(self, np_: onnx.NodeProto, scope: ChainMap) -> Node:
-        where = f"node {np_.name or np_.op_type!r} ({np_.op_type})"
+        op_type = text(np_.op_type, "op type")
+        domain = "" if np_.domain == "ai.onnx" else text(np_.domain, "op domain")
+        where = f"node {text(np_.name, 'node name') or op_type!r} ({op_type})"
+        check_node(np_, domain, self.opsets, where)
         inputs = [self._lookup(scope, n, where) if n else None for n in np_.input]
         attrs = {}
         for a in np_.attribute:
@@ -179,14 +262,14 @@ class ModelImporter:
             if not n:
                 outputs.append(None)
                 continue
+            n = text(n, f"{where}: output name")
             if n in scope.maps[0]:
                 raise ModelLoadError(f"{where}: value {n!r} is defined twice; ONNX graphs are "
                                      "single-assignment, so the model is malformed")
             v = Value(n)
             scope[n] = v
             outputs.append(v)
-        domain = "" if np_.domain == "ai.onnx" else np_.domain
-        node = Node(np_.op_type, inputs, outputs, attrs, domain=domain, name=np_.name)
+        node = Node(op_type, inputs, outputs, attrs, domain=domain, name=np_.name)
         node.doc = np_.doc_string
         return node
 
@@ -224,6 +307,7 @@ class ModelImporter:
 
     @staticmethod
     def _lookup(scope: ChainMap, name: str, where: str) -> Value:
+        name = text(name, f"{where}: value name")
         try:
             return scope[name]
         except KeyError:

@@ -52,16 +52,21 @@ def _external_fields(t: onnx.TensorProto) -> dict[str, str]:
 def _external_array(t: onnx.TensorProto, base_dir) -> np.ndarray:
     info = _external_fields(t)
     path = safe_external_path(info.get("location", ""), base_dir)
-    offset = int(info.get("offset", 0) or 0)
     size = path.stat().st_size
-    length = int(info["length"]) if "length" in info else size - offset
+    try:
+        offset = int(info.get("offset", 0) or 0)
+        length = int(info["length"]) if "length" in info else size - offset
+    except ValueError:
+        raise ExternalDataError(
+            f"tensor {t.name!r}: external data offset {info.get('offset')!r} or length "
+            f"{info.get('length')!r} is not a whole number; the model is malformed") from None
     if offset < 0 or length < 0 or offset + length > size:
         raise ExternalDataError(
             f"tensor {t.name!r}: external data range [{offset}, {offset + length}) lies beyond "
             f"the end of {path.name} ({size} bytes); the file is truncated or mismatched")
     dtype = DType(t.data_type)
     shape = tuple(t.dims)
-    count = int(np.prod(shape, dtype=np.int64))
+    count = _count(t)
     if dtype in _MEMMAPPABLE:
         need = count * dtype.numpy.itemsize
         if need != length:
@@ -83,8 +88,26 @@ def _external_array(t: onnx.TensorProto, base_dir) -> np.ndarray:
     return _embedded_array(copy)
 
 
+def _count(t: onnx.TensorProto) -> int:
+    """Element count of the tensor's dims, refusing negative dims and counts no int64 (and
+    no memory) holds."""
+    count = 1
+    for d in t.dims:
+        if d < 0:
+            raise ModelLoadError(f"tensor {t.name!r} has a negative dim in {list(t.dims)}")
+        count *= d
+    if count >= 2**63:
+        raise ModelLoadError(f"tensor {t.name!r} has dims {list(t.dims)}, whose product "
+                             "overflows int64; the model is malformed")
+    return count
+
+
 def _embedded_array(t: onnx.TensorProto) -> np.ndarray:
+    count = _count(t)
     if t.data_type == onnx.TensorProto.STRING:
+        if len(t.string_data) != count:
+            raise ModelLoadError(f"string tensor {t.name!r} has {len(t.string_data)} values "
+                                 f"for dims {list(t.dims)} ({count}); the model is malformed")
         return np.array([s.decode("utf-8", "surrogateescape") for s in t.string_data],
                         dtype=object).reshape(tuple(t.dims))
     try:

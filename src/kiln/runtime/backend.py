@@ -13,9 +13,43 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from kiln.errors import InputError
 from kiln.ir import DType
 from kiln.ops.registry import Kernel, OpDef
 from kiln.runtime.placement import LayerPlacement, RunStats
+
+
+def host_feed(x: Any, dtype: DType) -> np.ndarray:
+    """A caller's feed as a NumPy array in native byte order, or InputError saying why not:
+    lists take the declared dtype; big-endian arrays are converted (onnxruntime accepts
+    them); ragged lists, dicts, None, text for a numeric input and record dtypes are refused
+    rather than turned into something the caller did not mean."""
+    if isinstance(x, np.ndarray):
+        arr = x
+    elif hasattr(x, "__array__") and not isinstance(x, (list, tuple)):
+        arr = np.asarray(x)
+    else:
+        text = dtype == DType.STRING
+        if x is None or isinstance(x, (dict, set)) or (isinstance(x, (str, bytes)) and not text):
+            raise InputError(f"a feed of type {type(x).__name__} cannot be a tensor of "
+                             f"{dtype.onnx_name}; pass a NumPy array")
+        try:
+            arr = np.asarray(x, dtype=object if text else dtype.numpy)
+        except (ValueError, TypeError) as e:
+            raise InputError(f"the feed cannot be made a tensor of {dtype.onnx_name} ({e}); "
+                             "pass a NumPy array of that dtype (nested lists must not be "
+                             "ragged)") from None
+    if arr.dtype.fields is not None or arr.dtype.kind == "V":
+        raise InputError(f"a feed of record dtype {arr.dtype} cannot be a tensor; pass a "
+                         "plain NumPy array")
+    if not arr.dtype.isnative:
+        arr = arr.astype(arr.dtype.newbyteorder("="))
+    try:
+        DType.from_numpy(arr.dtype)
+    except KeyError:
+        raise InputError(f"a feed of dtype {arr.dtype} has no ONNX element type; convert "
+                         f"it with .astype({dtype.numpy.name!r})") from None
+    return arr
 
 
 class Candidate(NamedTuple):
@@ -119,11 +153,7 @@ class Backend:
 
     def accept_feed(self, x: Any, dtype: DType):
         """Turn a caller's feed into this backend's array (lists take the declared dtype)."""
-        if isinstance(x, np.ndarray):
-            return x
-        if hasattr(x, "__array__") and not isinstance(x, (list, tuple)):
-            return np.asarray(x)
-        return np.asarray(x, dtype=dtype.numpy)
+        return host_feed(x, dtype)
 
     def dtype_of(self, x) -> DType:
         """The element type of an array of this backend."""

@@ -29,7 +29,7 @@ from kiln.ir import DType
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef
 from kiln.ops.torch.arrays import DTYPE_OF, to_numpy, to_torch
-from kiln.runtime.backend import Backend, Candidate, usable_cores
+from kiln.runtime.backend import Backend, Candidate, host_feed, usable_cores
 from kiln.runtime.executor import Program
 from kiln.runtime.placement import LayerPlacement, RunStats
 from kiln.runtime.specialize import CompileFailed, CompileWarning, Specializer
@@ -146,15 +146,13 @@ class TorchBackend(Backend):
                 x = x.to(self.tdevice, non_blocking=self.is_cuda and x.device.type == "cpu")
             return x
         if isinstance(x, _ND):
-            return self.from_numpy(x)
+            return self.from_numpy(host_feed(x, dtype))
         if hasattr(x, "__dlpack__") and not isinstance(x, (list, tuple)):
             try:
                 return self.accept_feed(torch.from_dlpack(x), dtype)
             except (RuntimeError, TypeError, BufferError):
                 pass
-        if hasattr(x, "__array__") and not isinstance(x, (list, tuple)):
-            return self.from_numpy(np.asarray(x))
-        return self.from_numpy(np.asarray(x, dtype=dtype.numpy))
+        return self.from_numpy(host_feed(x, dtype))
 
     def dtype_of(self, x) -> DType:
         if isinstance(x, _TENSOR):
