@@ -10,10 +10,16 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.errors import KernelError
 from kiln.ir import TensorType
 from kiln.ops._array import axis as norm_axis
 from kiln.ops._array import namespace
 from kiln.ops.registry import op
+
+MAX_LOOP_ITERATIONS = 1_000_000
+"""A Loop stops with KernelError after this many iterations (exporters write INT64_MAX as
+the trip count of while-loops, so the count itself is no bound). Set this module attribute
+to allow longer loops."""
 
 
 def _scalar(ctx, x):
@@ -68,6 +74,10 @@ def loop(ctx, max_trip_count, cond, *v_initial, body):
     to_backend = ctx.backend.from_numpy
     i = 0
     while keep_going and (trip is None or i < trip):
+        if i >= MAX_LOOP_ITERATIONS:
+            raise KernelError(
+                f"Loop ran {i} iterations (trip count {trip}) without finishing; raise "
+                "kiln.ops.control.MAX_LOOP_ITERATIONS if the model really loops this long")
         out = ctx.run(body, [to_backend(np.array(i, np.int64)),
                              to_backend(np.array(keep_going)), *carried])
         keep_going = bool(_scalar(ctx, out[0]))

@@ -33,7 +33,9 @@ log = logging.getLogger(__name__)
 
 NEVER_FOLD = frozenset({"DequantizeLinear", "DynamicQuantizeLinear"})
 GROWTH_LIMIT_BYTES = 1 << 20
-"""A folded output may exceed twice its inputs' size only up to this many bytes."""
+"""A folded output may exceed twice its inputs' size only up to this many bytes. Checked
+against the inferred output shapes before the kernel runs, so a 10^9-element
+ConstantOfShape is never built; set this module attribute to allow bigger folds."""
 
 
 class FoldConstants(RulePass):
@@ -78,19 +80,40 @@ def _match_fold(rw: Rewriter, n: Node):
         return None
     if any(v is not None and const_value(v) is None for v in n.inputs):
         return None
+    if not any(v.num_uses for v in n.outputs if v is not None):
+        return None  # nothing reads it: dead-code elimination takes it, unbuilt
+    in_bytes = sum(v.const.nbytes for v in n.inputs if v is not None)
+    if _too_big(_predicted_bytes(n), in_bytes):
+        return n, None, f"{n.op_type} folded", in_bytes  # declined by _check_fold, unrun
     results = run_kernel(n, rw.opset(n))
     if results is None:
         return None
-    return n, results, f"{n.op_type} folded", sum(v.const.nbytes for v in n.inputs
-                                                  if v is not None)
+    return n, results, f"{n.op_type} folded", in_bytes
+
+
+def _predicted_bytes(n: Node) -> int | None:
+    """Size of the node's outputs from their inferred types (None if any is unknown)."""
+    total = 0
+    for v in n.outputs:
+        t = tensor_type(v) if v is not None else None
+        if v is None:
+            continue
+        if t is None or t.shape is None or t.dtype == DType.UNDEFINED or \
+                not all(isinstance(d, int) for d in t.shape):
+            return None
+        total += int(np.prod(t.shape, dtype=object)) * t.dtype.numpy.itemsize
+    return total
+
+
+def _too_big(out_bytes: int | None, in_bytes: int) -> bool:
+    return out_bytes is not None and out_bytes > max(2 * in_bytes, GROWTH_LIMIT_BYTES)
 
 
 def _check_fold(rw: Rewriter, m) -> str | None:
     _, results, _, in_bytes = m
     if in_bytes is None:
         return None
-    out_bytes = sum(r.nbytes for r in results if r is not None)
-    if out_bytes > max(2 * in_bytes, GROWTH_LIMIT_BYTES):
+    if results is None or _too_big(sum(r.nbytes for r in results if r is not None), in_bytes):
         return "the constant would be large and much bigger than its inputs"
     return None
 
