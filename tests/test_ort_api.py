@@ -75,7 +75,7 @@ def snippet_bytes_and_positional(rt, path):
     sess = rt.InferenceSession(data, so, ["CPUExecutionProvider"])
     ro = rt.RunOptions()
     ro.log_severity_level = 3
-    return sess.run(None, {"x": X}, ro)
+    return sess.run(None, {"x": X}, ro), so.log_severity_level, so.intra_op_num_threads
 
 
 def snippet_cuda_first(rt, path):
@@ -189,7 +189,7 @@ def test_profiling_file_lists_each_run_and_layer_as_onnxruntime_does(mlp_path, t
     assert layers[0] == layers[1]  # the same five layers, run three times
 
 
-def test_log_severity_level_3_silences_warnings_while_the_session_is_built():
+def test_log_severity_3_silences_warnings_while_the_session_is_built():
     pytest.importorskip("torch")
     unique = make_model([helper.make_node("Unique", ["x"], ["y"])],  # on the CPU fallback
                         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
@@ -201,6 +201,14 @@ def test_log_severity_level_3_silences_warnings_while_the_session_is_built():
             warnings.simplefilter("always")
             sess = kiln.InferenceSession(unique, so, backend="torch")
         assert sum("CPU fallback" in str(x.message) for x in w) == expected
+    try:
+        kiln.set_default_logger_severity(3)  # sessions left at -1 take it
+        with warnings.catch_warnings(record=True) as w:
+            warnings.simplefilter("always")
+            kiln.InferenceSession(unique, backend="torch")
+        assert not any("CPU fallback" in str(x.message) for x in w)
+    finally:
+        kiln.set_default_logger_severity(2)
     x = np.array([3, 1, 3, 2], np.float32)
     want = ort.InferenceSession(unique.SerializeToString()).run(None, {"x": x})[0]
     np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)

@@ -33,6 +33,7 @@ from kiln.runtime import (
     SessionOptions,
     get_available_providers,
     get_device,
+    set_default_logger_severity,
 )
 from kiln.tools import bench, inspect, profile, report
 from kiln.train import to_torch
@@ -41,7 +42,7 @@ __version__ = "0.1.0"
 
 __all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLevel",
            "IOBinding", "OrtValue", "RunCancelledError", "RunOptions", "SessionOptions",
-           "get_available_providers", "get_device",
+           "get_available_providers", "get_device", "set_default_logger_severity",
            "InferenceSession", "InputError", "KernelError",
            "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
            "UnsupportedOpError", "add_tail", "bench", "compose", "convert_float16", "cut",

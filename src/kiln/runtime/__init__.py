@@ -10,9 +10,10 @@ from kiln.runtime.ort_api import (
     SessionOptions,
     get_available_providers,
     get_device,
+    set_default_logger_severity,
 )
 from kiln.runtime.session import InferenceSession, NodeArg
 
 __all__ = ["ExecutionMode", "GraphOptimizationLevel", "IOBinding", "InferenceSession",
            "ModelMetadata", "NodeArg", "OrtValue", "RunOptions", "SessionOptions",
-           "get_available_providers", "get_device"]
+           "get_available_providers", "get_device", "set_default_logger_severity"]

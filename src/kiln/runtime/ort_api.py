@@ -77,7 +77,8 @@ class SessionOptions(_Options):
     """onnxruntime's ``SessionOptions``. Honoured: ``intra_op_num_threads`` (0: as many as
     the usable cores), ``graph_optimization_level``, ``enable_profiling`` with
     ``profile_file_prefix``, ``optimized_model_filepath``, ``log_severity_level`` (3 or
-    more silences Kiln's warnings while the session is built). Accepted with no effect
+    more silences Kiln's warnings while the session is built; -1, the default, takes
+    :func:`set_default_logger_severity`'s level). Accepted with no effect
     (Kiln runs layers in order and plans memory itself): ``inter_op_num_threads``,
     ``execution_mode``, ``enable_mem_pattern``, ``enable_cpu_mem_arena``,
     ``enable_mem_reuse``, ``use_deterministic_compute``, ``logid``,
@@ -86,7 +87,7 @@ class SessionOptions(_Options):
     _fields = {"intra_op_num_threads": 0,
                "graph_optimization_level": GraphOptimizationLevel.ORT_ENABLE_ALL,
                "enable_profiling": False, "profile_file_prefix": "onnxruntime_profile_",
-               "optimized_model_filepath": "", "log_severity_level": 2,
+               "optimized_model_filepath": "", "log_severity_level": -1,
                "inter_op_num_threads": 0, "execution_mode": ExecutionMode.ORT_SEQUENTIAL,
                "enable_mem_pattern": True, "enable_cpu_mem_arena": True,
                "enable_mem_reuse": True, "use_deterministic_compute": False, "logid": "",
@@ -135,6 +136,17 @@ def stop_check(run_options: Any):
             raise RunCancelledError(f"the run was cancelled: it took longer than its "
                                     f"time_limit_s of {limit} s")
     return check
+
+
+_default_severity = [2]
+
+
+def set_default_logger_severity(level: int) -> None:
+    """The log severity of sessions whose options leave it at -1 (onnxruntime's function):
+    3 (error) or more silences Kiln's warnings while sessions are built."""
+    if int(level) not in range(5):
+        raise OptionError(f"log severity must be 0 (verbose) to 4 (fatal), got {level!r}")
+    _default_severity[0] = int(level)
 
 
 # -- providers -------------------------------------------------------------------------
@@ -200,7 +212,9 @@ def configure(sess_options: SessionOptions | None, providers, provider_options,
         if level is None:
             raise OptionError(f"graph_optimization_level {so.graph_optimization_level!r} is "
                               "not one of kiln.GraphOptimizationLevel's")
-    return Config(backend, options, used, level, int(so.log_severity_level) >= 3,
+    severity = int(so.log_severity_level)
+    quiet = (_default_severity[0] if severity < 0 else severity) >= 3
+    return Config(backend, options, used, level, quiet,
                   so.profile_file_prefix if so.enable_profiling else None,
                   so.optimized_model_filepath or "", so)
 
@@ -509,4 +523,4 @@ class OrtSessionApi:
 __all__ = ["CPU", "CUDA", "Config", "ExecutionMode", "GraphOptimizationLevel", "IOBinding",
            "ModelMetadata", "OrtSessionApi", "OrtValue", "Profiler", "RunOptions",
            "SessionOptions", "configure", "get_available_providers", "get_device",
-           "model_metadata", "stop_check"]
+           "model_metadata", "set_default_logger_severity", "stop_check"]
