@@ -132,9 +132,23 @@ def snippet_available_providers_and_options(rt, path):
         [i.name for i in sess.get_overridable_initializers()]
 
 
+def snippet_free_dimension_override(rt, path):
+    so = rt.SessionOptions()
+    so.add_free_dimension_override_by_name("batch", 3)
+    sess = rt.InferenceSession(path, so)
+    outs = sess.run(None, {"x": X})
+    try:
+        sess.run(None, {"x": X[:2]})
+        refused = False
+    except Exception:  # noqa: BLE001 - each library raises its own type
+        refused = True
+    return outs, sess.get_inputs()[0].shape, sess.get_outputs()[0].shape, refused
+
+
 SNIPPETS = [snippet_available_providers_and_options, snippet_quickstart,
             snippet_session_options, snippet_bytes_and_positional, snippet_modelmeta,
-            snippet_iobinding_cpu, snippet_iobinding_ortvalue, snippet_iobinding_pointers]
+            snippet_iobinding_cpu, snippet_iobinding_ortvalue, snippet_iobinding_pointers,
+            snippet_free_dimension_override]
 
 
 def _same(a, b):

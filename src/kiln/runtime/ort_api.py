@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import InputError, OptionError, RunCancelledError
-from kiln.ir import DType, Model
+from kiln.ir import DType, Model, TensorType, plain_shape
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -82,7 +82,8 @@ class SessionOptions(_Options):
     (Kiln runs layers in order and plans memory itself): ``inter_op_num_threads``,
     ``execution_mode``, ``enable_mem_pattern``, ``enable_cpu_mem_arena``,
     ``enable_mem_reuse``, ``use_deterministic_compute``, ``logid``,
-    ``log_verbosity_level`` and config entries."""
+    ``log_verbosity_level`` and config entries. ``add_free_dimension_override_by_name``
+    fixes a symbolic dim of the inputs (as ``input_shapes=`` does)."""
 
     _fields = {"intra_op_num_threads": 0,
                "graph_optimization_level": GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -92,6 +93,14 @@ class SessionOptions(_Options):
                "enable_mem_pattern": True, "enable_cpu_mem_arena": True,
                "enable_mem_reuse": True, "use_deterministic_compute": False, "logid": "",
                "log_verbosity_level": 0}
+
+    def __init__(self):
+        super().__init__()
+        object.__setattr__(self, "free_dims", {})
+
+    def add_free_dimension_override_by_name(self, dim_name: str, dim_value: int) -> None:
+        """Fix the inputs' symbolic dim ``dim_name`` to ``dim_value``."""
+        self.free_dims[str(dim_name)] = int(dim_value)
 
     def add_session_config_entry(self, key: str, value: str) -> None:
         """Store a config entry (read back by get_session_config_entry; no effect)."""
@@ -179,6 +188,18 @@ class Config:
     profile_prefix: str | None = None
     save_to: str = ""
     sess_options: SessionOptions = field(default_factory=SessionOptions)
+
+    def input_shapes(self, model: Model, given: dict | None) -> dict | None:
+        """``given`` (Kiln's input_shapes), plus the inputs whose symbolic dims the
+        options' free-dimension overrides fix."""
+        dims = self.sess_options.free_dims
+        out = {}
+        for v in model.graph.inputs if dims else ():
+            shape = plain_shape(v.type.shape) if isinstance(v.type, TensorType) and \
+                v.type.shape is not None else None
+            if shape and any(d in dims for d in shape if isinstance(d, str)):
+                out[v.name] = [dims.get(d, d) if isinstance(d, str) else d for d in shape]
+        return {**out, **(given or {})} or None
 
 
 def configure(sess_options: SessionOptions | None, providers, provider_options,

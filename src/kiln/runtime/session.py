@@ -109,7 +109,6 @@ class InferenceSession(OrtSessionApi):
         cfg = self.config = configure(sess_options, providers, provider_options, backend,
                                       backend_options)
         self._level = optimize if cfg.level is None else cfg.level
-        self._input_shapes = input_shapes
         with _silenced(cfg.quiet):
             self.backend = make_backend(cfg.backend, **cfg.options)  # before any I/O
             model = path_or_bytes if isinstance(path_or_bytes, Model) else load(path_or_bytes)
@@ -117,6 +116,7 @@ class InferenceSession(OrtSessionApi):
             # loaded model rather than bytes, as it shares its arrays with the optimized one.
             self._source = model if isinstance(path_or_bytes, bytes) else path_or_bytes
             self.meta = model_metadata(model)
+            self._input_shapes = cfg.input_shapes(model, input_shapes)
             self.model = self._optimized(model)
             g = self.model.graph
             self.plan: Plan = compile_model(g, self.model.opset_imports,
