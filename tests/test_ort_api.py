@@ -246,6 +246,16 @@ def test_disable_all_runs_the_model_as_written(mlp_path):
         [n.op_type for n in onnx.load(mlp_path).graph.node]
 
 
+def test_optimize_false_wins_over_the_options_level(mlp_path):
+    so = kiln.SessionOptions()
+    so.graph_optimization_level = kiln.GraphOptimizationLevel.ORT_ENABLE_ALL
+    sess = kiln.InferenceSession(mlp_path, so, optimize=False)
+    assert len(sess.model.graph.nodes) == len(onnx.load(mlp_path).graph.node)
+    so.graph_optimization_level = "fast"
+    with pytest.raises(OptionError, match="graph_optimization_level"):
+        kiln.InferenceSession(mlp_path, so)
+
+
 def test_unknown_options_are_option_errors_not_type_errors(mlp_path):
     with pytest.raises(OptionError, match="intra_op_num_threads"):
         kiln.SessionOptions().intra_op_num_thread = 2  # typo: onnxruntime AttributeError

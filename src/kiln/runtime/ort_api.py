@@ -229,7 +229,10 @@ def configure(sess_options: SessionOptions | None, providers, provider_options,
             (CPU, {})] if on_cuda else [(CPU, {})]
     level = None
     if sess_options is not None:
-        level = KILN_LEVEL.get(int(so.graph_optimization_level))
+        try:
+            level = KILN_LEVEL.get(int(so.graph_optimization_level))
+        except (TypeError, ValueError):
+            level = None
         if level is None:
             raise OptionError(f"graph_optimization_level {so.graph_optimization_level!r} is "
                               "not one of kiln.GraphOptimizationLevel's")

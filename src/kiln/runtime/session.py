@@ -108,7 +108,8 @@ class InferenceSession(OrtSessionApi):
                  **backend_options: Any):
         cfg = self.config = configure(sess_options, providers, provider_options, backend,
                                       backend_options)
-        self._level = optimize if cfg.level is None else cfg.level
+        # Kiln's optimize= wins over the options' level unless left at its default.
+        self._level = optimize if cfg.level is None or optimize is not True else cfg.level
         with _silenced(cfg.quiet):
             self.backend = make_backend(cfg.backend, **cfg.options)  # before any I/O
             model = path_or_bytes if isinstance(path_or_bytes, Model) else load(path_or_bytes)
