@@ -265,3 +265,16 @@ def test_every_ai_onnx_ml_schema_has_a_kernel():
                if s.domain == ML and not s.deprecated}
     missing = sorted(k for k in schemas if lookup(ML, k[0], k[1]) is None)
     assert not missing
+
+
+def test_tree_with_a_cycle_is_a_model_error():
+    node = helper.make_node(
+        "TreeEnsembleRegressor", ["X"], ["Y"], domain=ML, n_targets=1,
+        nodes_treeids=[0, 0, 0], nodes_nodeids=[0, 1, 2], nodes_featureids=[0, 0, 0],
+        nodes_modes=["BRANCH_LEQ", "BRANCH_LEQ", "LEAF"], nodes_values=[0.0, 1.0, 0.0],
+        nodes_truenodeids=[1, 1, 0], nodes_falsenodeids=[2, 2, 0],
+        target_treeids=[0], target_nodeids=[2], target_ids=[0], target_weights=[1.0])
+    onx = _model(node, [helper.make_tensor_value_info("X", TensorProto.FLOAT, [None, 1])],
+                 [helper.make_tensor_value_info("Y", TensorProto.FLOAT, [None, 1])])
+    with pytest.raises(kiln.ModelLoadError, match="cycle"):
+        kiln.InferenceSession(onx).run(None, {"X": np.zeros((2, 1), np.float32)})

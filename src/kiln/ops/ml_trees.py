@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kiln.errors import ModelLoadError
 from kiln.ops.registry import op
 
 DOMAIN = "ai.onnx.ml"
@@ -68,7 +69,8 @@ def forest_v3(attrs: dict, leaf_prefix: str) -> Forest:
         k = np.asarray(trees, np.int64) * span + np.asarray(ids, np.int64)
         pos = np.clip(np.searchsorted(keys[order], k), 0, len(keys) - 1)
         if np.any(keys[order][pos] != k):
-            raise ValueError("tree ensemble: a node id names no node of its tree")
+            raise ModelLoadError("tree ensemble: a successor or leaf weight names a node id "
+                                 "its tree lacks; the model is inconsistent, re-export it")
         return order[pos].astype(np.int32)
 
     mode = np.array([_MODE_NAMES[m] for m in attrs["nodes_modes"]], np.int8)
@@ -82,13 +84,16 @@ def forest_v3(attrs: dict, leaf_prefix: str) -> Forest:
     split = (np.asarray(values).reshape(-1) if values is not None else
              np.asarray(attrs.get("nodes_values") or np.zeros(len(mode)), np.float32))
     nan_true = attrs.get("nodes_missing_value_tracks_true")
-    tree_ids, first = np.unique(tree, return_index=True)
-    # A tree's root is the node nothing points to; skl2onnx and friends list it first.
+    # A tree's root is its first node that no node points to.
     pointed = np.zeros(len(mode), bool)
     pointed[true_id[~leaf]] = True
     pointed[false_id[~leaf]] = True
-    roots = np.array([np.nonzero((tree == t) & ~pointed)[0][0] if ((tree == t) & ~pointed).any()
-                      else f for t, f in zip(tree_ids, first)], np.int32)
+    unpointed = np.nonzero(~pointed)[0]
+    root_trees, first = np.unique(tree[unpointed], return_index=True)
+    if len(root_trees) != len(np.unique(tree)):
+        raise ModelLoadError("tree ensemble: a tree has no root (every node is pointed to); "
+                             "the model is inconsistent, re-export it")
+    roots = unpointed[first].astype(np.int32)
     weights = attrs.get(f"{leaf_prefix}_weights_as_tensor")
     if weights is None:
         weights = attrs.get(f"{leaf_prefix}_weights") or []
@@ -157,7 +162,8 @@ def _depth(f: Forest) -> int:
         frontier = np.unique(np.concatenate([f.true_id[inner], f.false_id[inner]]))
         depth += 1
         if depth > len(f.mode):
-            raise ValueError("tree ensemble: a tree has a cycle (a path never reaches a leaf)")
+            raise ModelLoadError("tree ensemble: a tree has a cycle (a path never reaches a "
+                                 "leaf); the model is inconsistent, re-export it")
     return depth
 
 
