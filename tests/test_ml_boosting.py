@@ -103,3 +103,15 @@ def test_xgboost_regressor():
     model = xgb.XGBRegressor(n_estimators=15, max_depth=3).fit(x, target)
     (pred,) = _run_everywhere(_xgboost(model), x)
     np.testing.assert_allclose(pred.reshape(-1), model.predict(x), rtol=1e-4, atol=1e-4)
+
+
+def test_xgboost_missing_values():
+    """XGBoost sends missing values down a learned branch (missing_value_tracks_true)."""
+    xgb = pytest.importorskip("xgboost")
+    x, y, _ = _data(3)
+    x[::4, 1] = np.nan
+    x[::5, 2] = np.nan
+    model = xgb.XGBClassifier(n_estimators=15, max_depth=3).fit(x, y)
+    label, proba = _run_everywhere(_xgboost(model), x)
+    np.testing.assert_array_equal(label, model.predict(x))
+    np.testing.assert_allclose(_as_array(proba), model.predict_proba(x), atol=1e-5)
