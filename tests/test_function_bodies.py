@@ -137,3 +137,23 @@ def test_resave_keeps_one_body_per_variant(tmp_path, zoo_model):
     kiln.save(kiln.load(first), second)
     fa, fb = (onnx.load(str(p), load_external_data=False).functions for p in (first, second))
     assert sorted((f.name, f.overload) for f in fa) == sorted((f.name, f.overload) for f in fb)
+
+
+def test_node_without_a_writable_body_is_saved_without_one(tmp_path):
+    """Attention with K not transposed needs K's rank for its body: unknown, the node is
+    saved without a function (Kiln still runs the file; NumPy computes the oracle)."""
+    node = helper.make_node("Attention", ["q", "k", "v"], ["o"], domain="ai.kiln", scale=0.5)
+    proto = make_model([node], [helper.make_tensor_value_info(n, TensorProto.FLOAT, None)
+                                for n in ("q", "k", "v")],
+                       [helper.make_tensor_value_info("o", TensorProto.FLOAT, None)])
+    proto.opset_import.append(helper.make_opsetid("ai.kiln", 1))
+    out = tmp_path / "m.onnx"
+    kiln.save(kiln.load(proto), out)
+    assert not onnx.load(str(out)).functions
+    rng = np.random.default_rng(2)
+    q, k, v = (rng.standard_normal((2, 3, 4)).astype(np.float32) for _ in range(3))
+    s = q @ k.transpose(0, 2, 1) * 0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ v
+    got = kiln.InferenceSession(str(out), optimize=False).run(None, {"q": q, "k": k, "v": v})[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)

@@ -23,6 +23,11 @@ from kiln.onnxio.tensors import from_array
 from kiln.ops import registry
 
 
+class NoBody(Exception):
+    """Raised by a body writer that cannot express this node in standard ops (the node is
+    saved without a function: Kiln runs the file, other runtimes do not)."""
+
+
 class Body:
     """A function body being written: its formal inputs and outputs, the nodes so far, and
     facts about the node it stands for (attributes, input types, the model's opset)."""
@@ -48,6 +53,13 @@ class Body:
         v = self.node.inputs[i] if i < len(self.node.inputs) else None
         t = v.type if v is not None else None
         return t.rank if isinstance(t, TensorType) else None
+
+    def need_rank(self, i: int) -> int:
+        """Input ``i``'s rank; a body that cannot be written without it is left out."""
+        r = self.rank(i)
+        if r is None:
+            raise NoBody(f"{self.node.op_type}: the rank of input {i} is unknown")
+        return r
 
     def op(self, op_type: str, *inputs: str | None, **attrs) -> str:
         """Add a node; returns its output's name."""
@@ -102,7 +114,10 @@ def function_for(node: Node, opsets: dict[str, int]) -> onnx.FunctionProto | Non
         return None
     opset = opsets.get("", opsets.get("ai.onnx", 1))
     b = Body(node, opset)
-    d.body(b)
+    try:
+        d.body(b)
+    except NoBody:
+        return None
     used = b.inputs[:max((i + 1 for i, n in enumerate(b.inputs) if n), default=0)]
     formal = [n or f"unused{i}" for i, n in enumerate(used)]
     fp = helper.make_function(node.domain, node.op_type, formal, b.outputs, b.nodes,

@@ -471,8 +471,10 @@ def _layer_norm_body(b):
     axis, rank = b.attrs.get("axis", -1), b.rank(0)
     if rank is not None:
         axes = list(range(axis % rank, rank))
-    else:
+    elif axis < 0 and b.opset >= 11:  # negative axes need no rank from opset 11 on
         axes = list(range(axis, 0))
+    else:
+        axes = list(range(axis, b.need_rank(0)))
     x = b.input(0)
     d = b.op("Sub", x, b.reduce_mean(x, axes))
     var = b.reduce_mean(b.op("Mul", d, d), axes)
@@ -491,8 +493,7 @@ def _gelu_fn_body(b):
 def _attention_body(b):
     k = b.input(1)
     if not b.attrs.get("k_transposed", 0):
-        rank = b.rank(1)
-        perm = list(range(rank))
+        perm = list(range(b.need_rank(1)))
         perm[-2:] = perm[-1], perm[-2]
         k = b.op("Transpose", k, perm=perm)
     s = b.op("MatMul", b.input(0), k)
@@ -500,5 +501,5 @@ def _attention_body(b):
     if scale != 1:
         s = b.op("Mul", s, b.const(scale))
     s = _add_optional(b, s, 3)
-    axis = -1 if b.opset >= 11 else b.rank(0) - 1
+    axis = -1 if b.opset >= 11 else b.need_rank(0) - 1
     b.finish(b.op("MatMul", b.op("Softmax", s, axis=axis), b.input(2)))
