@@ -6,7 +6,7 @@ import functools
 import os
 from collections import ChainMap
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import onnx
 import onnx.defs
@@ -108,37 +108,45 @@ def text(s: str | bytes, what: str) -> str:
     raise ModelLoadError(f"{what} {s!r} is not valid UTF-8; the model is malformed")
 
 
+class _Schema(NamedTuple):
+    """What load-time validation needs of an op's ONNX schema, kept per op version."""
+
+    since: int
+    inputs: tuple[int, int]
+    outputs: tuple[int, int]
+    attr_types: dict[str, int]
+
+
 @functools.cache
-def _schema(op_type: str, domain: str, version: int) -> onnx.defs.OpSchema | None:
+def _schema(op_type: str, domain: str, version: int) -> _Schema | None:
     try:
-        return onnx.defs.get_schema(op_type, version, domain)
+        s = onnx.defs.get_schema(op_type, version, domain)
     except onnx.defs.SchemaError:
         return None  # custom domains and Kiln's own ops: their kernels check themselves
+    return _Schema(s.since_version, (s.min_input, s.max_input), (s.min_output, s.max_output),
+                   {name: int(a.type) for name, a in s.attributes.items()})
 
 
 def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: str) -> None:
     """Input/output counts and attribute types against the op's ONNX schema (onnxruntime
     rejects the same graphs); the schema lookup is cached per op type and opset."""
     version = opsets.get(domain)
-    if version is None:
-        return
-    schema = _schema(np_.op_type, domain, version)
+    schema = None if version is None else _schema(np_.op_type, domain, version)
     if schema is None:
         return
-    for kind, n, lo, hi in (("inputs", len(np_.input), schema.min_input, schema.max_input),
-                            ("outputs", len(np_.output), schema.min_output, schema.max_output)):
+    for kind, n, (lo, hi) in (("inputs", len(np_.input), schema.inputs),
+                              ("outputs", len(np_.output), schema.outputs)):
         if not lo <= n <= hi:
             want = str(lo) if lo == hi else f"{lo} to {hi}" if hi < 2**30 else f"at least {lo}"
-            raise ModelLoadError(f"{where} has {n} {kind}, but {np_.op_type}-"
-                                 f"{schema.since_version} takes {want}; the model is malformed")
-    attrs = schema.attributes
+            raise ModelLoadError(f"{where} has {n} {kind}, but {np_.op_type}-{schema.since} "
+                                 f"takes {want}; the model is malformed")
     for a in np_.attribute:
-        spec = attrs.get(a.name)
-        if spec is not None and not a.ref_attr_name and int(a.type) != int(spec.type):
+        want_type = schema.attr_types.get(a.name)
+        if want_type is not None and a.type != want_type and not a.ref_attr_name:
             got = A.AttributeType.Name(a.type) if a.type in A.AttributeType.values() else a.type
             raise ModelLoadError(
                 f"{where}: attribute {a.name!r} is {got}, but {np_.op_type} takes "
-                f"{A.AttributeType.Name(int(spec.type))}; the model is malformed")
+                f"{A.AttributeType.Name(want_type)}; the model is malformed")
 
 
 def value_type(tp: onnx.TypeProto) -> ValueType | None:
