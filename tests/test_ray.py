@@ -203,3 +203,17 @@ def test_without_ray_the_error_names_the_extra():
                        timeout=120)
     assert r.stdout.startswith(MissingDependencyError.__name__), r.stdout + r.stderr
     assert 'pip install -e ".[ray]"' in r.stdout
+
+
+def test_npz_and_npy_files_read_as_columns(cluster, digits, tmp_path):
+    for k in range(2):
+        np.savez(tmp_path / f"part{k}.npz", id=np.arange(k * 100, (k + 1) * 100),
+                 image=digits[k * 100:(k + 1) * 100])
+    got = kr.read_files([str(tmp_path / "*.npz")])[0].to_pandas().sort_values("id")
+    assert np.array_equal(got["id"].to_numpy(), np.arange(200))
+    assert np.array_equal(np.stack(got["image"].to_numpy()), digits[:200])
+
+    np.save(tmp_path / "images.npy", digits[:50])
+    ds, files = kr.read_files([str(tmp_path / "*.npy")], "image")
+    assert files == 1
+    assert np.array_equal(np.stack(ds.to_pandas()["image"].to_numpy()), digits[:50])
