@@ -306,3 +306,20 @@ def test_a_loop_past_the_iteration_cap_raises_kernel_error(backend, monkeypatch)
     got = kiln.InferenceSession(m, backend=backend).run(None, {"x": x})[0]
     assert float(want) == 300.0
     np.testing.assert_array_equal(got, want)
+
+
+def test_names_holding_python_code_are_never_executed(tmp_path):
+    # Kiln generates Python for each plan; model names must never reach that source.
+    marker = tmp_path / "pwned"
+    code = f"__import__('pathlib').Path({str(marker)!r}).touch()"
+    m = _relu()
+    m.graph.node[0].name = code
+    m.graph.node[0].doc_string = code
+    m.graph.node[0].output[0] = m.graph.output[0].name = f"y');{code};('"
+    m.graph.input[0].name = m.graph.node[0].input[0] = f"x\n{code}"
+    m.metadata_props.add(key="__init__", value=code)
+    x = np.array([-1.0, 2.0], np.float32)
+    for backend in ("numpy", "torch"):
+        got = kiln.InferenceSession(m, backend=backend).run(None, {f"x\n{code}": x})[0]
+        np.testing.assert_array_equal(got, np.maximum(x, 0))
+    assert not marker.exists()
