@@ -4,8 +4,8 @@ and TreeEnsemble (v5).
 Every version is first turned into one flat forest (:class:`Forest`: per node its test,
 feature, threshold and both successors; leaves are nodes whose successors are
 themselves), then evaluated for all trees and a block of rows at once: each step moves every
-(row, tree) pair one level down, so the work is array operations per tree level (blocks
-of rows keep the temporaries in cache), never a Python loop per row or per tree.
+(tree, row) pair one level down, so the work is array operations per tree level (blocks
+of rows bound the memory), never a Python loop per row or per tree.
 """
 
 from __future__ import annotations
@@ -150,7 +150,7 @@ def _branch(mode: np.ndarray, v: np.ndarray, split: np.ndarray) -> np.ndarray:
 # children[2 * node + test] with the true child first.
 _FALSE_TEST = {LEQ: np.greater, LT: np.greater_equal, GTE: np.less, GT: np.less_equal,
                EQ: np.not_equal, NEQ: np.equal}
-_PAIRS_PER_BLOCK = 1 << 16  # (row, tree) pairs per block: its temporaries stay in cache
+_PAIRS_PER_BLOCK = 1 << 18  # (tree, row) pairs per block: bounds the temporaries (~10 MB)
 
 
 def _depth(f: Forest) -> int:
@@ -168,9 +168,9 @@ def _depth(f: Forest) -> int:
 
 
 class Scorer:
-    """Scores rows with a forest: every (row, tree) pair moves down one level per step
-    (leaves lead to themselves, so a pair that arrived stays), for blocks of rows whose
-    temporaries fit in cache; then the leaves' weights are aggregated per target."""
+    """Scores rows with a forest: every (tree, row) pair moves down one level per step
+    (leaves lead to themselves, so a pair that arrived stays), a block of rows at a time;
+    then the leaves' weights are aggregated per target."""
 
     def __init__(self, f: Forest, n_out: int, how: int):
         self.f, self.n_out, self.how = f, n_out, how
@@ -198,7 +198,7 @@ class Scorer:
         out = np.empty((n_rows, self.n_out))
         for lo in range(0, n_rows, step):
             block = xf[lo:lo + step]
-            reached = self._leaves(block).reshape(block.shape[0], n_trees)
+            reached = self._leaves(block).reshape(n_trees, block.shape[0])
             out[lo:lo + step] = self._aggregate(reached)
         return out
 
@@ -206,8 +206,9 @@ class Scorer:
         # np.take with int64 indices: about 3x faster than a[int32 index] per gather.
         f, rows, width = self.f, xb.shape[0], xb.shape[1]
         flat = xb.reshape(-1)
-        cur = np.tile(self.roots, rows)
-        base = np.repeat(np.arange(rows, dtype=np.int64) * width, len(self.roots))
+        # Tree-major pairs: neighbours walk the same tree, so its nodes stay in cache.
+        cur = np.repeat(self.roots, rows)
+        base = np.tile(np.arange(rows, dtype=np.int64) * width, len(self.roots))
         nan_rows = self.track_nan and bool(np.isnan(flat).any())
         take = np.take
         for _ in range(self.depth):
@@ -230,13 +231,15 @@ class Scorer:
         return go
 
     def _aggregate(self, reached: np.ndarray) -> np.ndarray:
-        n_rows, n_trees = reached.shape
+        """Aggregate the leaves ``reached`` (trees, rows) per row and target."""
+        n_trees, n_rows = reached.shape
         if self.table is not None:
-            # Per target, one gather and a sum along the contiguous tree axis.
-            y = np.stack([np.take(t, reached).sum(axis=1) for t in self.table], axis=1)
+            # Per target, one gather and a sum over trees.
+            y = np.stack([np.take(t, reached).sum(axis=0) for t in self.table], axis=1)
             return y / n_trees if self.how == 0 else y
         # MIN/MAX, or a table too large: expand each pair into its leaf's entries.
         f, n_out = self.f, self.n_out
+        reached = reached.T  # (rows, trees): entries come out row by row
         count = (f.leaf_start[1:] - f.leaf_start[:-1])[reached].reshape(-1)
         rows = np.repeat(np.repeat(np.arange(n_rows), n_trees), count)
         first = np.repeat(f.leaf_start[reached].reshape(-1), count)
