@@ -1,0 +1,171 @@
+"""Reduced precision side by side: fp32 / fp16 / int8-dynamic / int8-static /
+int4-weight-only files made by kiln.quantize and kiln.convert_float16, and onnxruntime's
+own quantization tool on the same models as the anchor.
+
+For every file: size, error and top-1 agreement against fp32 on held-out inputs drawn
+like the calibration inputs (zoo.make_inputs, other seeds), and latency of Kiln's torch
+backend, Kiln's NumPy backend and onnxruntime on that same file, batch 1 and 8, best of
+``--runs`` (the machine is shared: best-of, in one process, alternating).
+
+    python benchmarks/quantization.py [--models resnet18 mobilenetv2 bert] [--runs 5]
+        [--json docs/quantization.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+import torch
+
+import kiln
+from kiln.onnxio import save
+from kiln.zoo import path as zoo_path
+from kiln.zoo.registry import make_inputs
+
+
+def _ort_session(path: str):
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = torch.get_num_threads()
+    return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+
+
+def _best(fn, runs: int) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best * 1e3
+
+
+def _accuracy(path: str, ref_path: str, feeds: list[dict]) -> tuple[float, float]:
+    """(worst relative error, top-1 agreement) of ``path`` against ``ref_path``, both
+    run by onnxruntime."""
+    s, r = _ort_session(path), _ort_session(ref_path)
+    rel, agree, rows = 0.0, 0, 0
+    for f in feeds:
+        for a, b in zip(s.run(None, f), r.run(None, f)):
+            a2, b2 = a.reshape(-1, a.shape[-1]), b.reshape(-1, b.shape[-1])
+            rel = max(rel, float(np.abs(a2 - b2).max() / np.abs(b2).max()))
+            agree += int((a2.argmax(-1) == b2.argmax(-1)).sum())
+            rows += len(a2)
+    return rel, agree / rows
+
+
+def _ort_anchor(src: str, out_dir: str, name: str, cal: list[dict]) -> dict[str, str]:
+    """onnxruntime.quantization's dynamic and static (QDQ) files for the same model."""
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        QuantType,
+        quantize_dynamic,
+        quantize_static,
+    )
+    from onnxruntime.quantization.shape_inference import quant_pre_process
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(cal)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    pre = os.path.join(out_dir, f"{name}_pre.onnx")
+    quant_pre_process(src, pre, skip_symbolic_shape=True)
+    out = {}
+    dyn = os.path.join(out_dir, f"{name}_ort_dynamic.onnx")
+    quantize_dynamic(pre, dyn, weight_type=QuantType.QInt8)
+    out["ort-int8-dynamic"] = dyn
+    st = os.path.join(out_dir, f"{name}_ort_static.onnx")
+    quantize_static(pre, st, Reader(), quant_format=QuantFormat.QDQ, per_channel=True,
+                    reduce_range=True)
+    out["ort-int8-static"] = st
+    return out
+
+
+def run(models: list[str], runs: int) -> dict:
+    """Every figure, per model and variant."""
+    results: dict = {}
+    tmp = tempfile.mkdtemp(prefix="kiln_quant_bench_")
+    for name in models:
+        src = str(zoo_path(name, progress=False))
+        cal = [make_inputs(name, batch=8, seed=s) for s in range(4)]
+        held = [make_inputs(name, batch=8, seed=100 + s) for s in range(4)]
+        files = {"fp32": src}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            f16 = kiln.convert_float16(src)
+            files["fp16"] = os.path.join(tmp, f"{name}_fp16.onnx")
+            save(f16, files["fp16"])
+            for mode, label in [("dynamic", "int8-dynamic"), ("static", "int8-static"),
+                                ("weight-only", "int4-weight-only")]:
+                q = kiln.quantize(src, mode, cal if mode == "static" else None,
+                                  backend="torch", measure_latency=False)
+                files[label] = os.path.join(tmp, f"{name}_{label}.onnx")
+                q.save(files[label])
+            files.update(_ort_anchor(src, tmp, name, cal))
+        results[name] = {}
+        for label, path in files.items():
+            row: dict = {"size_mb": os.path.getsize(path) / 1e6}
+            row["rel_error"], row["top1_agreement"] = _accuracy(path, src, held)
+            for batch in (1, 8):
+                feed = make_inputs(name, batch=batch, seed=7)
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    kt = kiln.InferenceSession(path, backend="torch")
+                    kn = kiln.InferenceSession(path)
+                o = _ort_session(path)
+                row[f"b{batch}"] = {
+                    "kiln_torch_ms": _best(lambda kt=kt, f=feed: kt.run(None, f), runs),
+                    "kiln_numpy_ms": _best(lambda kn=kn, f=feed: kn.run(None, f), runs),
+                    "onnxruntime_ms": _best(lambda o=o, f=feed: o.run(None, f), runs),
+                }
+            results[name][label] = row
+            print(name, label, json.dumps(row), flush=True)
+    return results
+
+
+def markdown(results: dict) -> str:
+    """The results as one table per model."""
+    out = []
+    for name, rows in results.items():
+        out.append(f"\n### {name}\n")
+        out.append("| file | size MB | rel. error | top-1 agr. | Kiln torch b1 / b8 ms | "
+                   "Kiln numpy b1 / b8 ms | onnxruntime b1 / b8 ms |")
+        out.append("|---|---|---|---|---|---|---|")
+        for label, r in rows.items():
+            cells = [f"{r['b1'][k]:.1f} / {r['b8'][k]:.1f}"
+                     for k in ("kiln_torch_ms", "kiln_numpy_ms", "onnxruntime_ms")]
+            out.append(f"| {label} | {r['size_mb']:.1f} | {r['rel_error']:.2%} | "
+                       f"{r['top1_agreement']:.1%} | " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["resnet18", "mobilenetv2", "bert"])
+    ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--json", default=None, help="also write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    results = run(args.models, args.runs)
+    meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
+            "torch": torch.__version__, "onnxruntime": ort.__version__,
+            "threads": torch.get_num_threads(), "runs": args.runs}
+    print(markdown(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"meta": meta, "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
