@@ -1,0 +1,101 @@
+"""Training step (forward + backward + SGD) of kiln.to_torch modules against the PyTorch
+modules they were exported from, side by side in one process: ResNet-18 (224x224) and the
+zoo's small BERT (4 layers, hidden 256, seq 128), batch 8, CPU.
+
+Per model: step time (best of --reps alternating steps; the machine is shared, so best-of)
+and the memory autograd keeps for backward (bytes of the tensors saved by the forward,
+counted with torch.autograd.graph.saved_tensors_hooks: the part of a training step's peak
+that depends on how the forward is run; parameters and gradients are the same in both).
+Prints ratios Kiln / PyTorch. onnx2torch is not compared: it imports torchvision, which is
+not installed here.
+
+    python benchmarks/training.py [--reps 5] [--threads 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import io
+import time
+
+import numpy as np
+import torch
+from torch import nn
+
+import kiln
+from kiln.zoo.registry import get_entry, make_inputs
+
+
+def exported(name: str, args: tuple, entry) -> tuple[nn.Module, bytes]:
+    net = entry.make_model()
+    for m in net.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0  # the ONNX graph has no dropout; keep the work the same
+    axes = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)}
+            for s in entry.inputs + entry.outputs}
+    buf = io.BytesIO()
+    torch.onnx.export(net, args, buf, dynamo=False, input_names=[s.name for s in entry.inputs],
+                      output_names=[s.name for s in entry.outputs], dynamic_axes=axes,
+                      training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
+                      opset_version=17)
+    return net, buf.getvalue()
+
+
+def step(model: nn.Module, opt, args: tuple) -> float:
+    t = time.perf_counter()
+    opt.zero_grad()
+    out = model(*args)
+    out = out if isinstance(out, tuple) else (out,)
+    sum(o.float().square().mean() for o in out).backward()
+    opt.step()
+    return time.perf_counter() - t
+
+
+def saved_bytes(model: nn.Module, args: tuple) -> int:
+    total = [0]
+
+    def pack(t):
+        total[0] += t.numel() * t.element_size()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = model(*args)
+    del out
+    return total[0]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+    print(f"torch {torch.__version__}, {a.threads} threads, batch 8, best of {a.reps}")
+    print(f"{'model':<10} {'torch step s':>12} {'kiln step s':>11} {'ratio':>6} "
+          f"{'torch saved MB':>14} {'kiln saved MB':>13} {'ratio':>6}")
+    for name in ("resnet18", "bert"):
+        entry = get_entry(name)
+        if entry.is_text:
+            feeds = make_inputs(entry, batch=8, seq=128)
+        else:
+            feeds = {"input": np.random.default_rng(0).standard_normal((8, 3, 224, 224))
+                     .astype(np.float32)}
+        args = tuple(torch.from_numpy(v) for v in feeds.values())
+        net, blob = exported(name, args, entry)
+        mods = {"torch": copy.deepcopy(net).train(), "kiln": kiln.to_torch(blob).train()}
+        opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in mods.items()}
+        times: dict[str, list[float]] = {k: [] for k in mods}
+        for k in mods:
+            step(mods[k], opts[k], args)  # warm-up
+        for _ in range(a.reps):
+            for k in mods:
+                times[k].append(step(mods[k], opts[k], args))
+        mem = {k: saved_bytes(m, args) for k, m in mods.items()}
+        t0, t1 = min(times["torch"]), min(times["kiln"])
+        print(f"{name:<10} {t0:>12.3f} {t1:>11.3f} {t1 / t0:>6.2f} {mem['torch'] / 2**20:>14.1f} "
+              f"{mem['kiln'] / 2**20:>13.1f} {mem['kiln'] / mem['torch']:>6.2f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
