@@ -10,6 +10,7 @@ limit. Outcome classes:
 - ``kiln_error``: Kiln raised one of its own exceptions
 - ``unchecked``: Kiln returned a result where onnxruntime refused the model (no oracle)
 - ``wrong``: a result that differs from onnxruntime's
+- ``optimizer_failed``: the optimizer raised and the session ran the model unoptimized
 - ``other``: any other exception, ``crash``: the worker died, ``timeout``, ``memory``
 
 Usage: ``python fuzz/fuzz_kiln.py --seed 0 --cases 2000`` (a seeded, deterministic
@@ -30,6 +31,7 @@ import signal
 import sys
 import time
 import traceback
+import warnings
 
 import numpy as np
 import onnx
@@ -247,11 +249,15 @@ def check(data: bytes, feeds: dict) -> str:
 
     want = _reference(data, feeds)
     results = []
-    try:
-        for backend in ("numpy", "torch"):
-            results.append(kiln.InferenceSession(data, backend=backend).run(None, feeds))
-    except kiln.KilnError:
-        return "kiln_error"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            for backend in ("numpy", "torch"):
+                results.append(kiln.InferenceSession(data, backend=backend).run(None, feeds))
+        except kiln.KilnError:
+            return "kiln_error"
+    if any("Please report this" in str(w.message) for w in caught):
+        return "optimizer_failed"  # the session fell back to the unoptimized model
     if want is None:
         return "unchecked"
     for got in results:
