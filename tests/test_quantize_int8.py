@@ -296,3 +296,30 @@ def test_cli_quantize(tmp_path, digits, capsys):
     assert abs(_accuracy(got, labels) - _accuracy(fp32, labels)) <= 0.005
     assert main(["quantize", path, "-o", str(out), "--mode", "static"]) == 1
     assert "calibration data" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+# bert only: the CNNs (30+ compute layers, one trial build each) were not run to the end
+# on this 2-core machine yet.
+@pytest.mark.parametrize("name", ["bert"])
+def test_zoo_static_within_top1_budget(zoo_model, name):
+    """Plain static INT8 of the zoo's seeded random-weight models keeps only 25-75% top-1
+    agreement (their logits are near-ties: median top-1/top-2 margin 0.16 on resnet18);
+    the accuracy-aware mode is what reaches 99%. Checked in onnxruntime on the file."""
+    from kiln.zoo.registry import make_inputs
+
+    path = str(zoo_model(name))
+    cal = [make_inputs(name, batch=4, seed=s) for s in range(2)]
+    val = [make_inputs(name, batch=8, seed=100 + s) for s in range(2)]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = kiln.quantize(path, "static", cal, validation=val, budget="top1=0.99",
+                          backend="torch", measure_latency=False)
+    proto = to_proto(q.model)
+    agree = rows = 0
+    for f in val:
+        for r, g in zip(ort_run(path, f), ort_run(proto, f)):
+            r2, g2 = r.reshape(-1, r.shape[-1]), g.reshape(-1, g.shape[-1])
+            agree += int((r2.argmax(-1) == g2.argmax(-1)).sum())
+            rows += len(r2)
+    assert agree / rows >= 0.99
