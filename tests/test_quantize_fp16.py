@@ -132,7 +132,7 @@ def test_resize_and_shape_computations_stay_float32():
     np.testing.assert_allclose(got, ref, atol=2e-3)
 
 
-def test_integer_paths_untouched(mlp_model):
+def test_integer_paths_untouched():
     ids = numpy_helper.from_array(np.arange(12, dtype=np.float32).reshape(3, 4), "table")
     nodes = [helper.make_node("Gather", ["table", "i"], ["g"]),
              helper.make_node("Add", ["i", "i"], ["j"]),
