@@ -189,6 +189,35 @@ class Scorer:
             node = np.repeat(np.arange(len(f.mode)), count)
             np.add.at(table, (node, f.targets), f.weights)
             self.table = np.ascontiguousarray(table.T)  # (target, node)
+        self.groups = self._group_by_target(count) if self.table is not None else None
+
+    def _group_by_target(self, count: np.ndarray) -> np.ndarray | None:
+        """When every tree scores one target only (boosted multi-class models), reorder
+        the trees by target and return each target's tree range: then each (tree, row)
+        pair costs one weight gather, not one per target."""
+        f, n_trees = self.f, len(self.roots)
+        if self.n_out == 1 or not n_trees:
+            return None
+        owner = np.full(len(f.mode), -1)
+        frontier, ids = self.roots, np.arange(n_trees)
+        for _ in range(self.depth + 1):
+            owner[frontier] = ids
+            inner = f.mode[frontier] != LEAF
+            frontier = np.concatenate([f.true_id[frontier[inner]], f.false_id[frontier[inner]]])
+            ids = np.concatenate([ids[inner], ids[inner]])
+        tree = owner[np.repeat(np.arange(len(f.mode)), count)]
+        if (tree < 0).any():
+            return None
+        low = np.full(n_trees, self.n_out)
+        high = np.full(n_trees, -1)
+        np.minimum.at(low, tree, f.targets)
+        np.maximum.at(high, tree, f.targets)
+        if (low != high).any():
+            return None
+        order = np.argsort(low, kind="stable")
+        self.roots = self.roots[order]
+        self.weight = self.table.sum(axis=0)
+        return np.searchsorted(low[order], np.arange(self.n_out + 1))
 
     def __call__(self, x: np.ndarray) -> np.ndarray:
         n_rows = x.shape[0]
@@ -233,6 +262,13 @@ class Scorer:
     def _aggregate(self, reached: np.ndarray) -> np.ndarray:
         """Aggregate the leaves ``reached`` (trees, rows) per row and target."""
         n_trees, n_rows = reached.shape
+        if self.groups is not None:
+            y = np.zeros((n_rows, self.n_out))
+            for k in range(self.n_out):
+                lo, hi = self.groups[k], self.groups[k + 1]
+                if hi > lo:
+                    y[:, k] = np.take(self.weight, reached[lo:hi]).sum(axis=0)
+            return y / n_trees if self.how == 0 else y
         if self.table is not None:
             # Per target, one gather and a sum over trees.
             y = np.stack([np.take(t, reached).sum(axis=0) for t in self.table], axis=1)
