@@ -22,7 +22,3 @@ fi
 bash scripts/install_test_deps.sh
 python3 -m pip install -q -e ".[test]"
 python3 -m pytest -q ${select[@]+"${select[@]}"} "$@"
-# 4. A short seeded fuzz campaign (issue 14; about 3 minutes): 300 mutated models through
-#    load -> session -> run on both backends, each in a forked worker under memory and time
-#    limits; fails on any outcome but a correct result or a KilnError (docs/reliability.md).
-python3 fuzz/fuzz_kiln.py --seed 0 --cases 300

@@ -39,7 +39,7 @@ def host_feed(x: Any, dtype: DType) -> np.ndarray:
             raise InputError(f"the feed cannot be made a tensor of {dtype.onnx_name} ({e}); "
                              "pass a NumPy array of that dtype (nested lists must not be "
                              "ragged)") from None
-    if arr.dtype.fields is not None or arr.dtype.kind == "V":
+    if arr.dtype.fields is not None:  # plain "V" kinds are ml_dtypes (bfloat16...) or refused below
         raise InputError(f"a feed of record dtype {arr.dtype} cannot be a tensor; pass a "
                          "plain NumPy array")
     if not arr.dtype.isnative:
