@@ -54,6 +54,21 @@ def unknown_name(name: str, what: str, known: Iterable[str]) -> KilnError:
     return KilnError(f"{name!r} is not {what} of the model{hint}")
 
 
+def named_or_only(values: Sequence[Value], name: str | None, what: str,
+                  role: str) -> Value:
+    """The graph input/output called ``name`` (``what``: "input" or "output"), or the only
+    one when ``name`` is None; ``role`` ends the message asking which one is meant."""
+    by_name = {v.name: v for v in values}
+    if name is None:
+        if len(by_name) != 1:
+            raise KilnError(f"the model has {len(by_name)} {what}s {list(by_name)}; say "
+                            f"which one {role}")
+        name = next(iter(by_name))
+    if name not in by_name:
+        raise unknown_name(name, f"an {what}", by_name)
+    return by_name[name]
+
+
 def parse_shape(dims: Sequence[int | str | None] | str) -> tuple:
     """Dims from a list or from text like ``1x3x224x224`` or ``batch,3,224,224`` (a name
     is a symbolic dim, ``?`` an unknown one)."""

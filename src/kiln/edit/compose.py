@@ -14,6 +14,7 @@ from onnx import version_converter
 from kiln.edit.common import (
     ModelLike,
     all_names,
+    named_or_only,
     private_copy,
     retype,
     tensor_type,
@@ -155,15 +156,8 @@ def add_tail(model: ModelLike, op: str, output: str | None = None, *, axis: int 
         raise KilnError(f"unknown tail {op!r}; use one of {', '.join(TAILS)}")
     m = private_copy(model)
     g = m.graph
-    outs = {v.name: v for v in g.outputs}
-    if output is None:
-        if len(outs) != 1:
-            raise KilnError(f"the model has {len(outs)} outputs {list(outs)}; say which one "
-                            "the tail follows")
-        output = next(iter(outs))
-    if output not in outs:
-        raise unknown_name(output, "an output", outs)
-    src = outs[output]
+    src = named_or_only(g.outputs, output, "output", "the tail follows")
+    output = src.name
     rank = tensor_type(src, "output").shape
     if rank is not None and not -len(rank) <= axis < len(rank):
         raise KilnError(f"axis {axis} is out of range for output {output!r} of rank "

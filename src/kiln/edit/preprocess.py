@@ -28,12 +28,12 @@ import numpy as np
 from kiln.edit.common import (
     ModelLike,
     all_names,
+    named_or_only,
     private_copy,
     prune,
     retype,
     tensor_type,
     unique_name,
-    unknown_name,
 )
 from kiln.errors import KilnError
 from kiln.ir import DType, Graph, Model, Node, SymDim, TensorType, Value, as_dim
@@ -66,15 +66,8 @@ def preprocess(model: ModelLike, input: str | None = None, *,
                         "model's with resize='linear' or 'nearest'")
     m = private_copy(model)
     g = m.graph
-    by_name = {v.name: v for v in g.inputs}
-    if input is None:
-        if len(by_name) != 1:
-            raise KilnError(f"the model has {len(by_name)} inputs {list(by_name)}; say which "
-                            "one takes images")
-        input = next(iter(by_name))
-    if input not in by_name:
-        raise unknown_name(input, "an input", by_name)
-    x = by_name[input]
+    x = named_or_only(g.inputs, input, "input", "takes images")
+    input = x.name
     t = tensor_type(x, "input")
     if t.shape is None or len(t.shape) != 4:
         raise KilnError(f"input {input!r} has shape {t.shape}; preprocessing needs an NCHW "
