@@ -11,7 +11,7 @@ Gather, Concat, Unsqueeze, Add, Mul...); it stops at Shape/Size, which need only
 
 from __future__ import annotations
 
-from kiln.ir import Model, TensorType, Value
+from kiln.ir import Graph, Model, TensorType, Value
 from kiln.ops import registry
 from kiln.passes import symdim
 from kiln.passes.base import Pass, PassRecord, graphs
@@ -41,14 +41,7 @@ class PinHost(Pass):
                 for v in n.outputs:
                     if v is not None:
                         v.meta.pop("host", None)
-        stack: list[Value] = []
-        for g in graphs(model.graph):
-            for n in g.nodes:
-                d = registry.lookup(n.domain, n.op_type,
-                                    model.opset_imports.get(n.domain, model.opset))
-                if d is not None:
-                    stack += [n.inputs[i] for i in d.host_inputs
-                              if i < len(n.inputs) and n.inputs[i] is not None]
+        stack = [v for g in graphs(model.graph) for v in host_read_inputs(model, g)]
         marked = 0
         while stack:
             v = stack.pop()
@@ -62,6 +55,18 @@ class PinHost(Pass):
                 continue
             stack += [x for x in p.inputs if x is not None]
         record.add("host values", marked)
+
+
+def host_read_inputs(model: Model, g: Graph) -> list[Value]:
+    """The values nodes of ``g`` read on the host (``OpDef.host_inputs``: Reshape's shape,
+    Resize's scales, Range's bounds...): where walks over shape computations start."""
+    out: list[Value] = []
+    for n in g.nodes:
+        d = registry.lookup(n.domain, n.op_type, model.opset_imports.get(n.domain, model.opset))
+        if d is not None:
+            out += [n.inputs[i] for i in d.host_inputs
+                    if i < len(n.inputs) and n.inputs[i] is not None]
+    return out
 
 
 def _small(v: Value) -> bool:

@@ -19,9 +19,10 @@ import onnx.defs
 
 from kiln.ir import DType, Model, Node, TensorType, Value
 from kiln.onnxio import load
-from kiln.ops import registry
 from kiln.passes.base import clone_model
 from kiln.passes.infer_shapes import infer_model
+from kiln.passes.pin_host import STOP as SHAPE_ONLY
+from kiln.passes.pin_host import host_read_inputs
 
 __all__ = ["FP16_MAX", "as_model", "convert_float16"]
 
@@ -34,8 +35,6 @@ ALWAYS_FLOAT32 = frozenset({"Resize", "Upsample", "Range", "RandomNormal", "Rand
                             "NonMaxSuppression", "RoiAlign", "If", "Loop", "Scan"})
 # Attributes that name an output dtype, by op.
 _DTYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "ConstantOfShape": None, "Constant": None}
-# Where the shape-path walk stops: these read only the shape of their input.
-_SHAPE_ONLY = frozenset({"Shape", "Size"})
 
 
 def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str] = (),
@@ -181,12 +180,7 @@ def _to_half(a: np.ndarray, half: DType, name: str, clamped: list[str]) -> np.nd
 
 def _shape_path(m: Model) -> set[Node]:
     """Nodes that compute what another node reads on the host (shapes, sizes, scales)."""
-    stack: list[Value] = []
-    for n in m.graph.nodes:
-        d = registry.lookup(n.domain, n.op_type, m.opset_imports.get(n.domain, m.opset))
-        if d is not None:
-            stack += [n.inputs[i] for i in d.host_inputs
-                      if i < len(n.inputs) and n.inputs[i] is not None]
+    stack = host_read_inputs(m, m.graph)
     seen: set[Value] = set()
     path: set[Node] = set()
     while stack:
@@ -195,7 +189,7 @@ def _shape_path(m: Model) -> set[Node]:
             continue
         seen.add(v)
         p = v.producer
-        if p is None or p.op_type in _SHAPE_ONLY or (v.shape is not None and len(v.shape) > 1):
+        if p is None or p.op_type in SHAPE_ONLY or (v.shape is not None and len(v.shape) > 1):
             continue
         path.add(p)
         stack += [x for x in p.inputs if x is not None]
