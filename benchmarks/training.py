@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import io
 import time
 
 import numpy as np
@@ -24,6 +23,7 @@ import torch
 from torch import nn
 
 import kiln
+from kiln.zoo.build import export_trainable
 from kiln.zoo.registry import get_entry, make_inputs
 
 
@@ -32,14 +32,7 @@ def exported(name: str, args: tuple, entry) -> tuple[nn.Module, bytes]:
     for m in net.modules():
         if isinstance(m, nn.Dropout):
             m.p = 0.0  # the ONNX graph has no dropout; keep the work the same
-    axes = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)}
-            for s in entry.inputs + entry.outputs}
-    buf = io.BytesIO()
-    torch.onnx.export(net, args, buf, dynamo=False, input_names=[s.name for s in entry.inputs],
-                      output_names=[s.name for s in entry.outputs], dynamic_axes=axes,
-                      training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
-                      opset_version=17)
-    return net, buf.getvalue()
+    return net, export_trainable(entry, net, args)
 
 
 def step(model: nn.Module, opt, args: tuple) -> float:

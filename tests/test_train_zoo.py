@@ -11,7 +11,6 @@ stores equal tensors once, which would merge their gradients)."""
 from __future__ import annotations
 
 import copy
-import io
 
 import numpy as np
 import pytest
@@ -46,14 +45,8 @@ def _prepare(name: str):
         feeds = {entry.inputs[0].name: np.random.default_rng(0).standard_normal(shape)
                  .astype(np.float32)}
     args = tuple(torch.from_numpy(v) for v in feeds.values())
-    axes = {s.name: {i: d for i, d in enumerate(s.shape) if isinstance(d, str)}
-            for s in entry.inputs + entry.outputs}
-    buf = io.BytesIO()
-    torch.onnx.export(net, args, buf, dynamo=False, input_names=[s.name for s in entry.inputs],
-                      output_names=[s.name for s in entry.outputs], dynamic_axes=axes,
-                      training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
-                      opset_version=17)
-    return net, buf.getvalue(), args
+    from kiln.zoo.build import export_trainable
+    return net, export_trainable(entry, net, args), args
 
 
 def _loss(outs, gen_seed=0):

@@ -119,6 +119,28 @@ def _quiet():
             lg.setLevel(lvl)
 
 
+def _dynamic_axes(entry: ZooEntry) -> dict[str, dict[int, str]]:
+    """The TorchScript exporter's ``dynamic_axes``: the entry's named (symbolic) dims."""
+    return {t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)}
+            for t in (*entry.inputs, *entry.outputs)}
+
+
+def export_trainable(entry: ZooEntry, model: Any, args: tuple) -> bytes:
+    """``model`` (the entry's PyTorch module) exported for training as ONNX bytes:
+    BatchNormalization kept with its statistics, no constant folding, opset 17 — the file
+    ``kiln.to_torch`` is checked and measured against the module with."""
+    import torch
+
+    buf = io.BytesIO()
+    torch.onnx.export(model, args, buf, dynamo=False,
+                      input_names=[t.name for t in entry.inputs],
+                      output_names=[t.name for t in entry.outputs],
+                      dynamic_axes=_dynamic_axes(entry),
+                      training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False,
+                      opset_version=17)
+    return buf.getvalue()
+
+
 def _export(entry: ZooEntry, model: Any, args: tuple, path: Path) -> None:
     import torch
 
@@ -127,8 +149,7 @@ def _export(entry: ZooEntry, model: Any, args: tuple, path: Path) -> None:
     common = dict(input_names=in_names, output_names=out_names, opset_version=entry.opset)
     with _quiet(), torch.no_grad():
         if entry.exporter == "torchscript":
-            axes = {t.name: {i: d for i, d in enumerate(t.shape) if isinstance(d, str)}
-                    for t in (*entry.inputs, *entry.outputs)}
+            axes = _dynamic_axes(entry)
             if entry.keep_bn:  # skips the eval-mode Conv+BN fusion (and constant folding)
                 common["training"] = torch.onnx.TrainingMode.PRESERVE
             torch.onnx.export(model, args, str(path), dynamo=False, dynamic_axes=axes, **common)
