@@ -489,13 +489,13 @@ def _preprocessed(model, args):
 
 def cmd_cut(args) -> int:
     from kiln.edit import cut
-    from kiln.edit.common import tensors
+    from kiln.edit.common import all_names
     from kiln.onnxio import save
     from kiln.passes.base import count_nodes
     from kiln.tools.common import load_model
 
     model = load_model(args.model)
-    known = set(tensors(model.graph)) | {n.name for n in model.graph.nodes}
+    known = all_names(model.graph)
     inputs: dict[str, str | None] = {}
     for text in args.input:
         name, sep, shape = text.rpartition(":")

@@ -26,20 +26,6 @@ def private_copy(model: ModelLike) -> Model:
     return load(model)
 
 
-def tensors(g: Graph) -> dict[str, Value]:
-    """Every named value of ``g``'s own scope: inputs, initializers, node outputs."""
-    out: dict[str, Value] = {}
-    for v in g.inputs:
-        out[v.name] = v
-    for name, v in g.initializers.items():
-        out.setdefault(name, v)
-    for n in g.nodes:
-        for v in n.outputs:
-            if v is not None:
-                out.setdefault(v.name, v)
-    return out
-
-
 def layers(g: Graph) -> dict[str, Node]:
     """Nodes of ``g`` by name (unnamed nodes are left out)."""
     return {n.name: n for n in g.nodes if n.name}
@@ -154,4 +140,4 @@ def unique_name(taken: set[str], base: str) -> str:
 
 def all_names(g: Graph) -> set[str]:
     """Every value and node name of ``g`` (so new ones can avoid them)."""
-    return set(tensors(g)) | set(layers(g))
+    return set(g.values_by_name()) | set(layers(g))

@@ -18,7 +18,6 @@ from kiln.edit.common import (
     private_copy,
     retype,
     tensor_type,
-    tensors,
     unique_name,
     unknown_name,
 )
@@ -63,7 +62,7 @@ def compose(first: ModelLike, second: ModelLike | onnx.GraphProto,
     connected_in = {inp for _, inp in io_map}
     connected_out = {out for out, _ in io_map}
     taken = all_names(ga) | {v.name for v in ga.outputs}
-    for v in list(tensors(gb).values()):
+    for v in list(gb.values_by_name().values()):
         if v.name in taken and v.name not in connected_in:
             v.name = unique_name(taken, prefix + v.name)
     gb.initializers = {v.name: v for v in gb.initializers.values()}
@@ -125,7 +124,7 @@ def rename(model: ModelLike, names: Mapping[str, str]) -> Model:
     for old in names:
         if old not in io:
             raise unknown_name(old, "an input or output", io)
-    values = tensors(g)
+    values = g.values_by_name()
     targets = set(names.values())
     if len(targets) != len(names):
         raise KilnError(f"two inputs or outputs would get the same name: {dict(names)}")

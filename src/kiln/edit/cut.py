@@ -20,7 +20,6 @@ from kiln.edit.common import (
     prune,
     retype,
     tensor_type,
-    tensors,
     unknown_name,
 )
 from kiln.errors import KilnError
@@ -80,7 +79,7 @@ def cut(model: ModelLike, inputs: Names | None = None, outputs: Iterable[str] | 
 def _resolve(g: Graph, names: Iterable[str], role: str) -> list[Value]:
     if isinstance(names, str):
         names = [names]
-    values, nodes = tensors(g), layers(g)
+    values, nodes = g.values_by_name(), layers(g)
     out: list[Value] = []
     for name in names:
         if name in values:

@@ -464,6 +464,18 @@ class Graph:
             out.update(v for v in n.outputs if v is not None)
         return out
 
+    def values_by_name(self) -> dict[str, Value]:
+        """Every named value of this graph's own scope: inputs, then initializers, then
+        node outputs (an initializer that is also an input is found as the input)."""
+        out: dict[str, Value] = {v.name: v for v in self.inputs}
+        for name, v in self.initializers.items():
+            out.setdefault(name, v)
+        for n in self.nodes:
+            for v in n.outputs:
+                if v is not None:
+                    out.setdefault(v.name, v)
+        return out
+
     def captures(self) -> list[Value]:
         """Values this graph (or its nested subgraphs) reads from enclosing scopes."""
         own = self.defined()

@@ -15,7 +15,7 @@ import numpy as np
 import onnx
 
 from kiln.errors import InputError, KilnError, MissingDependencyError, OptionError
-from kiln.ir import DType, Graph, Model, SymDim, TensorType, Value, plain_shape
+from kiln.ir import DType, Model, SymDim, TensorType, Value, plain_shape
 from kiln.onnxio import load, save
 from kiln.runtime.backend import Backend, limit_blas_threads
 from kiln.runtime.executor import controlled
@@ -225,7 +225,7 @@ class InferenceSession(OrtSessionApi):
             model = clone_model(src)
         else:
             model = load(src)
-        values = _values_by_name(model.graph)
+        values = model.graph.values_by_name()
         for n in key:
             if n not in values:
                 close = difflib.get_close_matches(n, list(values), n=5)
@@ -298,15 +298,6 @@ def _silenced(quiet: bool):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         yield
-
-
-def _values_by_name(g: Graph) -> dict[str, Value]:
-    """Every tensor of the main graph by name: inputs, initializers, node outputs."""
-    out = {v.name: v for v in g.inputs}
-    out.update(g.initializers)
-    for n in g.nodes:
-        out.update((v.name, v) for v in n.outputs if v is not None and v.name)
-    return out
 
 
 def _shared_dims(inputs: list[Value]) -> dict[str, list[tuple[int, int]]]:
