@@ -96,8 +96,8 @@ class TorchBackend(Backend):
         self.warn = warn
         if threads is not None:
             torch.set_num_threads(int(threads))
-        elif torch.get_num_threads() > usable_cores():  # never oversubscribe by default
-            torch.set_num_threads(usable_cores())
+        elif torch.get_num_threads() > (cores := usable_cores()):  # never oversubscribe
+            torch.set_num_threads(cores)
         # While a specialized program is traced, kernels must use plain traceable ops.
         self.tracing = False
         self._tls = threading.local()
