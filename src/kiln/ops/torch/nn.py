@@ -380,8 +380,7 @@ def dropout(site):
     if site.opset >= 12:
         def run12(x, ratio=None, training_mode=None):
             if be.training and site.num_outputs == 1:
-                return F.dropout(x, 0.5 if ratio is None else float(ratio[0] if isinstance(
-                    ratio, tuple) else ratio.reshape(-1)[0]), True)
+                return F.dropout(x, 0.5 if ratio is None else floats(ratio)[0], True)
             if training_mode is not None and bool(training_mode.reshape(-1)[0]):
                 return NI
             if site.num_outputs > 1:
