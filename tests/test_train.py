@@ -273,3 +273,34 @@ def test_the_numpy_fallback_never_cuts_a_gradient_silently():
         m(x)
     with torch.no_grad():
         assert float(m(x)) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("opset", [11, 13])
+def test_dropout_drops_in_train_mode_as_torch_dropout_and_not_in_eval(opset):
+    """Dropout as an attribute (opset < 12) and as an input: in train mode the same mask and
+    scaling torch.nn.Dropout draws from the same seed; in eval mode the identity."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"])]
+    inits = [numpy_helper.from_array(w, "w")]
+    if opset >= 12:
+        inits.append(numpy_helper.from_array(np.array(0.3, np.float32), "ratio"))
+        nodes.append(helper.make_node("Dropout", ["h", "ratio"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Dropout", ["h"], ["y"], ratio=0.3))
+    proto = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 6])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 6])], inits,
+                       opset=opset)
+    module = kiln.to_torch(proto)
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((5, 6)).astype(np.float32))
+    reference = nn.Dropout(0.3)
+    module.train()
+    torch.manual_seed(7)
+    got = module(x)
+    torch.manual_seed(7)
+    want = reference.train()(x @ torch.from_numpy(w))
+    torch.testing.assert_close(got, want)
+    assert (got == 0).any()
+    module.eval()
+    torch.testing.assert_close(module(x), x @ torch.from_numpy(w))
