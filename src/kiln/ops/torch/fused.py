@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from kiln.ops.fused import ACTIVATIONS, activation
 from kiln.ops.registry import KILN_DOMAIN, Site
-from kiln.ops.torch import kernel
+from kiln.ops.torch import elementwise, kernel
 from kiln.ops.torch.arrays import FLOATS
 from kiln.ops.torch.elementwise import gemm as _gemm_builder
 from kiln.ops.torch.elementwise import matmul as _matmul_builder
@@ -161,9 +161,8 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     return F.layer_norm(x, shape, w, b, epsilon)
 
 
-@kernel("Gelu", 1, domain=KILN_DOMAIN)
-def gelu(x, *, approximate="none"):
-    return F.gelu(x, approximate=approximate) if x.dtype in FLOATS else NI
+# Kiln's fused Gelu takes the same attribute as ONNX's Gelu (20): the same kernel
+kernel("Gelu", 1, domain=KILN_DOMAIN)(elementwise.gelu)
 
 
 @kernel("Attention", 1, domain=KILN_DOMAIN, prepare=True)
