@@ -379,7 +379,11 @@ def test_bench_vs_onnxruntime(runnable):
     assert m, line
     ratio = float(m.group(1))
     if ratio > 1:
-        assert f"Kiln takes {ratio:.2f}x as long as onnxruntime" in line[0]
+        words = re.search(r"Kiln takes ([0-9.]+)x as long as onnxruntime", line[0])
+        assert words, line
+        # the words round the exact ratio to 2 decimals, the parenthesis to 3: rounding the
+        # 3-decimal figure again could differ in the last digit (9.565 -> 9.56, not 9.57)
+        assert abs(float(words.group(1)) - ratio) <= 0.0051
     else:
         assert "Kiln is" in line[0] and "faster than onnxruntime" in line[0]
 
