@@ -21,13 +21,11 @@ from kiln.ir import DType, Model
 from kiln.onnxio import load, save
 from kiln.ops import register_op
 from kiln.optimize import optimize
-from kiln.quantize import convert_float16, quantize
-from kiln.runtime import (
+from kiln.ort import (
     ExecutionMode,
     GraphOptimizationLevel,
     InferenceSession,
     IOBinding,
-    NodeArg,
     OrtValue,
     RunOptions,
     SessionOptions,
@@ -35,6 +33,8 @@ from kiln.runtime import (
     get_device,
     set_default_logger_severity,
 )
+from kiln.quantize import convert_float16, quantize
+from kiln.runtime import NodeArg, Session
 from kiln.tools import bench, inspect, profile, report
 from kiln.train import to_torch
 
@@ -44,7 +44,7 @@ __all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLeve
            "IOBinding", "OrtValue", "RunCancelledError", "RunOptions", "SessionOptions",
            "get_available_providers", "get_device", "set_default_logger_severity",
            "InferenceSession", "InputError", "KernelError",
-           "KilnError", "Model", "ModelLoadError", "NodeArg", "ShapeError",
+           "KilnError", "Model", "ModelLoadError", "NodeArg", "Session", "ShapeError",
            "UnsupportedOpError", "add_tail", "bench", "compose", "convert_float16", "cut",
            "inspect", "load", "optimize", "preprocess", "profile", "quantize", "register_op",
            "report", "rename", "save", "set_batch", "to_torch"]

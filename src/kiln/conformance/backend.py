@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from kiln.runtime import InferenceSession
+from kiln.ort import InferenceSession
 
 
 class KilnRep(BackendRep):

@@ -24,7 +24,7 @@ import numpy as np
 
 from kiln.errors import InputError, KilnError, MissingDependencyError, OptionError
 from kiln.onnxio import to_proto
-from kiln.runtime import InferenceSession
+from kiln.ort import InferenceSession
 from kiln.tools.common import backend_options, load_model
 
 RAY_INSTALL = 'pip install -e ".[ray]"'

@@ -23,8 +23,8 @@ import numpy as np
 
 from kiln.errors import InputError, OptionError
 from kiln.ir import Model
+from kiln.ort import InferenceSession
 from kiln.passes.base import clone_model
-from kiln.runtime import InferenceSession
 
 __all__ = ["METHODS", "Range", "calibrate", "load_feeds"]
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from kiln.ir import Model
 from kiln.onnxio import to_proto
-from kiln.runtime import InferenceSession
+from kiln.ort import InferenceSession
 
 __all__ = ["OutputError", "QuantizeReport", "compare", "latency_ms", "model_bytes"]
 

@@ -1,19 +1,6 @@
-"""Running models: the precomputed plan, backends, and the InferenceSession."""
+"""Running models: the precomputed plan, the backends and their executors, and the
+``Session`` that ties them together (``kiln.ort`` puts onnxruntime's API on it)."""
 
-from kiln.runtime.ort_api import (
-    ExecutionMode,
-    GraphOptimizationLevel,
-    IOBinding,
-    ModelMetadata,
-    OrtValue,
-    RunOptions,
-    SessionOptions,
-    get_available_providers,
-    get_device,
-    set_default_logger_severity,
-)
-from kiln.runtime.session import InferenceSession, NodeArg
+from kiln.runtime.session import NodeArg, Session, make_backend
 
-__all__ = ["ExecutionMode", "GraphOptimizationLevel", "IOBinding", "InferenceSession",
-           "ModelMetadata", "NodeArg", "OrtValue", "RunOptions", "SessionOptions",
-           "get_available_providers", "get_device", "set_default_logger_severity"]
+__all__ = ["NodeArg", "Session", "make_backend"]

@@ -1,4 +1,6 @@
-"""``InferenceSession``: the onnxruntime-compatible way to run a model."""
+"""``Session``: a model made ready to run (optimized, planned, kernels prepared) and run
+on feeds, from any number of threads. ``kiln.InferenceSession`` (in ``kiln.ort``) adds
+onnxruntime's API on top of it."""
 
 from __future__ import annotations
 
@@ -9,17 +11,23 @@ import os
 import threading
 import warnings
 from dataclasses import dataclass
+from time import perf_counter
 from typing import Any
 
 import numpy as np
 import onnx
 
-from kiln.errors import InputError, KilnError, MissingDependencyError, OptionError
+from kiln.errors import (
+    InputError,
+    KilnError,
+    MissingDependencyError,
+    OptionError,
+    RunCancelledError,
+)
 from kiln.ir import DType, Model, SymDim, TensorType, Value, plain_shape
-from kiln.onnxio import load, save
+from kiln.onnxio import load
 from kiln.runtime.backend import Backend, limit_blas_threads
 from kiln.runtime.executor import controlled
-from kiln.runtime.ort_api import OrtSessionApi, Profiler, configure, model_metadata, stop_check
 from kiln.runtime.placement import PlacementReport
 from kiln.runtime.plan import Plan, compile_model
 
@@ -91,41 +99,35 @@ class _Target:
                    {v.name: v for v in g.initializers.values() if v.meta.get("overridable")})
 
 
-class InferenceSession(OrtSessionApi):
+class Session:
     """Runs one model. Build once (the plan is computed here), call ``run`` many times,
     from several threads at once if you like.
 
-    Takes onnxruntime's arguments in its order (``sess_options``, ``providers``,
-    ``provider_options``; see :mod:`kiln.runtime.ort_api`) and Kiln's own by keyword:
-    ``backend`` ("numpy" unless a CUDA provider asks for torch), ``optimize`` (True,
-    False or an optimizer level), ``input_shapes`` and the backend's options."""
+    ``backend``: "numpy" or "torch"; ``optimize``: True, False or an optimizer level;
+    ``input_shapes``: fixed shapes for inputs by name; ``dims``: sizes for symbolic dims
+    by name (in every input that has them); ``quiet``: no warnings while building; the
+    rest are the backend's options (``threads``, torch's ``device``, ``precision``...)."""
 
-    def __init__(self, path_or_bytes: Model | str | os.PathLike | bytes | onnx.ModelProto,
-                 sess_options=None, providers: list | None = None,
-                 provider_options: list[dict] | None = None, *, backend: str | None = None,
-                 optimize: bool | int | str = True,
+    def __init__(self, model: Model | str | os.PathLike | bytes | onnx.ModelProto, *,
+                 backend: str = "numpy", optimize: bool | int | str = True,
                  input_shapes: dict[str, list[int | str | None]] | None = None,
+                 dims: dict[str, int] | None = None, quiet: bool = False,
                  **backend_options: Any):
-        cfg = self.config = configure(sess_options, providers, provider_options, backend,
-                                      backend_options)
-        # Kiln's optimize= wins over the options' level unless left at its default.
-        self._level = optimize if cfg.level is None or optimize is not True else cfg.level
-        with _silenced(cfg.quiet):
-            self.backend = make_backend(cfg.backend, **cfg.options)  # before any I/O
-            model = path_or_bytes if isinstance(path_or_bytes, Model) else load(path_or_bytes)
+        self._level = optimize
+        self._quiet = quiet
+        with _silenced(quiet):
+            self.backend = make_backend(backend, **backend_options)  # before any I/O
+            loaded = model if isinstance(model, Model) else load(model)
             # Kept to build plans that expose intermediate values (run(["name"])): the
             # loaded model rather than bytes, as it shares its arrays with the optimized one.
-            self._source = model if isinstance(path_or_bytes, bytes) else path_or_bytes
-            self.meta = model_metadata(model)
-            self._input_shapes = cfg.input_shapes(model, input_shapes)
-            self.model = self._optimized(model)
+            self._source = loaded if isinstance(model, bytes) else model
+            self.source_model = loaded
+            """The model as loaded, before optimization (its metadata, doc strings)."""
+            self._input_shapes = _fixed_shapes(loaded, input_shapes, dims or {})
+            self.model = self._optimized(loaded)
             g = self.model.graph
             self.plan: Plan = compile_model(g, self.model.opset_imports,
                                             self.model.functions, self.backend)
-        if cfg.save_to:
-            save(self.model, cfg.save_to)
-        self.profiler = None if cfg.profile_prefix is None else \
-            Profiler(cfg.profile_prefix, cfg.providers[0][0])
         self._inputs = list(g.inputs)
         self._main = _Target.of(self.plan)
         self._overridable = self._main.overridable
@@ -164,6 +166,20 @@ class InferenceSession(OrtSessionApi):
         (zero-copy; they also speak DLPack)."""
         return self._prepare_run(output_names, input_feed, output_type, run_options)()
 
+    def execute_plan(self, plan: Plan, inputs: list, overrides: dict | None) -> list:
+        """Run ``plan`` once on checked inputs: the step every run goes through (a
+        subclass wraps it to record runs, as onnxruntime's profiling does)."""
+        return self.backend.execute(plan, inputs, overrides)
+
+    def check_input(self, name: str, value: Any):
+        """``value`` as this backend's array for input ``name``, checked against its
+        declared type and shape (InputError if it does not fit)."""
+        v = self._by_name.get(name)
+        if v is None:
+            raise InputError(f"unknown input name {name!r}; the model's inputs are "
+                             f"{[v.name for v in self._inputs]}")
+        return self._check_one(v, value)
+
     def run_async(self, output_names: list[str] | None, input_feed: dict[str, Any],
                   run_options: Any = None, *, output_type: str = "numpy"):
         """Queue a run and return at once an :class:`~kiln.runtime.async_run.AsyncRun`
@@ -197,7 +213,7 @@ class InferenceSession(OrtSessionApi):
         else:
             convert = self.backend.to_numpy
         check = None if run_options is None else stop_check(run_options)
-        execute = self.backend.execute if self.profiler is None else self.profiler.execute
+        execute = self.execute_plan
 
         def job() -> list:
             if check is None:
@@ -233,7 +249,7 @@ class InferenceSession(OrtSessionApi):
                                  + (f"; close matches: {close}" if close else
                                     f"; the model's outputs are {list(self._outputs)}"))
             model.graph.outputs.append(values[n])
-        with _silenced(self.config.quiet):
+        with _silenced(self._quiet):
             model = self._optimized(model)
             plan = compile_model(model.graph, model.opset_imports, model.functions,
                                  self.backend)
@@ -310,6 +326,37 @@ def _shared_dims(inputs: list[Value]) -> dict[str, list[tuple[int, int]]]:
                 if isinstance(d, SymDim) and d.symbol is not None:
                     places.setdefault(d.symbol, []).append((i, axis))
     return {name: p for name, p in places.items() if len(p) > 1}
+
+
+def stop_check(run_options: Any):
+    """The check a run with ``run_options`` makes between layers (None: nothing to check).
+    Any object with ``terminate`` (set from another thread to stop the run) works,
+    onnxruntime's RunOptions included; an optional ``time_limit_s`` bounds the run."""
+    if run_options is None:
+        return None
+    limit = getattr(run_options, "time_limit_s", None)
+    if limit is not None and not limit > 0:
+        raise OptionError(f"time_limit_s must be a positive number of seconds, got {limit!r}")
+    deadline = None if limit is None else perf_counter() + float(limit)
+
+    def check() -> None:
+        if run_options.terminate:
+            raise RunCancelledError("the run was cancelled: run_options.terminate was set")
+        if deadline is not None and perf_counter() > deadline:
+            raise RunCancelledError(f"the run was cancelled: it took longer than its "
+                                    f"time_limit_s of {limit} s")
+    return check
+
+
+def _fixed_shapes(model: Model, given: dict | None, dims: dict[str, int]) -> dict | None:
+    """``given`` shapes, plus those of the inputs whose symbolic dims ``dims`` sizes."""
+    out = {}
+    for v in model.graph.inputs if dims else ():
+        shape = plain_shape(v.type.shape) if isinstance(v.type, TensorType) and \
+            v.type.shape is not None else None
+        if shape and any(d in dims for d in shape if isinstance(d, str)):
+            out[v.name] = [dims.get(d, d) if isinstance(d, str) else d for d in shape]
+    return {**out, **(given or {})} or None
 
 
 def _fmt(shape) -> str:

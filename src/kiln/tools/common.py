@@ -259,7 +259,7 @@ def session_for(model: Any, backend: str = "numpy", device: str | None = None,
                 threads: int | None = None, optimize: bool = True):
     """An InferenceSession on ``backend`` (``device``/``threads`` are torch options),
     optimized as sessions are by default unless ``optimize`` is False."""
-    from kiln.runtime import InferenceSession
+    from kiln.ort import InferenceSession
 
     opts = backend_options(backend, device, threads)
     return InferenceSession(load_model(model), backend=backend, optimize=optimize, **opts)

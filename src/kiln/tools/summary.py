@@ -126,8 +126,8 @@ def placements(model: Model, backend: str = "numpy", device: str | None = None
     """Where each main-graph node would run: ({node: (where, how)}, unsupported ops,
     device, note). Builds the plan the way a session does, but never raises for
     missing ops: those nodes are simply absent from the mapping."""
+    from kiln.runtime import make_backend
     from kiln.runtime.plan import plan_graph
-    from kiln.runtime.session import make_backend
 
     be = make_backend(backend, **backend_options(backend, device))
     chosen: dict[Node, tuple[str, str]] = {}

@@ -22,8 +22,8 @@ from kiln.errors import InputError, UnsupportedOpError
 from kiln.ir import DType, Model, Value
 from kiln.ops import registry
 from kiln.ops.torch.arrays import to_torch
+from kiln.runtime import make_backend
 from kiln.runtime.plan import Plan, Step, compile_model
-from kiln.runtime.session import make_backend
 from kiln.train import graph as graph_ops
 
 __all__ = ["KilnModule", "NonDifferentiableWarning"]
