@@ -99,6 +99,8 @@ class Backend:
     device = "cpu"
     params_as_tuples = False
     """Whether host-parameter constants reach this backend's kernels as Python tuples."""
+    array_type: type = np.ndarray
+    """The class of this backend's arrays (results of another class are normalized)."""
 
     def candidates(self, opdef: OpDef) -> list[tuple[str, Kernel, str]]:
         """The kernels to try for ``opdef``, best first: (placement label, kernel, why)."""

@@ -103,7 +103,8 @@ def _generate(plan, module: bool, filename: str, checked: bool = False
     else ``run(...)`` with constants as globals, results normalized by the backend.
     ``checked``: the run's stop check is called after every step (cancellable runs)."""
     names: dict = {}
-    glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize, "_ctl": active_control}
+    glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize, "_ctl": active_control,
+                           "_T": plan.backend.array_type}
     lines: list[str] = []
     line_step: dict[int, int] = {}
     for i, v in enumerate(plan.graph.inputs):
@@ -133,9 +134,16 @@ def _generate(plan, module: bool, filename: str, checked: bool = False
             args = f"k{j}, {args}" if args else f"k{j}"
         outs = list(s.outputs)
         line_step[len(lines) + 2] = j  # +1: the def line, +1: lines count from 1
-        if len(outs) == 1:
+        if len(outs) == 1 and not module:
+            # Most kernels return the backend's array: one class test inline instead of
+            # two calls (unwrap a 1-tuple, normalize) per layer.
+            names[outs[0]] = v = f"v{j}_0"
+            lines.append(f"    {v} = f{j}({args})")
+            line_step[len(lines) + 2] = j
+            lines.append(f"    if {v}.__class__ is not _T: {v} = _n(_one({v}))")
+        elif len(outs) == 1:
             names[outs[0]] = f"v{j}_0"
-            lines.append(f"    v{j}_0 = " + wrap.format(f"_one(f{j}({args}))"))
+            lines.append(f"    v{j}_0 = _one(f{j}({args}))")
         else:
             lines.append(f"    r{j} = f{j}({args})")
             for k, v in enumerate(outs):

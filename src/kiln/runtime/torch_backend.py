@@ -61,6 +61,7 @@ class TorchBackend(Backend):
 
     name = "torch"
     params_as_tuples = True
+    array_type = torch.Tensor
     module = False
     """Set on the backend of a kiln.train module: kernels declining a mix of float types
     under torch.autocast get fp32 inputs instead of the NumPy fallback."""
