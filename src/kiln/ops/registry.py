@@ -38,7 +38,7 @@ REFERENCE = "numpy"
 # not import torch, and what a backend supports is known without constructing it.
 BACKEND_MODULES: dict[str, tuple[str, ...]] = {
     "torch": tuple(f"kiln.ops.torch.{m}" for m in ("elementwise", "nn", "shape", "fused",
-                                                    "control", "microsoft")),
+                                                    "control", "microsoft", "training")),
 }
 _loaded: set[str] = set()
 

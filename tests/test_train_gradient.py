@@ -1,0 +1,126 @@
+"""The ai.onnx.preview.training Gradient op on both backends, against torch.autograd on
+the same math written directly in torch."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+import torch
+from onnx import TensorProto, helper, numpy_helper
+
+from kiln import InferenceSession
+from kiln.errors import InputError, UnsupportedOpError
+
+F = TensorProto.FLOAT
+TRAINING = "ai.onnx.preview.training"
+OPSETS = [helper.make_opsetid("", 17), helper.make_opsetid(TRAINING, 1)]
+
+
+def _model(nodes, inputs, outputs, initializers=()) -> onnx.ModelProto:
+    g = helper.make_graph(nodes, "g", inputs, outputs, list(initializers))
+    m = helper.make_model(g, opset_imports=OPSETS)
+    onnx.checker.check_model(m)
+    return m
+
+
+def _vi(name, shape):
+    return helper.make_tensor_value_info(name, F, shape)
+
+
+def _mlp_model():
+    """y = ReduceSum(Tanh(X @ W + B) * Sigmoid(Transpose(Reshape(X @ W))) / 3 - Pow(X @ W, 2)),
+    differentiated wrt W and B, with X as a z."""
+    nodes = [
+        helper.make_node("MatMul", ["X", "W"], ["h"]),
+        helper.make_node("Add", ["h", "B"], ["a"]),
+        helper.make_node("Tanh", ["a"], ["t"]),
+        helper.make_node("Reshape", ["h", "shape"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["rt"], perm=[1, 0]),
+        helper.make_node("Transpose", ["rt"], ["rtt"], perm=[1, 0]),
+        helper.make_node("Sigmoid", ["rtt"], ["s"]),
+        helper.make_node("Mul", ["t", "s"], ["m"]),
+        helper.make_node("Div", ["m", "three"], ["d"]),
+        helper.make_node("Pow", ["h", "two"], ["p"]),
+        helper.make_node("Sub", ["d", "p"], ["e"]),
+        helper.make_node("ReduceSum", ["e"], ["y"], keepdims=0),
+        helper.make_node("Gradient", ["W", "B", "X"], ["dW", "dB"], domain=TRAINING,
+                         xs=["W", "B"], zs=["X"], y="y"),
+    ]
+    inits = [numpy_helper.from_array(np.array([2, 4], np.int64), "shape"),
+             numpy_helper.from_array(np.array(3.0, np.float32), "three"),
+             numpy_helper.from_array(np.array(2.0, np.float32), "two")]
+    return _model(nodes, [_vi("X", [2, 3]), _vi("W", [3, 4]), _vi("B", [4])],
+                  [_vi("y", []), _vi("dW", [3, 4]), _vi("dB", [4])], inits)
+
+
+def _mlp_oracle(x, w, b):
+    x = torch.tensor(x)
+    w = torch.tensor(w, requires_grad=True)
+    b = torch.tensor(b, requires_grad=True)
+    h = x @ w
+    y = ((torch.tanh(h + b) * torch.sigmoid(h)) / 3 - h ** 2).sum()
+    dw, db = torch.autograd.grad(y, [w, b])
+    return y.detach().numpy(), dw.numpy(), db.numpy()
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_gradient_matches_torch_autograd(backend):
+    rng = np.random.default_rng(0)
+    x, w, b = (rng.standard_normal(s).astype(np.float32) for s in ((2, 3), (3, 4), (4,)))
+    sess = InferenceSession(_mlp_model(), backend=backend)
+    for _ in range(2):  # the second run reuses what the first built
+        y, dw, db = sess.run(None, {"X": x, "W": w, "B": b})
+        ry, rdw, rdb = _mlp_oracle(x, w, b)
+        np.testing.assert_allclose(y, ry, rtol=1e-5)
+        np.testing.assert_allclose(dw, rdw, rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(db, rdb, rtol=1e-5, atol=1e-6)
+        x, w, b = x + 0.5, w * 2, b - 1
+
+
+def _conv_model():
+    """Gradient wrt a convolution weight that is an initializer (not a graph input):
+    kernels that pack constant weights must not bake it in."""
+    nodes = [
+        helper.make_node("Conv", ["X", "Wc"], ["c"], pads=[1, 1, 1, 1]),
+        helper.make_node("Softmax", ["c"], ["s"], axis=1),
+        helper.make_node("ReduceMean", ["s"], ["m"], axes=[2, 3], keepdims=0),
+        helper.make_node("Mul", ["m", "m"], ["mm"]),
+        helper.make_node("ReduceSum", ["mm"], ["y"], keepdims=0),
+        helper.make_node("Gradient", ["Wc", "X"], ["dWc"], domain=TRAINING,
+                         xs=["Wc"], zs=["X"], y="y"),
+    ]
+    w = np.random.default_rng(1).standard_normal((4, 3, 3, 3)).astype(np.float32)
+    return _model(nodes, [_vi("X", [2, 3, 6, 6])], [_vi("y", []), _vi("dWc", [4, 3, 3, 3])],
+                  [numpy_helper.from_array(w, "Wc")]), w
+
+
+def test_torch_gradient_through_conv_and_softmax_of_an_initializer():
+    model, w = _conv_model()
+    x = np.random.default_rng(2).standard_normal((2, 3, 6, 6)).astype(np.float32)
+    y, dw = InferenceSession(model, backend="torch").run(None, {"X": x})
+    tw = torch.tensor(w, requires_grad=True)
+    s = torch.softmax(torch.nn.functional.conv2d(torch.tensor(x), tw, padding=1), dim=1)
+    ry = (s.mean(dim=(2, 3)) ** 2).sum()
+    (rdw,) = torch.autograd.grad(ry, [tw])
+    np.testing.assert_allclose(y, ry.detach().numpy(), rtol=1e-5)
+    np.testing.assert_allclose(dw, rdw.numpy(), rtol=1e-4, atol=1e-7)
+
+
+def test_numpy_gradient_names_an_op_it_cannot_differentiate():
+    model, _ = _conv_model()
+    x = np.zeros((2, 3, 6, 6), np.float32)
+    sess = InferenceSession(model, backend="numpy")
+    with pytest.raises(UnsupportedOpError, match="Conv"):
+        sess.run(None, {"X": x})
+
+
+def test_gradient_refuses_a_y_that_reads_an_input_outside_xs_and_zs():
+    nodes = [helper.make_node("Mul", ["A", "C"], ["y"]),
+             helper.make_node("Gradient", ["A"], ["dA"], domain=TRAINING,
+                              xs=["A"], y="y")]
+    model = _model(nodes, [_vi("A", [2]), _vi("C", [2])], [_vi("y", [2]), _vi("dA", [2])])
+    for backend in ("numpy", "torch"):
+        sess = InferenceSession(model, backend=backend)
+        with pytest.raises(InputError, match="'C'"):
+            sess.run(None, {"A": np.ones(2, np.float32), "C": np.ones(2, np.float32)})
