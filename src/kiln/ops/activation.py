@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from kiln.ops import cost
 from kiln.ops._array import namespace
 from kiln.ops._numeric import erf, keep_dtype
 from kiln.ops.registry import op
+
+try:  # scipy is optional; its expit is one stable C loop where the formula below is five
+    from scipy.special import expit as _expit
+except ImportError:  # pragma: no cover - exercised only without scipy
+    _expit = None
 
 # Arithmetic selection (maximum/minimum with a Python scalar) instead of where(): NumPy's
 # where is branchy and several times slower than a ufunc on data with mixed signs, and
@@ -16,6 +23,8 @@ from kiln.ops.registry import op
 
 
 def _sigmoid(xp, x):
+    if _expit is not None and type(x) is np.ndarray and x.dtype.char in "fd":
+        return _expit(x)
     # 1/(1+exp(-x)) keeps full relative precision for negative x; capping -x keeps exp
     # finite (no overflow warnings) where the true value underflows anyway. float16 is
     # computed in float32, where that cap is far enough out.
@@ -29,12 +38,24 @@ def _softplus(xp, x):
     return xp.logaddexp(x, xp.zeros_like(x))
 
 
+_ZERO: dict = {}  # dtype -> 0-d zero: NumPy converts a Python 0 anew on every call (~2x)
+
+
+def _zero(x):
+    if type(x) is not np.ndarray:
+        return 0
+    z = _ZERO.get(x.dtype)
+    if z is None:
+        z = _ZERO[x.dtype] = np.zeros((), x.dtype)
+    return z
+
+
 def _neg_part(xp, x):
-    return xp.minimum(x, 0)
+    return xp.minimum(x, _zero(x))
 
 
 def _pos_part(xp, x):
-    return xp.maximum(x, 0)
+    return xp.maximum(x, _zero(x))
 
 
 @op("Relu", 1, generic=True, cost=cost.elementwise)
