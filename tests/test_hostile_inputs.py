@@ -68,6 +68,107 @@ def test_an_attribute_of_the_wrong_type_is_refused_at_load():
         kiln.load(m)
 
 
+def _model(node: onnx.NodeProto, inputs: dict[str, list[int]], opsets: dict[str, int],
+           functions=()) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info(n, TP.FLOAT, s) for n, s in inputs.items()],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid(d, v) for d, v in
+                                                opsets.items()], functions=list(functions))
+    m.ir_version = 9
+    return m
+
+
+def test_a_misspelt_attribute_is_refused_naming_the_node_and_the_valid_ones():
+    node = helper.make_node("Conv", ["x", "w"], ["y"], name="conv0", kernal_shape=[3, 3])
+    m = _model(node, {"x": [1, 2, 5, 5], "w": [4, 2, 3, 3]}, {"": 17})
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=r"conv0.*'kernal_shape' \(did you mean "
+                                             r"'kernel_shape'\?\).*Conv-11 takes 'auto_pad', "
+                                             r"'dilations', 'group', 'kernel_shape'"):
+        kiln.load(m)
+
+
+MS = {"": 17, "com.microsoft": 1}
+
+
+@pytest.mark.parametrize("node, inputs, opsets", [
+    (helper.make_node("Relu", ["x"], ["y"], foo=1), {"x": [2]}, {"": 17}),
+    # Relu-1's consumed_inputs is gone from Relu-6 on
+    (helper.make_node("Relu", ["x"], ["y"], consumed_inputs=[0]), {"x": [2]}, {"": 13}),
+    (helper.make_node("Normalizer", ["x"], ["y"], domain="ai.onnx.ml", norm="MAX", nrm="L1"),
+     {"x": [2, 3]}, {"": 17, "ai.onnx.ml": 3}),
+    (helper.make_node("Gelu", ["x"], ["y"], domain="com.microsoft", approximate="tanh"),
+     {"x": [2]}, MS),
+    (helper.make_node("FusedMatMul", ["x", "w"], ["y"], domain="com.microsoft", transb=1),
+     {"x": [2, 3], "w": [2, 3]}, MS),
+], ids=["Relu", "Relu-13-consumed_inputs", "ml-Normalizer", "ms-Gelu", "ms-FusedMatMul"])
+def test_an_attribute_the_op_does_not_define_is_refused_as_onnxruntime_refuses_it(
+        node, inputs, opsets):
+    m = _model(node, inputs, opsets)
+    assert _ort_rejects(m)
+    bad = next(a.name for a in node.attribute if a.name not in ("norm",))
+    with pytest.raises(ModelLoadError, match=rf"unknown attribute '{bad}'.*{node.op_type}-"):
+        kiln.load(m)
+
+
+def test_an_attribute_without_a_name_is_refused():
+    m = _relu()
+    m.graph.node[0].attribute.add(type=onnx.AttributeProto.INT, i=1)
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match="an attribute with no name"):
+        kiln.load(m)
+
+
+def _accepted(node, inputs, opsets, functions=()):
+    m = _model(node, inputs, opsets, functions)
+    feeds = {n: np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s)
+             for n, s in inputs.items()}
+    want = ort.InferenceSession(m.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, feeds)
+    for backend in BACKENDS:
+        got = kiln.InferenceSession(m, backend=backend).run(None, feeds)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-5, atol=1e-6)
+
+
+def test_names_onnx_never_checks_are_accepted_as_onnxruntime_accepts_them():
+    # "__"-prefixed names are ONNX's internal symbols; schemas skip them
+    _accepted(helper.make_node("Relu", ["x"], ["y"], __origin="exporter"), {"x": [4]},
+              {"": 17})
+    # onnx declares LayerNormalization-17 with AllowUncheckedAttributes
+    _accepted(helper.make_node("LayerNormalization", ["x", "s"], ["y"], extra=1),
+              {"x": [2, 3], "s": [3]}, {"": 17})
+    # onnxruntime's SimplifiedLayerNormalization (ONNX domain) takes extra attributes too
+    _accepted(helper.make_node("SimplifiedLayerNormalization", ["x", "s"], ["y"], extra=1),
+              {"x": [2, 3], "s": [3]}, {"": 17})
+    # a model-local function's caller may pass attributes the function does not declare
+    fn = helper.make_function("my.dom", "F", ["a"], ["b"], [helper.make_node("Relu", ["a"],
+                                                                             ["b"])],
+                              [helper.make_opsetid("", 17)], attributes=["alpha"])
+    _accepted(helper.make_node("F", ["x"], ["y"], domain="my.dom", beta=1), {"x": [4]},
+              {"": 17, "my.dom": 1}, [fn])
+
+
+def test_kilns_com_microsoft_ops_take_exactly_onnxruntimes_attributes():
+    """Kiln refuses an attribute its com.microsoft kernel does not name: each of them must
+    name every attribute onnxruntime's schema defines, and no other."""
+    from onnxruntime.capi.onnxruntime_pybind11_state import get_all_operator_schema
+
+    from kiln.ops import registered
+    from kiln.ops.attributes import attribute_names
+
+    ort_attrs = {(s.name, s.since_version): set(s.attributes)
+                 for s in get_all_operator_schema() if s.domain == "com.microsoft"}
+    checked = 0
+    for d in registered():
+        if d.domain == "com.microsoft":
+            known = attribute_names(d.domain, d.op_type, d.since)
+            if known is not None:
+                assert set(known[1]) == ort_attrs[(d.op_type, known[0])], d.op_type
+                checked += 1
+    assert checked >= 20
+
+
 # -- malformed tensors and types ----------------------------------------------------------
 
 def test_unknown_element_type_numbers_raise_model_load_error():

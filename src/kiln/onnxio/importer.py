@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import functools
 import os
 from collections import ChainMap
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -109,12 +111,36 @@ def text(s: str | bytes, what: str) -> str:
 
 
 class _Schema(NamedTuple):
-    """What load-time validation needs of an op's ONNX schema, kept per op version."""
+    """What load-time validation needs of an op's schema, kept per op version."""
 
     since: int
     inputs: tuple[int, int]
     outputs: tuple[int, int]
-    attr_types: dict[str, int]
+    attr_types: dict[str, int | None]
+    """Attribute name -> AttributeProto type (None: any type)."""
+    closed: bool
+    """Whether an attribute the schema does not name is refused."""
+
+
+_ANY_COUNT = (0, 2**31)
+_UNDEFINED = object()
+
+AttributeSource = Callable[[str, str, int], "tuple[int, frozenset[str]] | None"]
+_attribute_source: AttributeSource | None = None
+
+# onnx defines LayerNormalization-17 with AllowUncheckedAttributes, so onnx's checker and
+# onnxruntime accept any extra attribute on it; it is the only standard op that does.
+_OPEN_SCHEMAS = {("", "LayerNormalization", 17)}
+
+
+def set_attribute_source(source: AttributeSource | None) -> None:
+    """Where load-time validation learns the attributes of ops ONNX's schemas do not define
+    (``source(domain, op_type, opset) -> (since, names)``, None where it does not know the
+    op): Kiln's op definitions (layered above this module) name the attributes of Kiln's
+    own ops and of the com.microsoft ops and register them here when imported."""
+    global _attribute_source
+    _attribute_source = source
+    _schema.cache_clear()
 
 
 @functools.cache
@@ -122,14 +148,20 @@ def _schema(op_type: str, domain: str, version: int) -> _Schema | None:
     try:
         s = onnx.defs.get_schema(op_type, version, domain)
     except onnx.defs.SchemaError:
-        return None  # custom domains and Kiln's own ops: their kernels check themselves
+        known = _attribute_source(domain, op_type, version) if _attribute_source else None
+        if known is None:
+            return None  # custom domains and model-local functions: their kernels check
+        since, names = known
+        return _Schema(since, _ANY_COUNT, _ANY_COUNT, dict.fromkeys(names), True)
     return _Schema(s.since_version, (s.min_input, s.max_input), (s.min_output, s.max_output),
-                   {name: int(a.type) for name, a in s.attributes.items()})
+                   {name: int(a.type) for name, a in s.attributes.items()},
+                   (domain, op_type, s.since_version) not in _OPEN_SCHEMAS)
 
 
 def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: str) -> None:
-    """Input/output counts and attribute types against the op's ONNX schema (onnxruntime
-    rejects the same graphs); the schema lookup is cached per op type and opset."""
+    """Input/output counts, attribute names and attribute types against the op's schema
+    (onnxruntime rejects the same graphs); the schema lookup is cached per op type and
+    opset."""
     version = opsets.get(domain)
     schema = None if version is None else _schema(np_.op_type, domain, version)
     if schema is None:
@@ -140,13 +172,35 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: 
             want = str(lo) if lo == hi else f"{lo} to {hi}" if hi < 2**30 else f"at least {lo}"
             raise ModelLoadError(f"{where} has {n} {kind}, but {np_.op_type}-{schema.since} "
                                  f"takes {want}; the model is malformed")
+    types = schema.attr_types
     for a in np_.attribute:
-        want_type = schema.attr_types.get(a.name)
-        if want_type is not None and a.type != want_type and not a.ref_attr_name:
+        name = a.name  # each read of a protobuf field builds a new object: read once
+        want_type = types.get(name, _UNDEFINED)
+        if want_type is _UNDEFINED:
+            # Names starting with "__" are ONNX's internal symbols, which schemas never check.
+            if schema.closed and not (isinstance(name, str) and name.startswith("__")):
+                raise ModelLoadError(_unknown_attribute(np_, name, schema, where))
+        elif want_type is not None and a.type != want_type and not a.ref_attr_name:
             got = A.AttributeType.Name(a.type) if a.type in A.AttributeType.values() else a.type
             raise ModelLoadError(
-                f"{where}: attribute {a.name!r} is {got}, but {np_.op_type} takes "
+                f"{where}: attribute {name!r} is {got}, but {np_.op_type} takes "
                 f"{A.AttributeType.Name(want_type)}; the model is malformed")
+
+
+def _unknown_attribute(np_: onnx.NodeProto, name: str | bytes, schema: _Schema,
+                       where: str) -> str:
+    valid = sorted(schema.attr_types)
+    op = f"{np_.op_type}-{schema.since}"
+    if isinstance(name, bytes) or not name:
+        what = "an attribute with no name" if not name else \
+            f"attribute {name!r}, whose name is not valid UTF-8"
+    else:
+        what = f"unknown attribute {name!r}"
+        close = difflib.get_close_matches(name, valid, n=1)
+        if close:
+            what += f" (did you mean {close[0]!r}?)"
+    takes = f"takes {', '.join(map(repr, valid))}" if valid else "takes no attributes"
+    return f"{where} has {what}; {op} {takes}; remove or rename it"
 
 
 def value_type(tp: onnx.TypeProto) -> ValueType | None:

@@ -1,0 +1,32 @@
+"""The attributes of the ops Kiln defines beyond ONNX's schemas (its own ``ai.kiln`` ops and
+onnxruntime's ``com.microsoft`` ops), for load-time validation: a node naming an attribute
+its op does not take is refused when the model is loaded, as onnxruntime refuses it.
+
+A plain kernel's keyword-only parameters are its op's attributes. Prepared kernels (whose
+attributes are read inside ``prepare``) and kernels taking ``**attrs`` name none, and
+their nodes' attribute names are not checked.
+"""
+
+from __future__ import annotations
+
+from kiln.onnxio import importer
+from kiln.ops.microsoft import MS_DOMAIN
+from kiln.ops.registry import KILN_DOMAIN, lookup
+
+DOMAINS = frozenset({KILN_DOMAIN, MS_DOMAIN})
+"""Domains whose attributes Kiln's definitions state (ONNX's own domains use ONNX's
+schemas; other custom domains, including users' ``register_op`` ones, are not checked)."""
+
+
+def attribute_names(domain: str, op_type: str, opset: int) -> tuple[int, frozenset[str]] | None:
+    """``(since, attribute names)`` of the op version Kiln defines for ``opset`` in one of
+    :data:`DOMAINS`, or None where Kiln does not know them."""
+    if domain not in DOMAINS:
+        return None
+    opdef = lookup(domain, op_type, opset)
+    if opdef is None or opdef.prepare or "*" in opdef.reference.attr_names:
+        return None
+    return opdef.since, opdef.reference.attr_names
+
+
+importer.set_attribute_source(attribute_names)
