@@ -138,8 +138,9 @@ class Node:
         for v in self._outputs:
             if v is not None:
                 v.producer = self
-        for g in self.subgraphs():
-            g.owner = self
+        if self.attrs:  # most nodes have none: no generator to make
+            for g in self.subgraphs():
+                g.owner = self
 
     # -- inputs and outputs
     @property
@@ -221,11 +222,14 @@ class Node:
             return
         self._live = live
         if live:
-            self._register_inputs()
+            for i, v in enumerate(self._inputs):
+                if v is not None:
+                    v._uses[(self, i)] = None
         else:
             self._unregister_inputs()
-        for g in self.subgraphs():
-            g._set_live(live)
+        if self.attrs:
+            for g in self.subgraphs():
+                g._set_live(live)
 
     def __repr__(self) -> str:
         ins = ", ".join(v.name if v else "" for v in self._inputs)

@@ -259,8 +259,8 @@ class ModelImporter:
         self.opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version
                        for o in f.opset_import} or outer_opsets
         try:
-            for np_ in _toposort(list(f.node), set(f.input), f.name):
-                body.nodes.append(self.node(np_, scope))
+            for np_, ins, outs in _toposort(list(f.node), set(f.input), f.name):
+                body.nodes.append(self.node(np_, scope, ins, outs))
         finally:
             self.opsets = outer_opsets
         body.outputs = [self._lookup(scope, n, f"function {f.name} output") for n in f.output]
@@ -296,8 +296,8 @@ class ModelImporter:
             g.inputs.append(v)
             scope[vi.name] = v
         known = set(scope.keys())
-        for np_ in _toposort(list(gp.node), known, gp.name or "main graph"):
-            g.nodes.append(self.node(np_, scope))
+        for np_, ins, outs in _toposort(list(gp.node), known, gp.name or "main graph"):
+            g.nodes.append(self.node(np_, scope, ins, outs))
         for vi in gp.value_info:
             if vi.name in scope.maps[0] and scope[vi.name].type is None:
                 scope[vi.name].type = value_type(vi.type)
@@ -309,29 +309,42 @@ class ModelImporter:
             g.outputs.append(v)
         return g
 
-    def node(self, np_: onnx.NodeProto, scope: ChainMap) -> Node:
+    def node(self, np_: onnx.NodeProto, scope: ChainMap, input_names: list[str],
+             output_names: list[str]) -> Node:
+        """The IR node of ``np_``, whose input and output names (read from the proto once:
+        each read of a repeated string field makes new strings) are given."""
+        # Once per node of the model: names are looked up in this graph's own dict before
+        # the (slower) scope chain.
         op_type = text(np_.op_type, "op type")
-        domain = "" if np_.domain == "ai.onnx" else text(np_.domain, "op domain")
-        where = f"node {text(np_.name, 'node name') or op_type!r} ({op_type})"
+        domain = np_.domain
+        domain = "" if domain == "ai.onnx" else text(domain, "op domain")
+        name = np_.name
+        where = f"node {text(name, 'node name') or op_type!r} ({op_type})"
         check_node(np_, domain, self.opsets, where)
-        inputs = [self._lookup(scope, n, where) if n else None for n in np_.input]
+        local = scope.maps[0]
+        inputs = []
+        for n in input_names:
+            v = local.get(n) if n else None
+            if v is None and n:
+                v = self._lookup(scope, n, where)
+            inputs.append(v)
         attrs = {}
         for a in np_.attribute:
             attrs[a.name] = AttrRef(a.ref_attr_name) if a.ref_attr_name else \
                 self.attr_value(a, scope)
         outputs = []
-        for n in np_.output:
+        for n in output_names:
             if not n:
                 outputs.append(None)
                 continue
-            n = text(n, f"{where}: output name")
-            if n in scope.maps[0]:
+            if not isinstance(n, str):
+                text(n, f"{where}: output name")
+            if n in local:
                 raise ModelLoadError(f"{where}: value {n!r} is defined twice; ONNX graphs are "
                                      "single-assignment, so the model is malformed")
-            v = Value(n)
-            scope[n] = v
+            v = local[n] = Value(n)
             outputs.append(v)
-        node = Node(op_type, inputs, outputs, attrs, domain=domain, name=np_.name)
+        node = Node(op_type, inputs, outputs, attrs, domain=domain, name=name)
         node.doc = np_.doc_string
         return node
 
@@ -378,23 +391,30 @@ class ModelImporter:
                 "the model is malformed") from None
 
 
-def _toposort(nodes: list[onnx.NodeProto], known: set[str], where: str) -> list[onnx.NodeProto]:
-    """Nodes in an order where producers precede consumers (many files are already sorted;
-    some exporters are not careful). Outer-scope names count as known."""
-    produced = {o: i for i, n in enumerate(nodes) for o in n.output if o}
-    order, state = [], [0] * len(nodes)
+Entry = tuple[onnx.NodeProto, list[str], list[str]]
 
-    def deps(n: onnx.NodeProto):
-        names = list(n.input)
+
+def _toposort(nodes: list[onnx.NodeProto], known: set[str], where: str) -> list[Entry]:
+    """``(node, input names, output names)`` in an order where producers precede consumers
+    (many files are already sorted; some exporters are not careful). Outer-scope names
+    count as known."""
+    entries = [(n, list(n.input), list(n.output)) for n in nodes]
+    if _is_sorted(entries, known):
+        return entries
+    produced = {o: i for i, (_, _, outs) in enumerate(entries) for o in outs if o}
+    order, state = [], [0] * len(entries)
+
+    def deps(i: int):
+        n, names, _ = entries[i]
         for a in n.attribute:
             for g in ([a.g] if a.type == A.GRAPH else list(a.graphs)):
-                names.extend(_graph_free_names(g))
+                names = [*names, *_graph_free_names(g)]
         return [produced[x] for x in names if x in produced and x not in known]
 
-    for start in range(len(nodes)):
+    for start in range(len(entries)):
         if state[start]:
             continue
-        stack = [(start, iter(deps(nodes[start])))]
+        stack = [(start, iter(deps(start)))]
         state[start] = 1
         while stack:
             i, it = stack[-1]
@@ -404,13 +424,31 @@ def _toposort(nodes: list[onnx.NodeProto], known: set[str], where: str) -> list[
                                          f"{nodes[j].name or nodes[j].op_type!r}")
                 if state[j] == 0:
                     state[j] = 1
-                    stack.append((j, iter(deps(nodes[j]))))
+                    stack.append((j, iter(deps(j))))
                     break
             else:
                 stack.pop()
                 state[i] = 2
-                order.append(nodes[i])
+                order.append(entries[i])
     return order
+
+
+def _is_sorted(entries: list[Entry], known: set[str]) -> bool:
+    """Whether every name a node reads (its subgraphs' free names included) is known or
+    produced by an earlier node: one cheap pass that spares sorted files the search. A
+    name nobody defines also says no (the search is left to report it)."""
+    seen = set(known)
+    for n, ins, outs in entries:
+        for x in ins:
+            if x and x not in seen:
+                return False
+        for a in n.attribute:
+            if a.type == A.GRAPH or a.type == A.GRAPHS:
+                for g in ([a.g] if a.type == A.GRAPH else a.graphs):
+                    if not _graph_free_names(g) <= seen:
+                        return False
+        seen.update(outs)
+    return True
 
 
 def _graph_free_names(g: onnx.GraphProto) -> set[str]:
