@@ -304,3 +304,46 @@ def test_dropout_drops_in_train_mode_as_torch_dropout_and_not_in_eval(opset):
     assert (got == 0).any()
     module.eval()
     torch.testing.assert_close(module(x), x @ torch.from_numpy(w))
+
+
+class _Block(nn.Module):
+    """Attention with an additive mask, LayerNorm and an erf GELU written as primitives, as
+    exporters decompose them."""
+
+    def __init__(self, d=16):
+        super().__init__()
+        self.qkv, self.out = nn.Linear(d, 3 * d), nn.Linear(d, d)
+        self.norm = nn.LayerNorm(d)
+        self.d = d
+
+    def forward(self, x, mask):
+        q, k, v = self.qkv(x).split(self.d, dim=-1)
+        s = torch.softmax(q @ k.transpose(-1, -2) / self.d ** 0.5 + mask, dim=-1)
+        h = self.out(s @ v)
+        return self.norm(0.5 * h * (1 + torch.erf(h / 2 ** 0.5)) + x)
+
+
+def test_fused_attention_gelu_train_like_the_module_and_save_the_original_graph(tmp_path):
+    torch.manual_seed(0)
+    net = _Block()
+    x, mask = torch.randn(3, 5, 16), torch.zeros(3, 5, 5)
+    mask[:, :, -1] = -1e4
+    buf = io.BytesIO()
+    torch.onnx.export(net, (x, mask), buf, dynamo=False, input_names=["x", "mask"],
+                      output_names=["y"], do_constant_folding=False, opset_version=17)
+    m = kiln.to_torch(buf.getvalue())
+    ran = {s.node.op_type for s in m._plan.steps}
+    assert {"Attention", "Gelu"} <= ran and "Erf" not in ran and "Softmax" not in ran
+    ref = copy.deepcopy(net)
+    for mod in (m, ref):
+        mod(x, mask).square().mean().backward()
+    for name, p in ref.named_parameters():
+        got = m.get_parameter(m.parameter_name(name)).grad
+        np.testing.assert_allclose(got.numpy(), p.grad.numpy(), rtol=1e-4, atol=1e-6)
+    path = tmp_path / "block.onnx"
+    kiln.save(m, path)
+    saved = onnx.load(path)
+    assert [n.op_type for n in saved.graph.node] == \
+        [n.op_type for n in onnx.load_from_string(buf.getvalue()).graph.node]
+    (y,) = ort_run(str(path), {"x": x.numpy(), "mask": mask.numpy()})
+    np.testing.assert_allclose(y, net(x, mask).detach().numpy(), rtol=1e-4, atol=1e-5)

@@ -28,8 +28,9 @@ def to_torch(model_or_path: Model | str | os.PathLike | bytes | onnx.ModelProto,
 
     ``outputs``: end the graph at these tensor or layer names; ``last_layers=-k``: drop
     the last k layers (SINGA's meaning: the outputs of the layer before them are
-    returned); both as :func:`kiln.cut`. The model is used as imported (no optimization),
-    so what is saved back is its own graph. ``device``: "cpu" or "cuda[:N]", fixed when the
+    returned); both as :func:`kiln.cut`. The module runs a copy with the fusions that
+    mean the same in training (Gelu, LayerNorm, attention); what is saved back is the
+    model's own graph with the new weights. ``device``: "cpu" or "cuda[:N]", fixed when the
     module is built.
     """
     from kiln.train.module import KilnModule

@@ -4,7 +4,9 @@ The plan is the one sessions use (op definitions, torch kernels, prepared-kernel
 protocol) with one difference: every trainable initializer is marked overridable while the
 kernels are prepared, so no ``prepare`` packs or transforms a weight as a constant; each
 ``forward`` feeds the current parameters and buffers as the plan's overrides, with
-autograd on (sessions run under ``inference_mode``; this module does not).
+autograd on (sessions run under ``inference_mode``; this module does not). The plan is
+built from a copy of the graph with only the train-safe fusions applied (:func:`fused`);
+the original graph is what :meth:`KilnModule.kiln_model` returns for saving.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from kiln.errors import InputError, UnsupportedOpError
 from kiln.ir import DType, Model, Value
 from kiln.ops import registry
 from kiln.ops.torch.arrays import to_torch
+from kiln.optimize import PASS_NAMES, optimize
 from kiln.runtime import make_backend
 from kiln.runtime.plan import Plan, Step, compile_model
 from kiln.train import graph as graph_ops
@@ -77,14 +80,20 @@ class KilnModule(nn.Module):
         self._backend = make_backend("torch", device=device, channels_last=False, warn=False)
         self._backend.module = True
         try:
-            self._plan: Plan = compile_model(g, opsets, model.functions, self._backend)
+            run = fused(model)
+            self._plan: Plan = compile_model(run.graph, run.opset_imports, run.functions,
+                                             self._backend)
         finally:
             for v in marked:
                 v.meta.pop("overridable", None)
-        for v, _, _ in self._slots:
+        # the plan reads the fused copy's values; export writes the original's
+        inits = run.graph.initializers
+        self._feeds = [(inits[v.name], owner, attr) for v, owner, attr in self._slots]
+        for v, _, _ in self._feeds:
             self._plan.consts.pop(v, None)  # the module's tensors replace them every run
-        self._inputs = list(g.inputs)
-        self.non_differentiable = self._check_gradients(trainable, opsets)
+        self._inputs = list(run.graph.inputs)
+        self.non_differentiable = self._check_gradients({inits[v.name] for v in trainable},
+                                                        run.opset_imports)
 
     # -- names -----------------------------------------------------------------------
 
@@ -167,7 +176,7 @@ class KilnModule(nn.Module):
         inputs = [be.accept_feed(x, v.type.dtype if v.type is not None and
                                  hasattr(v.type, "dtype") else DType.FLOAT)
                   for x, v in zip(feeds, self._inputs)]
-        overrides = {v: getattr(owner, attr) for v, owner, attr in self._slots}
+        overrides = {v: getattr(owner, attr) for v, owner, attr in self._feeds}
         be.training = self.training
         out = self._plan.run(inputs, None, overrides)
         return out[0] if len(out) == 1 else tuple(out)
@@ -182,6 +191,18 @@ class KilnModule(nn.Module):
             v.const = np.ascontiguousarray(t.float().numpy().astype(v.const.dtype)
                                            if t.dtype == torch.bfloat16 else t.numpy())
         return self.kiln_graph_model
+
+
+def fused(model: Model) -> Model:
+    """A copy of ``model`` with the fusions that mean the same in training: Gelu,
+    LayerNormalization and attention (one differentiable torch kernel each: F.gelu,
+    F.layer_norm, scaled_dot_product_attention, which save fewer tensors for backward than
+    their decomposed ops), after folding the constants they match on. Initializers marked
+    overridable (the module's parameters and buffers) are never folded, so each keeps its
+    name and value; nothing else (BatchNorm, Dropout, activations into MatMul/Conv) changes."""
+    keep = {"infer_shapes", "fold_constants", "dce", "fuse_gelu",
+            "fuse_layernorm", "fuse_attention"}
+    return optimize(model, disable=[p for p in PASS_NAMES if p not in keep], backend="torch")
 
 
 def _why_not_differentiable(s: Step, opsets: dict[str, int]) -> str:
