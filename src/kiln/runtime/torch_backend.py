@@ -29,6 +29,7 @@ from kiln.ir import DType
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef
 from kiln.ops.torch.arrays import DTYPE_OF, to_numpy, to_torch
+from kiln.runtime import compile_cache
 from kiln.runtime.backend import Backend, Candidate, host_feed, usable_cores
 from kiln.runtime.executor import Program
 from kiln.runtime.placement import LayerPlacement, RunStats
@@ -103,6 +104,9 @@ class TorchBackend(Backend):
         self.tracing = False
         self._tls = threading.local()
         self._last: RunStats | None = None
+        self.compile_log: list[str] = []
+        """With compile=True: per program, "loaded PATH" (from the disk cache) or
+        "compiled PATH" (and stored there)."""
 
     def tracer(self) -> TorchBackend:
         """A backend with these options whose kernels trace (for torch.compile)."""
@@ -354,8 +358,11 @@ class TorchBackend(Backend):
             return
         plan.specializer = Specializer(plan, opsets, functions, self._compile_plan,
                                        _signature)
-        plan.compile_status = ("yes: torch.compile programs per input shape (inductor, "
-                               "frozen weights" + (", CUDA graphs" if self.is_cuda else "") + ")")
+        cache = None if self.is_cuda else compile_cache.folder()
+        plan.compile_status = (
+            f"yes: AOTInductor programs per input shape (frozen weights), kept in {cache}"
+            if cache else "yes: torch.compile programs per input shape (inductor, frozen "
+            "weights" + (", CUDA graphs" if self.is_cuda else "") + ")")
 
     def _compile_plan(self, plan) -> Callable[[list], list]:
         """``plan`` (traced by a tracer backend) as a torch.compile program."""
@@ -369,6 +376,12 @@ class TorchBackend(Backend):
         for k, t in prog.constants.items():
             mod.register_buffer(k, t, persistent=False)
         mod.kiln_source = prog.source
+        cache = None if self.is_cuda else compile_cache.folder()
+        if cache is not None:  # CUDA keeps torch.compile: its CUDA graphs are worth more
+            params = {k: v for k, v in prog.globals.items() if k[:1] == "p" and k[1:].isdigit()}
+            options = f"{self.device}|{self.precision}|{self.channels_last}"
+            return compile_cache.program(mod, plan, prog.source, params, prog.constants,
+                                         options, cache, self.compile_log)
         fn = torch.compile(mod.eval(), dynamic=False)
         options = {"freezing": True}
         if self.is_cuda:

@@ -1,0 +1,138 @@
+"""``compile=True`` programs kept on disk (CPU), so a later process does not compile again.
+
+The torch backend's program for one input signature is exported (``torch.export``) and
+compiled ahead of time by AOTInductor into a package (a shared library and the frozen
+weights) in the cache folder: ``$KILN_COMPILE_CACHE``, else ``~/.cache/kiln/compiled``
+(``KILN_COMPILE_CACHE=0`` turns the cache off and compiles in memory with torch.compile).
+A process that builds the same program loads the package instead of compiling it.
+
+The key covers everything the program's results depend on: the generated source, each
+layer's op, version and attributes, the host parameters and every constant's bytes, the
+input signature, the backend's options, torch's version and Kiln's own source files, so a
+changed model, option or Kiln never reuses a stale program. Packages are written under a
+temporary name and renamed, so a crash never leaves a half-written one under the key. The
+folder holds compiled code that is loaded and run: like torch's own inductor cache, it
+must be writable only by the user (a folder others can write to is not used).
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import os
+import stat
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kiln.runtime.specialize import CompileFailed, CompileWarning
+
+OFF = ("0", "off", "false", "no")
+
+
+def folder() -> Path | None:
+    """The cache folder (created), or None when the cache is turned off."""
+    env = os.environ.get("KILN_COMPILE_CACHE")
+    if env is not None and env.strip().lower() in OFF + ("",):
+        return None
+    path = Path(env) if env else Path.home() / ".cache" / "kiln" / "compiled"
+    path.mkdir(parents=True, exist_ok=True)
+    if path.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        warnings.warn(f"the compile cache {path} is writable by other users, so it is not "
+                      "used (programs compile in memory); chmod go-w it or set "
+                      "KILN_COMPILE_CACHE to a private folder", CompileWarning, stacklevel=6)
+        return None
+    return path
+
+
+@functools.cache
+def _kiln_code() -> str:
+    """A digest of Kiln's own source files: a program built by other code is not reused."""
+    h = hashlib.sha256()
+    root = Path(__file__).resolve().parents[1]
+    for p in sorted(root.rglob("*.py")):
+        h.update(str(p.relative_to(root)).encode())
+        h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def _feed(h, x) -> None:
+    """Hash a value unambiguously (arrays by dtype, shape and bytes, not their repr)."""
+    if isinstance(x, torch.Tensor):
+        x = x.detach().cpu()
+        x = x.view(torch.uint8) if x.dtype == torch.bfloat16 else x
+        x = x.contiguous().numpy()
+    if isinstance(x, np.ndarray):
+        h.update(f"{x.dtype.str}{x.shape}".encode())
+        h.update(np.ascontiguousarray(x).view(np.uint8).data)
+    elif isinstance(x, dict):
+        for k in sorted(x):
+            h.update(repr(k).encode())
+            _feed(h, x[k])
+    elif isinstance(x, (list, tuple)):
+        h.update(f"{type(x).__name__}{len(x)}".encode())
+        for e in x:
+            _feed(h, e)
+    else:
+        h.update(f"{type(x).__name__}:{x!r};".encode())
+
+
+def key(plan, source: str, params: dict, constants: dict, inputs: list, options: str) -> str:
+    """The cache key of one program (see the module's docstring for what it covers)."""
+    h = hashlib.sha256()
+    h.update(f"{source}\n{options}\n{torch.__version__}\n{_kiln_code()}".encode())
+    for s in plan.steps:
+        h.update(f"{s.node.domain}:{s.node.op_type}:{s.opset};".encode())
+        _feed(h, s.node.attrs)
+    _feed(h, params)
+    _feed(h, constants)
+    for x in inputs:
+        h.update(f"{tuple(x.shape)}{x.dtype};".encode())
+    return h.hexdigest()[:40]
+
+
+def program(module: torch.nn.Module, plan, source: str, params: dict, constants: dict,
+            options: str, where: Path, log: list[str]) -> Callable[[list], list]:
+    """``run(inputs)`` for ``module``: at the first call its package is loaded from
+    ``where`` or, if absent, exported, compiled and stored there (``log`` says which)."""
+    runner: list = []
+
+    def run(inputs: list) -> list:
+        if not runner:
+            runner.append(_load_or_build(module, plan, source, params, constants, options,
+                                         where, inputs, log))
+        with torch.no_grad():
+            return list(runner[0](*inputs))
+    return run
+
+
+def _load_or_build(module, plan, source, params, constants, options, where: Path, inputs,
+                   log: list[str]):
+    from torch._inductor import aoti_compile_and_package, aoti_load_package
+
+    path = where / f"{key(plan, source, params, constants, inputs, options)}.pt2"
+    if path.exists():
+        try:
+            loaded = aoti_load_package(str(path))
+            log.append(f"loaded {path}")
+            return loaded
+        except Exception:  # noqa: BLE001 - an unreadable package is rebuilt
+            path.unlink(missing_ok=True)
+    tmp = where / f".{path.stem}-{os.getpid()}.pt2"
+    try:
+        with torch.no_grad():
+            exported = torch.export.export(module.eval(), tuple(inputs), strict=False)
+            aoti_compile_and_package(exported, package_path=str(tmp),
+                                     inductor_configs={"freezing": True})
+        os.replace(tmp, path)
+        loaded = aoti_load_package(str(path))
+    except Exception as e:  # noqa: BLE001 - the plan then runs eagerly, with a note
+        tmp.unlink(missing_ok=True)
+        msg = str(e).strip().splitlines()
+        raise CompileFailed(f"AOTInductor failed ({type(e).__name__}: "
+                            f"{msg[0] if msg else ''})") from e
+    log.append(f"compiled {path}")
+    return loaded
