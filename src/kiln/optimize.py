@@ -43,6 +43,7 @@ from kiln.passes import (
     FuseBatchNorm,
     FuseGelu,
     FuseLayerNorm,
+    FuseQuant,
     InferShapes,
     OptimizeReport,
     Pass,
@@ -65,7 +66,7 @@ def _rule_passes() -> list[RulePass]:
     """The rewriting passes, in the order their rules are tried on a node."""
     return [FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
-            FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseActivation()]
+            FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseActivation()]
 
 
 PASS_NAMES: tuple[str, ...] = tuple(dict.fromkeys(

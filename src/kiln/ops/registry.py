@@ -38,7 +38,8 @@ REFERENCE = "numpy"
 # not import torch, and what a backend supports is known without constructing it.
 BACKEND_MODULES: dict[str, tuple[str, ...]] = {
     "torch": tuple(f"kiln.ops.torch.{m}" for m in ("elementwise", "nn", "shape", "fused",
-                                                    "control", "microsoft", "training")),
+                                                    "control", "microsoft", "training",
+                                                    "quant")),
 }
 _loaded: set[str] = set()
 

@@ -18,6 +18,7 @@ from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_batchnorm import FuseBatchNorm
 from kiln.passes.fuse_gelu import FuseGelu
 from kiln.passes.fuse_layernorm import FuseLayerNorm
+from kiln.passes.fuse_quant import FuseQuant
 from kiln.passes.infer_shapes import InferShapes
 from kiln.passes.pin_host import PinHost
 from kiln.passes.rewrite import Rewriter, Rule, run_rules
@@ -25,6 +26,6 @@ from kiln.passes.simplify import Simplify
 
 __all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputShapes",
            "FoldConstants", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
-           "FuseGelu", "FuseLayerNorm", "InferShapes", "OptimizeReport", "Pass",
+           "FuseGelu", "FuseLayerNorm", "FuseQuant", "InferShapes", "OptimizeReport", "Pass",
            "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass", "Simplify", "clone_model",
            "run_rules"]

@@ -6,7 +6,9 @@ file and one that has integer kernels (onnxruntime, Kiln's torch backend) fuses 
 - Weights: int8, symmetric (zero point 0, range -127..127), per output channel unless
   ``per_channel=False``; Conv/Gemm biases int32 at scale ``x_scale * w_scale`` (static).
 - Activations, static: a Q/DQ pair on every float tensor entering or leaving a quantized
-  layer, its scale from calibration; uint8 with a zero point, or int8 symmetric.
+  layer, its scale from calibration; uint8 with a zero point, or int8 symmetric. A
+  Relu/Clip that alone reads a Conv/MatMul/Gemm output shares its grid: no pair between
+  them, so an integer kernel computes layer and activation with one rounding.
 - Activations, dynamic: ``DynamicQuantizeLinear`` computes the scale at run time, a
   DequantizeLinear follows it, only in front of Conv/ConvTranspose/MatMul/Gemm.
 """
@@ -210,10 +212,11 @@ def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
     weights in -63..63 (see :data:`kiln.quantize.api.REDUCE_RANGE`)."""
     ed = _Editor(m.graph, weight_bits)
     per_channel = per_channel and m.opset >= 13
+    inner = _activation_inputs(m.graph, plan) if mode == "static" else set()
     for n in plan.quantized:
         if mode == "static":
             for i, v in enumerate(list(n.inputs)):
-                if v is None or v.const is not None or v.dtype != DType.FLOAT or \
+                if v is None or v.const is not None or v.dtype != DType.FLOAT or v in inner or \
                         v.producer is not None and v.producer.op_type == "DequantizeLinear":
                     continue
                 if v in ed.acts:
@@ -240,10 +243,26 @@ def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
         for n in plan.quantized:
             for o in n.outputs:
                 if o is not None and o.dtype == DType.FLOAT and o.uses and o not in ed.acts \
-                        and o.name in ranges:
+                        and o not in inner and o.name in ranges:
                     scale, zp = act_params(ranges[o.name], symmetric)
                     ed.activation(o, scale, zp)
     ed.drop_unused()
+
+
+def _activation_inputs(g: Graph, plan: Plan) -> set[Value]:
+    """Outputs of quantized compute layers read only by a quantized Relu/Clip: they stay
+    float (the activation's output is quantized instead, as one grid for both)."""
+    chosen = set(plan.quantized)
+    out = set()
+    for n in plan.quantized:
+        if n.op_type not in ("Relu", "Clip"):
+            continue
+        v = n.inputs[0]
+        p = v.producer
+        if p in chosen and p.op_type in COMPUTE_OPS and not v.is_output_of(g) and \
+                len(v.uses) == 1:
+            out.add(v)
+    return out
 
 
 def _scale_of(ed: _Editor, dq: Value) -> np.ndarray | None:

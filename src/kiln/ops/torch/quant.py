@@ -1,0 +1,257 @@
+"""Torch kernels for quantized models: Kiln's fused integer layers (QConv, QMatMul, made by
+``kiln.passes.fuse_quant``) on fbgemm's x86 integer kernels, and per-tensor
+QuantizeLinear / DequantizeLinear / DynamicQuantizeLinear as torch elementwise ops (the
+NumPy fallback costs two transfers and a NumPy pass per call).
+
+The integer weights are packed once when the session is prepared
+(``torch.ops.quantized.conv2d_prepack`` / ``linear_prepack``). Activations travel between
+layers as plain uint8/int8 tensors, as ONNX has them; a layer wraps its input as a
+quantized tensor (``_make_per_tensor_quantized_tensor``) and returns the integer
+representation of fbgemm's output. int8 activations are shifted to uint8 by flipping the
+sign bit (``x ^ 0x80`` is ``x + 128``), which leaves ``x - zero_point`` unchanged.
+A layer whose output stays float (logits, dynamic quantization) computes in float32 on
+the dequantized input with the weight dequantized once: integer accumulation would need a
+float output fbgemm does not offer, and it is what the QDQ file computes.
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.quant_fused import activation_bounds
+from kiln.ops.registry import KILN_DOMAIN
+from kiln.ops.torch import kernel
+
+NI = NotImplemented
+_EIGHT = (torch.uint8, torch.int8)
+
+
+
+def _scalar(c) -> float | int | None:
+    return None if c is None else c.reshape(-1)[0].item()
+
+
+class _Grid:
+    """The output grid of a fused layer: scale, zero point (in uint8 terms), the integer
+    clamp its activation makes, and whether the result is int8 (shifted back at the end)."""
+
+    def __init__(self, site):
+        ys, yz = site.const(7), site.const(8)
+        self.float_out = not site.has_input(7)
+        if self.float_out:
+            return
+        zdt = yz.dtype if yz is not None else np.dtype(np.uint8)
+        self.signed = zdt == np.int8
+        self.scale = float(_scalar(ys))
+        self.zp = int(_scalar(yz) or 0) + (128 if self.signed else 0)
+        lo, hi = activation_bounds(site.attr("activation", ""), site.attr("activation_params"))
+        self.relu = site.attr("activation", "") == "Relu"
+
+        def q(v: float) -> int:
+            return int(np.clip(np.rint(np.float64(v) / self.scale) + self.zp, 0, 255))
+        self.lo = q(lo) if lo > -np.inf else 0
+        self.hi = q(hi) if hi < np.inf else 255
+        if self.relu:
+            self.lo = 0  # fbgemm's *_relu kernels clamp at the zero point themselves
+
+    def finish(self, y: torch.Tensor) -> torch.Tensor:
+        """fbgemm's quantized output as the ONNX uint8/int8 tensor."""
+        y = y.int_repr()
+        if self.lo > 0 or self.hi < 255:
+            y = y.clamp_(self.lo, self.hi)
+        return y.bitwise_xor_(0x80).view(torch.int8) if self.signed else y
+
+
+def _static_input(site) -> tuple[float, int, bool] | None:
+    """(scale, zero point in uint8 terms, signed) of a per-tensor constant input grid."""
+    xs, xz = site.const(1), site.const(2)
+    if xs is None or (site.has_input(2) and xz is None):
+        return None
+    signed = xz is not None and xz.dtype == np.int8
+    return float(_scalar(xs)), int(_scalar(xz) or 0) + (128 if signed else 0), signed
+
+
+def _as_quint8(x: torch.Tensor, scale: float, zp: int) -> torch.Tensor | None:
+    if x.dtype == torch.int8:
+        x = x.view(torch.uint8).bitwise_xor(0x80)
+    elif x.dtype != torch.uint8:
+        return None
+    return torch._make_per_tensor_quantized_tensor(x, scale, zp)
+
+
+def _qweight(w: np.ndarray, ws: np.ndarray, wz: np.ndarray | None, axis: int):
+    """The int8 weight as torch's quantized tensor (per channel along ``axis``, or per
+    tensor), or None where fbgemm cannot take it (uint8 or nonzero zero points)."""
+    if w.dtype != np.int8 or (wz is not None and np.any(wz)):
+        return None
+    t = torch.from_numpy(np.ascontiguousarray(w))
+    if ws.size == 1:
+        return torch._make_per_tensor_quantized_tensor(t, float(ws.reshape(-1)[0]), 0)
+    return torch._make_per_channel_quantized_tensor(
+        t, torch.from_numpy(ws.reshape(-1).astype(np.float64)),
+        torch.zeros(ws.size, dtype=torch.int64), axis)
+
+
+def _dequantized_weight(w, ws, wz, axis: int) -> torch.Tensor:
+    shape = [1] * w.ndim
+    shape[axis] = -1
+    v = w.astype(np.float32)
+    if wz is not None:
+        v -= np.asarray(wz, np.float32).reshape(shape if wz.size > 1 else ())
+    return torch.from_numpy(v * np.asarray(ws, np.float32).reshape(shape if ws.size > 1 else ()))
+
+
+def _float_layer(site, weight_axis: int, compute):
+    """run() for a layer with a float output: dequantize x, compute in float32 on the
+    once-dequantized weight, add the bias, clamp for the activation."""
+    w, ws, wz = site.const(3), site.const(4), site.const(5)
+    if w is None or ws is None or (site.has_input(5) and wz is None):
+        return None
+    wf = _dequantized_weight(w, ws, wz, weight_axis)
+    bc = site.const(6)
+    b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
+    lo, hi = activation_bounds(site.attr("activation", ""), site.attr("activation_params"))
+    clamp = (None if lo == -np.inf else lo, None if hi == np.inf else hi)
+
+    def run(x, x_scale, x_zero_point=None, *rest):
+        if x.dtype not in _EIGHT:
+            return NI
+        v = x.to(torch.float32)
+        if x_zero_point is not None:
+            v -= x_zero_point.to(torch.float32)
+        v *= x_scale.to(torch.float32)
+        y = compute(v, wf, b)
+        if clamp != (None, None):
+            y = y.clamp_(*clamp)
+        return y
+    site.notes.append("float output: float32 on the dequantized input, weight "
+                      "dequantized once")
+    return run
+
+
+def _cpu(site) -> bool:
+    be = site.backend
+    return be is not None and be.tdevice.type == "cpu" and not be.tracing
+
+
+def _prepack(fn, *args):
+    with warnings.catch_warnings():  # quantized tensors' deprecation notice
+        warnings.simplefilter("ignore", UserWarning)
+        return fn(*args)
+
+
+@kernel("QConv", 1, domain=KILN_DOMAIN, prepare=True)
+def qconv(site):
+    w = site.const(3)
+    if not _cpu(site) or w is None or w.ndim != 4:
+        return None
+    strides = list(site.attr("strides") or [1, 1])
+    dil = list(site.attr("dilations") or [1, 1])
+    pads = list(site.attr("pads") or [0, 0, 0, 0])
+    group = int(site.attr("group", 1))
+    if site.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or pads[:2] != pads[2:]:
+        return None
+    grid = _Grid(site)
+    if grid.float_out:
+        return _float_layer(site, 0, lambda x, wf, b: F.conv2d(
+            x, wf, b, strides, pads[:2], dil, group))
+    xin = _static_input(site)
+    qw = _qweight(w, site.const(4), site.const(5), 0)
+    if xin is None or qw is None or (site.has_input(6) and site.const(6) is None):
+        return None
+    bc = site.const(6)
+    b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
+    packed = _prepack(torch.ops.quantized.conv2d_prepack, qw, b, strides, pads[:2], dil,
+                      group)
+    conv = torch.ops.quantized.conv2d_relu if grid.relu else torch.ops.quantized.conv2d
+    xs, xz, _ = xin
+
+    def run(x, *rest):
+        qx = _as_quint8(x, xs, xz)
+        if qx is None:
+            return NI
+        return grid.finish(conv(qx.contiguous(memory_format=torch.channels_last), packed,
+                                grid.scale, grid.zp))
+    site.notes.append("fbgemm int8 convolution, weights packed once")
+    return run
+
+
+@kernel("QMatMul", 1, domain=KILN_DOMAIN, prepare=True)
+def qmatmul(site):
+    w = site.const(3)
+    if not _cpu(site) or w is None or w.ndim != 2:
+        return None
+    grid = _Grid(site)
+    if grid.float_out:
+        return _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
+    xin = _static_input(site)
+    qw = _qweight(w.T, site.const(4), site.const(5), 0)
+    if xin is None or qw is None or (site.has_input(6) and site.const(6) is None):
+        return None
+    bc = site.const(6)
+    b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
+    packed = _prepack(torch.ops.quantized.linear_prepack, qw, b)
+    linear = torch.ops.quantized.linear_relu if grid.relu else torch.ops.quantized.linear
+    xs, xz, _ = xin
+
+    def run(x, *rest):
+        qx = _as_quint8(x, xs, xz)
+        if qx is None or x.dim() < 2:
+            return NI
+        return grid.finish(linear(qx, packed, grid.scale, grid.zp))
+    site.notes.append("fbgemm int8 linear, weights packed once")
+    return run
+
+
+# ---------------------------------------------------------------- Q / DQ, per tensor
+
+def _per_tensor(*params) -> bool:
+    return all(p is None or p.numel() == 1 for p in params)
+
+
+@kernel("QuantizeLinear", 10)
+def quantize_linear(x, y_scale, y_zero_point=None, *, axis=1, block_size=0, output_dtype=0,
+                    precision=0, saturate=1):
+    out = y_zero_point.dtype if y_zero_point is not None else (
+        torch.uint8 if not output_dtype else None)
+    if out not in _EIGHT or block_size or precision or x.dtype != torch.float32 or \
+            y_scale.dtype != torch.float32 or not _per_tensor(y_scale, y_zero_point):
+        return NI
+    lo, hi = (0, 255) if out == torch.uint8 else (-128, 127)
+    v = torch.round(x / y_scale.reshape(()))
+    if y_zero_point is not None:
+        v += y_zero_point.reshape(()).to(torch.float32)
+    return v.clamp_(lo, hi).to(out)
+
+
+@kernel("DequantizeLinear", 10)
+def dequantize_linear(x, x_scale, x_zero_point=None, *, axis=1, block_size=0,
+                      output_dtype=0):
+    if x.dtype not in _EIGHT or block_size or output_dtype or \
+            x_scale.dtype != torch.float32 or not _per_tensor(x_scale, x_zero_point):
+        return NI
+    v = x.to(torch.float32)
+    if x_zero_point is not None:
+        v -= x_zero_point.reshape(()).to(torch.float32)
+    return v.mul_(x_scale.reshape(()))
+
+
+@kernel("DynamicQuantizeLinear", 11)
+def dynamic_quantize_linear(x):
+    if x.dtype != torch.float32:
+        return NI
+    # The scale and zero point computed as the reference kernel does (float64 range,
+    # float32 scale), so both backends pick the same grid.
+    lo = min(float(x.min()) if x.numel() else 0.0, 0.0)
+    hi = max(float(x.max()) if x.numel() else 0.0, 0.0)
+    scale = np.float32((hi - lo) / 255)
+    if scale == 0:
+        return (torch.zeros(x.shape, dtype=torch.uint8), torch.tensor(scale),
+                torch.tensor(0, dtype=torch.uint8))
+    zp = float(np.clip(np.rint(np.float32(-lo) / scale), 0, 255))
+    y = torch.round(x / torch.tensor(scale)).add_(zp).clamp_(0, 255).to(torch.uint8)
+    return y, torch.tensor(scale), torch.tensor(int(zp), dtype=torch.uint8)

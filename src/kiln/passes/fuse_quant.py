@@ -1,0 +1,280 @@
+"""Fuse quantized layers written in the QDQ format into Kiln's integer ops:
+
+    DQ(x), DQ(w) [, DQ(b) or b] -> Conv            [-> act] [-> Q]  -> ai.kiln.QConv
+    DQ(x), DQ(w) [, DQ(b) or b] -> Gemm            [-> act] [-> Q]  -> ai.kiln.QMatMul
+    DQ(x), DQ(w)                -> MatMul [+ Add(b)] [-> act] [-> Q]  -> ai.kiln.QMatMul
+
+``act`` is Relu or Clip with constant bounds directly on the layer's output (onnxruntime's
+``quantize_static`` often drops it into the Q's range instead; ``kiln.quantize`` writes
+it like this). A Relu behind a Q/DQ pair of its own (``Q -> DQ -> Relu -> Q``: two grids,
+two roundings) is left as it is: fusing it would round once and drift from what the file
+computes by more than a step. Without a final Q the fused layer outputs float (logits;
+``DynamicQuantizeLinear -> DQ -> layer`` from dynamic quantization).
+
+``x`` must be 8-bit with one scale and zero point, ``w`` a constant int8 weight with one
+scale or one per output channel. The DequantizeLinear nodes stay for their other readers
+and go with dead-code elimination otherwise. Kernels: ``kiln/ops/quant_fused.py``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.ir import DType, Node, Value
+from kiln.ops.quant import dequantize_linear
+from kiln.ops.quant_fused import ACTIVATIONS
+from kiln.ops.registry import KILN_DOMAIN
+from kiln.passes.base import RulePass, const_value, dtype_of, rank_of, scalar_value
+from kiln.passes.rewrite import Rewriter, Rule, ops, producer
+
+_CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
+_EIGHT_BIT = (DType.UINT8, DType.INT8)
+
+
+class FuseQuant(RulePass):
+    """DQ -> Conv/MatMul/Gemm [-> Relu/Clip] -> Q  ->  one integer QConv/QMatMul."""
+
+    name = "fuse_quant"
+    level = 2
+    stage = 2
+    creates = ("QConv", "QMatMul")
+
+    def rules(self) -> list[Rule]:
+        return [Rule("qdq_layer", ops("Conv", "MatMul", "Gemm"), _match, _apply, _check)]
+
+
+@dataclass
+class _Layer:
+    """What one match gathered: the layer, its quantized operands and its output chain."""
+
+    root: Node
+    x: list  # [q, scale, zero point]
+    w: np.ndarray
+    w_scale: np.ndarray
+    w_zp: np.ndarray | None
+    bias: np.ndarray | None = None
+    activation: str = ""
+    params: list[float] = field(default_factory=list)
+    taken: list[Node] = field(default_factory=list)
+    out_q: Node | None = None
+
+
+def _sole_reader(v: Value, g) -> Node | None:
+    """The one standard-op node of ``g`` reading ``v`` once, when nothing returns ``v``."""
+    if v._returned_by or len(v._uses) != 1:
+        return None
+    r = next(iter(v._uses))[0]
+    return r if r.graph is g and r.domain == "" else None
+
+
+def _scalar_param(v: Value | None) -> bool:
+    """A per-tensor scale or zero point: a constant of one element, or a computed scalar
+    (DynamicQuantizeLinear's)."""
+    if v is None:
+        return True
+    c = const_value(v)
+    if c is not None:
+        return c.size == 1
+    return rank_of(v) == 0
+
+
+def _dq_parts(dq: Node) -> list | None:
+    """[q, scale, zero point] of a DequantizeLinear with no block size."""
+    if dq.attrs.get("block_size", 0):
+        return None
+    ins = list(dq.inputs) + [None] * (3 - len(dq.inputs))
+    return ins[:3]
+
+
+def _activation(m: Node, rw: Rewriter) -> tuple[str, list[float]] | None:
+    if m.op_type == "Relu":
+        return "Relu", []
+    if m.op_type != "Clip":
+        return None
+    if rw.opset(m) < 11:
+        return "Clip", [float(m.attrs.get("min", -np.inf)), float(m.attrs.get("max", np.inf))]
+    bounds = []
+    for i, default in ((1, -np.inf), (2, np.inf)):
+        v = m.inputs[i] if len(m.inputs) > i else None
+        s = default if v is None else scalar_value(v)
+        if s is None:
+            return None
+        bounds.append(float(s))
+    return "Clip", bounds
+
+
+def _match(rw: Rewriter, n: Node) -> _Layer | None:
+    if len(n.outputs) != 1 or n.outputs[0] is None or len(n.inputs) < 2:
+        return None
+    xdq = producer(n.inputs[0], n, "DequantizeLinear")
+    wdq = producer(n.inputs[1], n, "DequantizeLinear")
+    if xdq is None or wdq is None:
+        return None
+    x, w = _dq_parts(xdq), _dq_parts(wdq)
+    if x is None or w is None or dtype_of(x[0]) not in _EIGHT_BIT:
+        return None
+    if not _scalar_param(x[1]) or not _scalar_param(x[2]) or x[1] is None:
+        return None
+    wq, ws = const_value(w[0]), const_value(w[1])
+    wz = const_value(w[2]) if w[2] is not None else None
+    if wq is None or ws is None or wq.dtype not in (np.int8, np.uint8) or \
+            (w[2] is not None and wz is None):
+        return None
+    layer = _Layer(n, x, wq, ws, wz)
+    if not _weight_layout(layer, wdq):
+        return None
+    if not _bias(layer, rw):
+        return None
+    _output_chain(layer, rw)
+    return layer
+
+
+def _weight_layout(layer: _Layer, wdq: Node) -> bool:
+    """Put the weight in the fused op's layout (QConv: OIHW; QMatMul: [K, N]) and check
+    that its scale is per tensor or per output channel."""
+    n, w, ws = layer.root, layer.w, layer.w_scale
+    axis = wdq.attrs.get("axis", 1)
+    axis = axis + w.ndim if axis < 0 else axis
+    if n.op_type == "Conv":
+        if w.ndim < 3:
+            return False
+        out_axis = 0
+    elif n.op_type == "MatMul":
+        if w.ndim != 2:
+            return False
+        out_axis = 1
+    else:
+        a = n.attrs
+        if a.get("transA", 0) or a.get("alpha", 1.0) != 1.0 or w.ndim != 2:
+            return False
+        out_axis = 0 if a.get("transB", 0) else 1
+    if ws.size > 1 and (axis != out_axis or ws.size != w.shape[out_axis]):
+        return False
+    zp = layer.w_zp
+    if zp is not None and zp.size > 1 and zp.size != ws.size:
+        return False
+    layer.w_scale = ws.reshape(-1) if ws.size > 1 else ws.reshape(())
+    if zp is not None:
+        layer.w_zp = zp.reshape(-1) if zp.size > 1 else zp.reshape(())
+    if n.op_type == "Gemm" and out_axis == 0:
+        layer.w = np.ascontiguousarray(w.T)
+    return True
+
+
+def _channels(layer: _Layer) -> int:
+    return layer.w.shape[0] if layer.root.op_type == "Conv" else layer.w.shape[1]
+
+
+def _bias(layer: _Layer, rw: Rewriter) -> bool:
+    """The layer's own bias (Conv/Gemm input 2), a constant or DQ of one, as a float
+    vector over the output channels."""
+    n = layer.root
+    if n.op_type == "MatMul" or len(n.inputs) < 3 or n.inputs[2] is None:
+        return True
+    b = n.inputs[2]
+    c = const_value(b)
+    if c is None:
+        dq = producer(b, n, "DequantizeLinear")
+        parts = _dq_parts(dq) if dq is not None else None
+        if parts is None:
+            return False
+        vals = [const_value(v) if v is not None else None for v in parts]
+        if vals[0] is None or vals[1] is None or (parts[2] is not None and vals[2] is None):
+            return False
+        c = dequantize_linear(vals[0], vals[1], vals[2], axis=dq.attrs.get("axis", 1))
+    if n.op_type == "Gemm" and n.attrs.get("beta", 1.0) != 1.0:
+        c = c * np.float32(n.attrs["beta"])
+    k = _channels(layer)
+    if c.dtype != np.float32 or c.size not in (1, k) or \
+            (c.ndim > 1 and sum(d != 1 for d in c.shape) > 1):
+        return False
+    layer.bias = np.broadcast_to(c.reshape(-1), (k,)).copy()
+    return True
+
+
+def _output_chain(layer: _Layer, rw: Rewriter) -> None:
+    """Absorb [Add(bias)] [act] [Q] after the layer."""
+    g = layer.root.graph
+    out = layer.root.outputs[0]
+    m = _sole_reader(out, g)
+    if m is not None and m.op_type == "Add" and layer.root.op_type == "MatMul" and \
+            layer.bias is None and "axis" not in m.attrs:
+        other = m.inputs[1] if m.inputs[0] is out else m.inputs[0]
+        c = const_value(other)
+        k = _channels(layer)
+        if c is not None and other is not out and c.dtype == np.float32 and \
+                c.size == k and c.shape[-1] == k:
+            layer.bias = c.reshape(-1).copy()
+            layer.taken.append(m)
+            out = m.outputs[0]
+            m = _sole_reader(out, g)
+    if m is not None and (act := _activation(m, rw)) is not None:
+        layer.activation, layer.params = act
+        layer.taken.append(m)
+        out = m.outputs[0]
+        m = _sole_reader(out, g)
+    if m is None or m.op_type != "QuantizeLinear" or not _output_q(m):
+        return
+    layer.taken.append(m)
+    layer.out_q = m
+
+
+def _output_q(q: Node) -> bool:
+    """A per-tensor QuantizeLinear to 8 bits with constant scale and zero point."""
+    if q.attrs.get("block_size", 0) or q.attrs.get("output_dtype", 0) and \
+            q.attrs["output_dtype"] not in (DType.UINT8.value, DType.INT8.value):
+        return False
+    s = const_value(q.inputs[1])
+    z = q.inputs[2] if len(q.inputs) > 2 else None
+    zc = const_value(z) if z is not None else None
+    if s is None or s.size != 1 or (z is not None and (zc is None or zc.size != 1)):
+        return False
+    return zc is None or zc.dtype in (np.uint8, np.int8)
+
+
+def _check(rw: Rewriter, layer: _Layer) -> str | None:
+    if dtype_of(layer.root.outputs[0]) != DType.FLOAT:
+        return "the layer does not compute in float32"
+    if layer.root.op_type in ("MatMul", "Gemm"):
+        r = rank_of(layer.x[0])
+        if r is None or r < 2 or (layer.root.op_type == "Gemm" and r != 2):
+            return "input rank unknown or not a matrix"
+    if layer.activation and layer.activation not in ACTIVATIONS:
+        return f"activation {layer.activation} is not fused"
+    return None
+
+
+def _apply(rw: Rewriter, layer: _Layer) -> str | None:
+    n = layer.root
+    g = n.graph
+    base = n.name or n.outputs[0].name
+    w = rw.add_const(g, f"{base}_qweight", layer.w) if layer.root.op_type == "Gemm" \
+        else n.inputs[1].producer.inputs[0]
+    ws = rw.add_const(g, f"{base}_qweight_scale", layer.w_scale)
+    wz = None if layer.w_zp is None else rw.add_const(g, f"{base}_qweight_zero_point",
+                                                      layer.w_zp)
+    b = None if layer.bias is None else rw.add_const(g, f"{base}_qbias", layer.bias)
+    ys = yz = None
+    if layer.out_q is not None:
+        ys = layer.out_q.inputs[1]
+        yz = layer.out_q.inputs[2] if len(layer.out_q.inputs) > 2 else None
+    inputs = list(layer.x) + [w, ws, wz, b, ys, yz]
+    while inputs and inputs[-1] is None:
+        inputs.pop()
+    attrs = {}
+    if n.op_type == "Conv":
+        attrs = {k: v for k, v in n.attrs.items() if k in _CONV_ATTRS}
+    if layer.activation:
+        attrs["activation"] = layer.activation
+        if layer.params:
+            attrs["activation_params"] = list(layer.params)
+    op_type = "QConv" if n.op_type == "Conv" else "QMatMul"
+    last = layer.taken[-1] if layer.taken else n
+    fused = Node(op_type, inputs, [None], attrs, domain=KILN_DOMAIN, name=n.name or last.name)
+    fused.outputs = [last.outputs[0]]
+    rw.replace([n] + layer.taken, [fused])
+    rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    chain = " -> ".join(m.op_type for m in layer.taken)
+    return f"DQ -> {n.op_type}" + (f" -> {chain}" if chain else "") + f" -> {op_type}"
