@@ -120,6 +120,23 @@ def test_an_attribute_without_a_name_is_refused():
         kiln.load(m)
 
 
+def test_a_missing_required_attribute_is_refused():
+    node = helper.make_node("Concat", ["x", "x"], ["y"], name="cat")  # axis is required
+    m = _model(node, {"x": [2, 3]}, {"": 17})
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=r"cat.*Concat-13's required attribute 'axis'"):
+        kiln.load(m)
+
+
+def test_an_attribute_given_twice_is_refused():
+    node = helper.make_node("LeakyRelu", ["x"], ["y"], alpha=0.5)
+    node.attribute.append(helper.make_attribute("alpha", 0.25))
+    m = _model(node, {"x": [4]}, {"": 17})
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=r"'alpha' appears twice"):
+        kiln.load(m)
+
+
 def _accepted(node, inputs, opsets, functions=()):
     m = _model(node, inputs, opsets, functions)
     feeds = {n: np.linspace(-1, 1, int(np.prod(s)), dtype=np.float32).reshape(s)

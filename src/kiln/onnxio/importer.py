@@ -120,6 +120,7 @@ class _Schema(NamedTuple):
     """Attribute name -> AttributeProto type (None: any type)."""
     closed: bool
     """Whether an attribute the schema does not name is refused."""
+    required: frozenset[str]
 
 
 _ANY_COUNT = (0, 2**31)
@@ -152,16 +153,17 @@ def _schema(op_type: str, domain: str, version: int) -> _Schema | None:
         if known is None:
             return None  # custom domains and model-local functions: their kernels check
         since, names = known
-        return _Schema(since, _ANY_COUNT, _ANY_COUNT, dict.fromkeys(names), True)
+        return _Schema(since, _ANY_COUNT, _ANY_COUNT, dict.fromkeys(names), True, frozenset())
     return _Schema(s.since_version, (s.min_input, s.max_input), (s.min_output, s.max_output),
                    {name: int(a.type) for name, a in s.attributes.items()},
-                   (domain, op_type, s.since_version) not in _OPEN_SCHEMAS)
+                   (domain, op_type, s.since_version) not in _OPEN_SCHEMAS,
+                   frozenset(name for name, a in s.attributes.items() if a.required))
 
 
 def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: str) -> None:
-    """Input/output counts, attribute names and attribute types against the op's schema
-    (onnxruntime rejects the same graphs); the schema lookup is cached per op type and
-    opset."""
+    """Input/output counts, attribute names (unknown, repeated, required) and attribute
+    types against the op's schema (onnxruntime rejects the same graphs); the schema lookup
+    is cached per op type and opset."""
     version = opsets.get(domain)
     schema = None if version is None else _schema(np_.op_type, domain, version)
     if schema is None:
@@ -173,8 +175,13 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: 
             raise ModelLoadError(f"{where} has {n} {kind}, but {np_.op_type}-{schema.since} "
                                  f"takes {want}; the model is malformed")
     types = schema.attr_types
+    seen = set()
     for a in np_.attribute:
         name = a.name  # each read of a protobuf field builds a new object: read once
+        if name in seen:
+            raise ModelLoadError(f"{where}: attribute {name!r} appears twice; the model is "
+                                 "malformed")
+        seen.add(name)
         want_type = types.get(name, _UNDEFINED)
         if want_type is _UNDEFINED:
             # Names starting with "__" are ONNX's internal symbols, which schemas never check.
@@ -185,6 +192,10 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: 
             raise ModelLoadError(
                 f"{where}: attribute {name!r} is {got}, but {np_.op_type} takes "
                 f"{A.AttributeType.Name(want_type)}; the model is malformed")
+    if not schema.required <= seen:
+        missing = ", ".join(map(repr, sorted(schema.required - seen)))
+        raise ModelLoadError(f"{where} lacks {np_.op_type}-{schema.since}'s required "
+                             f"attribute {missing}; the model is malformed")
 
 
 def _unknown_attribute(np_: onnx.NodeProto, name: str | bytes, schema: _Schema,
