@@ -92,3 +92,23 @@ def test_use_lists_follow_every_edit():
     assert len(x.uses) == 2 and not c.uses and not check_uses(g)
     g.outputs = [x]
     assert not b.is_used() and x.is_output_of(g) and not check_uses(g)
+
+
+def test_a_big_plan_runs_step_by_step_until_it_has_run_enough_to_pay_for_its_program(
+        monkeypatch):
+    """Past EAGER_PROGRAM_STEPS the session is made without compiling the straight-line
+    program; runs give the same results before and after it is built."""
+    from kiln.runtime import plan as plan_mod
+
+    monkeypatch.setattr(plan_mod, "EAGER_PROGRAM_STEPS", 10)
+    monkeypatch.setattr(plan_mod, "PROGRAM_AFTER_RUNS", 3)
+    sess = kiln.InferenceSession(_relu_add_chain(40), optimize=False)
+    x = np.linspace(-2, 2, 16, dtype=np.float32).reshape(2, 8)
+    want = np.maximum(x, 0) + 20
+    built = []
+    for _ in range(5):
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-6)
+        built.append(sess.plan.program is not None)
+    assert built == [False, False, True, True, True]
+    small = kiln.InferenceSession(_relu_add_chain(8), optimize=False)
+    assert small.plan.program is not None
