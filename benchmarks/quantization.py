@@ -8,7 +8,10 @@ backend, Kiln's NumPy backend and onnxruntime on that same file, batch 1 and 8, 
 ``--runs`` (the machine is shared: best-of, in one process, alternating).
 
     python benchmarks/quantization.py [--models resnet18 mobilenetv2 bert] [--runs 5]
-        [--json docs/quantization.json]
+        [--variants fp32 int8-static ort-int8-static] [--no-numpy] [--json FILE]
+
+Kiln's torch backend runs QDQ layers on fbgemm's integer kernels (kiln.passes.fuse_quant);
+the ``int8 / fp32`` columns of the speed table are ratios within one process.
 """
 
 from __future__ import annotations
@@ -35,16 +38,6 @@ def _ort_session(path: str):
     so = ort.SessionOptions()
     so.intra_op_num_threads = torch.get_num_threads()
     return ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-
-
-def _best(fn, runs: int) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(runs):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best * 1e3
 
 
 def _accuracy(path: str, ref_path: str, feeds: list[dict]) -> tuple[float, float]:
@@ -92,8 +85,12 @@ def _ort_anchor(src: str, out_dir: str, name: str, cal: list[dict]) -> dict[str,
     return out
 
 
-def run(models: list[str], runs: int) -> dict:
-    """Every figure, per model and variant."""
+def run(models: list[str], runs: int, variants: list[str] | None = None,
+        numpy_backend: bool = True) -> dict:
+    """Every figure, per model and variant (all variants unless ``variants`` names some)."""
+    def wanted(label: str) -> bool:
+        return variants is None or label in variants
+
     results: dict = {}
     tmp = tempfile.mkdtemp(prefix="kiln_quant_bench_")
     for name in models:
@@ -103,35 +100,62 @@ def run(models: list[str], runs: int) -> dict:
         files = {"fp32": src}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            f16 = kiln.convert_float16(src)
-            files["fp16"] = os.path.join(tmp, f"{name}_fp16.onnx")
-            save(f16, files["fp16"])
+            if wanted("fp16"):
+                files["fp16"] = os.path.join(tmp, f"{name}_fp16.onnx")
+                save(kiln.convert_float16(src), files["fp16"])
             for mode, label in [("dynamic", "int8-dynamic"), ("static", "int8-static"),
                                 ("weight-only", "int4-weight-only")]:
+                if not wanted(label):
+                    continue
                 q = kiln.quantize(src, mode, cal if mode == "static" else None,
                                   backend="torch", measure_latency=False)
                 files[label] = os.path.join(tmp, f"{name}_{label}.onnx")
                 q.save(files[label])
-            files.update(_ort_anchor(src, tmp, name, cal))
+            if wanted("ort-int8-dynamic") or wanted("ort-int8-static"):
+                files.update({k: v for k, v in _ort_anchor(src, tmp, name, cal).items()
+                              if wanted(k)})
         results[name] = {}
         for label, path in files.items():
             row: dict = {"size_mb": os.path.getsize(path) / 1e6}
             row["rel_error"], row["top1_agreement"] = _accuracy(path, src, held)
-            for batch in (1, 8):
-                feed = make_inputs(name, batch=batch, seed=7)
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    kt = kiln.InferenceSession(path, backend="torch")
-                    kn = kiln.InferenceSession(path)
-                o = _ort_session(path)
-                row[f"b{batch}"] = {
-                    "kiln_torch_ms": _best(lambda kt=kt, f=feed: kt.run(None, f), runs),
-                    "kiln_numpy_ms": _best(lambda kn=kn, f=feed: kn.run(None, f), runs),
-                    "onnxruntime_ms": _best(lambda o=o, f=feed: o.run(None, f), runs),
-                }
             results[name][label] = row
+        for batch in (1, 8):
+            times = _side_by_side(name, files, batch, runs, numpy_backend)
+            for label, cell in times.items():
+                results[name][label][f"b{batch}"] = cell
+        for label, row in results[name].items():
             print(name, label, json.dumps(row), flush=True)
     return results
+
+
+def _side_by_side(name: str, files: dict[str, str], batch: int, runs: int,
+                  numpy_backend: bool) -> dict[str, dict[str, float]]:
+    """Best-of-``runs`` ms per file and engine, the engines and files taking turns within
+    each round (so a burst of load on the shared machine hits them all alike)."""
+    feed = make_inputs(name, batch=batch, seed=7)
+    calls: dict[tuple[str, str], object] = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for label, path in files.items():
+            kt = kiln.InferenceSession(path, backend="torch")
+            calls[label, "kiln_torch_ms"] = lambda s=kt: s.run(None, feed)
+            if numpy_backend:
+                kn = kiln.InferenceSession(path)
+                calls[label, "kiln_numpy_ms"] = lambda s=kn: s.run(None, feed)
+            o = _ort_session(path)
+            calls[label, "onnxruntime_ms"] = lambda s=o: s.run(None, feed)
+    for fn in calls.values():
+        fn()  # warm-up
+    best = dict.fromkeys(calls, float("inf"))
+    for _ in range(runs):
+        for key, fn in calls.items():
+            t0 = time.perf_counter()
+            fn()
+            best[key] = min(best[key], time.perf_counter() - t0)
+    out: dict[str, dict[str, float]] = {}
+    for (label, engine), t in best.items():
+        out.setdefault(label, {"kiln_numpy_ms": float("nan")})[engine] = t * 1e3
+    return out
 
 
 def markdown(results: dict) -> str:
@@ -147,6 +171,17 @@ def markdown(results: dict) -> str:
                      for k in ("kiln_torch_ms", "kiln_numpy_ms", "onnxruntime_ms")]
             out.append(f"| {label} | {r['size_mb']:.1f} | {r['rel_error']:.2%} | "
                        f"{r['top1_agreement']:.1%} | " + " | ".join(cells) + " |")
+        out.append("\n| file | Kiln torch: fp32 time / this file's, b1 / b8 | onnxruntime "
+                   "on this file / Kiln torch on it, b1 / b8 |")
+        out.append("|---|---|---|")
+        for label, r in rows.items():
+            if label == "fp32":
+                continue
+            vs_fp32 = [rows["fp32"][b]["kiln_torch_ms"] / r[b]["kiln_torch_ms"]
+                       for b in ("b1", "b8")]
+            vs_ort = [r[b]["onnxruntime_ms"] / r[b]["kiln_torch_ms"] for b in ("b1", "b8")]
+            out.append(f"| {label} | {vs_fp32[0]:.2f}x / {vs_fp32[1]:.2f}x | "
+                       f"{vs_ort[0]:.2f}x / {vs_ort[1]:.2f}x |")
     return "\n".join(out)
 
 
@@ -154,10 +189,14 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["resnet18", "mobilenetv2", "bert"])
     ap.add_argument("--runs", type=int, default=5)
+    ap.add_argument("--variants", nargs="+", default=None,
+                    help="only these files (fp32 fp16 int8-dynamic int8-static "
+                         "int4-weight-only ort-int8-dynamic ort-int8-static)")
+    ap.add_argument("--no-numpy", action="store_true", help="skip Kiln's NumPy backend")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
-    results = run(args.models, args.runs)
+    results = run(args.models, args.runs, args.variants, not args.no_numpy)
     meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
             "torch": torch.__version__, "onnxruntime": ort.__version__,
             "threads": torch.get_num_threads(), "runs": args.runs}

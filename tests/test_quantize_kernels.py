@@ -136,11 +136,14 @@ def _deep_tolerance(proto: onnx.ModelProto, feed: dict) -> float:
 
 
 # resnet18 with Kiln's file in the default run (about 40 s on 2 cores); the rest is slow
+@pytest.mark.filterwarnings("ignore")
 @pytest.mark.parametrize("name, tool", [
     ("resnet18", "kiln"),
     pytest.param("resnet18", "onnxruntime", marks=pytest.mark.slow),
     pytest.param("mobilenetv2", "kiln", marks=pytest.mark.slow),
-    pytest.param("mobilenetv2", "onnxruntime", marks=pytest.mark.slow)])
+    pytest.param("mobilenetv2", "onnxruntime", marks=pytest.mark.slow),
+    pytest.param("bert", "kiln", marks=pytest.mark.slow),
+    pytest.param("bert", "onnxruntime", marks=pytest.mark.slow)])
 def test_zoo_cnn_static_files(zoo_model, name, tool, tmp_path):
     from kiln.zoo.registry import make_inputs
 

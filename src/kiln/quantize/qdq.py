@@ -7,8 +7,8 @@ file and one that has integer kernels (onnxruntime, Kiln's torch backend) fuses 
   ``per_channel=False``; Conv/Gemm biases int32 at scale ``x_scale * w_scale`` (static).
 - Activations, static: a Q/DQ pair on every float tensor entering or leaving a quantized
   layer, its scale from calibration; uint8 with a zero point, or int8 symmetric. A
-  Relu/Clip that alone reads a Conv/MatMul/Gemm output shares its grid: no pair between
-  them, so an integer kernel computes layer and activation with one rounding.
+  constant bias Add and a Relu/Clip that alone follow a Conv/MatMul/Gemm share its grid:
+  no pair between them, so an integer kernel computes the chain with one rounding.
 - Activations, dynamic: ``DynamicQuantizeLinear`` computes the scale at run time, a
   DequantizeLinear follows it, only in front of Conv/ConvTranspose/MatMul/Gemm.
 """
@@ -250,17 +250,24 @@ def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
 
 
 def _activation_inputs(g: Graph, plan: Plan) -> set[Value]:
-    """Outputs of quantized compute layers read only by a quantized Relu/Clip: they stay
-    float (the activation's output is quantized instead, as one grid for both)."""
+    """Outputs of quantized compute layers read only by a quantized constant bias Add
+    or Relu/Clip (and of such an Add read only by a Relu/Clip): they stay float, the
+    chain's last output is quantized instead, one grid for all."""
     chosen = set(plan.quantized)
-    out = set()
-    for n in plan.quantized:
-        if n.op_type not in ("Relu", "Clip"):
+    out: set[Value] = set()
+    for n in plan.quantized:  # graph order: a bias Add is seen before its activation
+        if n.op_type == "Add":
+            consts = [v for v in n.inputs if v is not None and v.const is not None]
+            if len(consts) != 1 or consts[0].const.ndim > 1:
+                continue
+        elif n.op_type not in ("Relu", "Clip"):
             continue
-        v = n.inputs[0]
-        p = v.producer
-        if p in chosen and p.op_type in COMPUTE_OPS and not v.is_output_of(g) and \
-                len(v.uses) == 1:
+        v = next((v for v in n.inputs if v is not None and v.const is None), None)
+        p = v.producer if v is not None else None
+        if p not in chosen or v.is_output_of(g) or len(v.uses) != 1:
+            continue
+        if p.op_type in COMPUTE_OPS or (p.op_type == "Add" and n.op_type != "Add" and
+                                        any(i in out for i in p.inputs)):
             out.add(v)
     return out
 
