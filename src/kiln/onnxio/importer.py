@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import functools
+import mmap
 import os
 from collections import ChainMap
 from collections.abc import Callable
@@ -30,7 +32,8 @@ from kiln.ir import (
     ValueType,
     parse_dim,
 )
-from kiln.onnxio.tensors import sparse_to_array, to_array
+from kiln.onnxio.tensors import raw_array, sparse_to_array, to_array
+from kiln.onnxio.wire import Malformed, split_initializers
 
 A = onnx.AttributeProto
 
@@ -45,20 +48,80 @@ def load(source: str | os.PathLike | bytes | onnx.ModelProto, base_dir=None) -> 
     External data is read only from ``base_dir`` (the model file's folder when loading a
     path); locations outside it are refused.
     """
+    raw = None
     if isinstance(source, onnx.ModelProto):
         proto = source
-    else:
-        if isinstance(source, (bytes, bytearray, memoryview)):
-            data = bytes(source)
+    elif isinstance(source, (bytes, bytearray, memoryview)):
+        data = bytes(source)
+        try:
+            rest, spans = split_initializers(data)
+        except Malformed:
+            proto = _parse(data, "<bytes>")
         else:
-            path = Path(source)
-            if not path.is_file():
-                raise ModelLoadError(f"no model file at {path}")
-            data = path.read_bytes()
-            base_dir = path.parent if base_dir is None else base_dir
-        proto = _parse(data, str(source)[:80] if not isinstance(source, bytes) else "<bytes>")
+            proto, raw = _parse(rest, "<bytes>"), RawData(spans, buffer=data)
+    else:
+        path = Path(source)
+        if not path.is_file():
+            raise ModelLoadError(f"no model file at {path}")
+        base_dir = path.parent if base_dir is None else base_dir
+        proto, raw = _read(path, str(source)[:80])
     _check_depth(proto)
-    return ModelImporter(proto, base_dir).model()
+    with raw or contextlib.nullcontext():
+        return ModelImporter(proto, base_dir, raw).model()
+
+
+def _read(path: Path, what: str) -> tuple[onnx.ModelProto, RawData | None]:
+    """The model at ``path``, its main graph's initializer bytes left in the file for
+    :class:`RawData` to read into their arrays (a file not well-formed is parsed whole,
+    which reports what is wrong)."""
+    try:
+        with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            rest, spans = split_initializers(mm)
+    except (Malformed, ValueError, OSError):  # an empty file cannot be mapped
+        return _parse(path.read_bytes(), what), None
+    return _parse(rest, what), RawData(spans, path=path)
+
+
+class RawData:
+    """Where the bytes :func:`split_initializers` cut out are (a file or a buffer), read
+    into each initializer's array when the importer reaches it; a context manager that
+    closes the file."""
+
+    def __init__(self, spans: list[tuple[int, int] | None], path: Path | None = None,
+                 buffer: bytes | None = None):
+        self.spans = spans
+        self.path = path
+        self.buffer = memoryview(buffer) if buffer is not None else None
+        self.file = None
+
+    def __enter__(self) -> RawData:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.file is not None:
+            self.file.close()
+
+    def array(self, i: int, t: onnx.TensorProto, base_dir) -> Any:
+        """The array of initializer ``i`` of the main graph, ``t`` its proto."""
+        span = self.spans[i] if i < len(self.spans) else None
+        if span is None:
+            return to_array(t, base_dir)
+        offset, length = span
+        return raw_array(t, length, lambda out: self._fill(offset, out), base_dir)
+
+    def _fill(self, offset: int, out: memoryview) -> None:
+        if self.buffer is not None:
+            out[:] = self.buffer[offset:offset + len(out)]
+            return
+        if self.file is None:
+            self.file = open(self.path, "rb")  # noqa: SIM115 - closed by __exit__
+        self.file.seek(offset)
+        done = 0
+        while done < len(out):
+            n = self.file.readinto(out[done:])
+            if not n:
+                raise ModelLoadError(f"{self.path} changed while it was being read")
+            done += n
 
 
 def _parse(data: bytes, what: str) -> onnx.ModelProto:
@@ -241,9 +304,11 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
 class ModelImporter:
     """Builds the IR for one ModelProto; holds the scope chain while walking graphs."""
 
-    def __init__(self, proto: onnx.ModelProto, base_dir=None):
+    def __init__(self, proto: onnx.ModelProto, base_dir=None, raw: RawData | None = None):
         self.proto = proto
         self.base_dir = base_dir
+        self.raw = raw
+        """The main graph's initializer bytes when they were cut out of ``proto``."""
         self.opsets: dict[str, int] = {}
 
     def model(self) -> Model:
@@ -287,8 +352,9 @@ class ModelImporter:
         scope = outer.new_child()
         g = Graph(name=gp.name, doc=gp.doc_string)
         init_names = set()
-        for t in gp.initializer:
-            const = to_array(t, self.base_dir)
+        for i, t in enumerate(gp.initializer):
+            const = self.raw.array(i, t, self.base_dir) if top and self.raw is not None \
+                else to_array(t, self.base_dir)
             v = Value(text(t.name, "initializer name"),
                       TensorType(DType(t.data_type), tuple(t.dims)), const=const)
             g.initializers[t.name] = scope[t.name] = v

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -127,6 +129,31 @@ def to_array(t: onnx.TensorProto, base_dir=None) -> np.ndarray:
     if t.data_location == onnx.TensorProto.EXTERNAL:
         return _external_array(t, base_dir)
     return _embedded_array(t)
+
+
+def raw_array(t: onnx.TensorProto, length: int, fill: Callable[[memoryview], None],
+              base_dir=None) -> np.ndarray:
+    """:func:`to_array` of ``t`` whose ``raw_data`` (``length`` bytes) was cut out of the
+    proto (see :mod:`kiln.onnxio.wire`); ``fill(buffer)`` writes those bytes into a
+    writable buffer of that length. Plain layouts are read straight into the array (one
+    copy of the data, read-only as ``np.frombuffer`` on the proto's bytes would be); the
+    rest go through the proto as before."""
+    try:
+        dtype: DType | None = DType(t.data_type)
+    except ValueError:
+        dtype = None  # to_array names the problem
+    if dtype in _MEMMAPPABLE and sys.byteorder == "little" and \
+            t.data_location != onnx.TensorProto.EXTERNAL and not t.HasField("segment"):
+        count = _count(t)
+        if count * dtype.numpy.itemsize == length:
+            arr = np.empty(tuple(t.dims), dtype.numpy)
+            fill(memoryview(arr.reshape(-1).view(np.uint8)))
+            arr.flags.writeable = False
+            return arr
+    buf = bytearray(length)
+    fill(memoryview(buf))
+    t.raw_data = bytes(buf)
+    return to_array(t, base_dir)
 
 
 def sparse_to_array(s: onnx.SparseTensorProto, base_dir=None) -> np.ndarray:
