@@ -188,6 +188,25 @@ def test_kilns_com_microsoft_ops_take_exactly_onnxruntimes_attributes():
 
 # -- malformed tensors and types ----------------------------------------------------------
 
+def _softmax_sum(in_type: int) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [helper.make_node("Softmax", ["x"], ["s"], axis=-1),
+         helper.make_node("ReduceSum", ["s", "axes"], ["y"], keepdims=1)], "g",
+        [helper.make_tensor_value_info("x", in_type, [3, 4])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+        [helper.make_tensor("axes", TP.INT64, [1], [1])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_input_of_element_type_undefined_is_refused_at_load():
+    # found by the fuzzer: the attention-fusion rule asked UNDEFINED for its NumPy dtype
+    # and the optimizer failed ("Please report this")
+    m = _softmax_sum(TP.UNDEFINED)
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=r"input 'x' declares element type 0"):
+        kiln.load(m)
+
+
 def test_unknown_element_type_numbers_raise_model_load_error():
     m = _relu()
     m.graph.input[0].type.tensor_type.elem_type = 999

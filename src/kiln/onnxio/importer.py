@@ -277,6 +277,16 @@ def _unknown_attribute(np_: onnx.NodeProto, name: str | bytes, schema: _Schema,
     return f"{where} has {what}; {op} {takes}; remove or rename it"
 
 
+def _input_type(vi: onnx.ValueInfoProto) -> ValueType | None:
+    """A graph input's declared type. A tensor input must name its element type: type 0
+    (UNDEFINED) leaves the feed unchecked and the passes untyped; onnxruntime refuses it."""
+    t = value_type(vi.type)
+    if isinstance(t, TensorType) and t.dtype == DType.UNDEFINED:
+        raise ModelLoadError(f"input {vi.name!r} declares element type 0 (UNDEFINED); give "
+                             "it the element type it takes")
+    return t
+
+
 def value_type(tp: onnx.TypeProto) -> ValueType | None:
     """IR type of an ONNX TypeProto (None when the proto declares nothing)."""
     kind = tp.WhichOneof("value")
@@ -369,7 +379,7 @@ class ModelImporter:
                 # An input with a default (older IR): a feed may override the initializer.
                 scope[vi.name].meta["overridable"] = True
                 continue
-            v = Value(text(vi.name, "input name"), value_type(vi.type))
+            v = Value(text(vi.name, "input name"), _input_type(vi))
             g.inputs.append(v)
             scope[vi.name] = v
         known = set(scope.keys())
