@@ -359,6 +359,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "with the float model)")
     p.add_argument("--backend", choices=["numpy", "torch"], default="numpy",
                    help="backend that calibrates and whose latency the report measures")
+    p.add_argument("--speed-aware", action="store_true",
+                   help="time each quantized layer alone, float and quantized, on --backend "
+                        "and keep in float those not measured faster")
     p.set_defaults(func=cmd_quantize, parser=p)
 
     sub.add_parser("zoo", help="the offline model zoo (kiln zoo --help)", add_help=False)
@@ -688,7 +691,7 @@ def cmd_quantize(args) -> int:
                  per_channel=not args.per_tensor, symmetric=args.symmetric,
                  exclude=args.exclude, validation=args.validation, bits=args.bits,
                  block_size=args.block_size, budget=args.accuracy_budget,
-                 backend=args.backend, on_batch=on_batch)
+                 backend=args.backend, speed_aware=args.speed_aware, on_batch=on_batch)
     q.save(args.output)
     print(f"{args.model} -> {args.output}")
     print(q.report)

@@ -16,6 +16,7 @@ from kiln.quantize import qdq, weight_only
 from kiln.quantize.calibrate import calibrate, load_feeds
 from kiln.quantize.fp16 import as_model
 from kiln.quantize.report import QuantizeReport, compare, latency_ms, model_bytes
+from kiln.quantize.speed import LayerTiming, time_layers
 
 __all__ = ["MODES", "Budget", "Quantized", "quantize"]
 
@@ -46,6 +47,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
              bits: int = 4,
              block_size: int = 128, budget: Budget | str | None = None,
              backend: str = "numpy", measure_latency: bool = True,
+             speed_aware: bool = False,
              on_batch: Callable[[int, int], None] | None = None) -> Quantized:
     """Quantize ``model`` (a path, bytes, ModelProto or Kiln Model) in QDQ format.
 
@@ -65,6 +67,9 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     ``budget`` (a :class:`Budget` or ``"rel=0.01"``/``"top1=0.995"``): accuracy-aware
     mode; layers go back to float, most sensitive first, until the quantized model is
     within the budget on the validation data (the report says which, and why).
+    ``speed_aware``: time every quantized Conv/ConvTranspose/MatMul/Gemm alone, float and
+    quantized, on ``backend`` on this machine (:mod:`kiln.quantize.speed`) and keep in
+    float those whose quantized version was not faster; the report lists the times.
     ``on_batch(done, total)`` follows calibration (a progress bar hooks in).
     """
     if isinstance(budget, str):
@@ -106,10 +111,26 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
             raise OptionError("an accuracy budget needs data to check it on: give "
                               "calibration or validation feeds")
         m, plan, reverted = _meet_budget(original, build, exclude, budget, check, backend)
+    timings: dict[str, LayerTiming] = {}
+    if speed_aware and mode != "weight-only":
+        if not check:
+            raise OptionError("speed-aware quantization times layers on real inputs: give "
+                              "calibration or validation feeds")
+        by_name = {n.name: n for n in base.graph.nodes if n.name}
+        layers = [by_name[n.name] for n in plan.quantized
+                  if n.op_type in qdq.COMPUTE_OPS and n.name in by_name]
+        timings = time_layers(base, m, layers, check[0], backend)
+        slower = {name: f"reverted to float, speed-aware: {t.quant_ms:.3f} ms quantized vs "
+                        f"{t.float_ms:.3f} ms float on {backend}"
+                  for name, t in timings.items() if not t.faster}
+        if slower:
+            reverted.update(slower)
+            m, plan = build(exclude | set(reverted))
     report = QuantizeReport(mode=mode, size_before=model_bytes(original),
                             size_after=model_bytes(m), backend=backend,
                             quantized=[_label(n) for n in plan.quantized],
-                            kept={**plan.kept, **reverted})
+                            kept={**plan.kept, **reverted},
+                            layer_times={k: (t.float_ms, t.quant_ms) for k, t in timings.items()})
     if check:
         report.outputs = compare(original, m, check, backend)
         report.samples = sum(len(next(iter(f.values()))) for f in check)

@@ -41,6 +41,8 @@ class QuantizeReport:
     backend: str = "numpy"
     latency_before_ms: float | None = None
     latency_after_ms: float | None = None
+    layer_times: dict[str, tuple[float, float]] = field(default_factory=dict)
+    """Speed-aware mode: per layer, (float ms, quantized ms) measured alone."""
 
     def worst_rel(self) -> float:
         """The largest relative error over the outputs (0 when nothing was measured)."""
@@ -61,6 +63,12 @@ class QuantizeReport:
             lines.append(f"  kept {name}: {why}")
         if len(self.kept) > 20:
             lines.append(f"  ... {len(self.kept) - 20} more kept")
+        if self.layer_times:
+            lines.append(f"per-layer times on {self.backend}, float -> quantized "
+                         "(speed-aware; slower ones reverted):")
+            for name, (f_ms, q_ms) in self.layer_times.items():
+                verdict = "kept" if q_ms < f_ms else "reverted"
+                lines.append(f"  {name}: {f_ms:.3f} ms -> {q_ms:.3f} ms ({verdict})")
         if self.outputs:
             lines.append(f"error against the float model on {self.samples} sample(s):")
             for name, e in self.outputs.items():

@@ -1,0 +1,100 @@
+"""Speed-aware quantization: a layer stays quantized only where its integer version is
+measured faster than its float version, on the target backend and this machine.
+
+Each quantized Conv/ConvTranspose/MatMul/Gemm is cut out twice with ``kiln.edit.cut``:
+from the float model (the layer, and the bias Add / Relu / Clip sharing its grid) and
+from the quantized one (the same span with its Q/DQ nodes: quantizing its input,
+dequantizing its output, which is what reverting it saves). Both run on the layer's real
+input (the float model run on the first feed), on ``backend`` through a Kiln session, so
+the quantized cut is fused into the integer kernel exactly as in the whole model; the
+times are best-of ``runs``, the two versions taking turns.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from kiln.edit import cut
+from kiln.ir import Model, Node
+from kiln.ort import InferenceSession
+
+__all__ = ["LayerTiming", "time_layers"]
+
+
+@dataclass
+class LayerTiming:
+    """Measured time of one layer in float and quantized (best of runs, ms)."""
+
+    float_ms: float
+    quant_ms: float
+
+    @property
+    def faster(self) -> bool:
+        """Whether the quantized version was measured faster."""
+        return self.quant_ms < self.float_ms
+
+
+def _chain_end(n: Node, quantized_names: set[str]):
+    """The last value of the span a layer's grid covers: its output, through a constant
+    bias Add and a Relu/Clip that alone read it (and that were quantized with it)."""
+    v = n.outputs[0]
+    for ops in (("Add",), ("Relu", "Clip")):
+        readers = v.consumers()
+        if len(readers) != 1 or len(v.uses) != 1 or v.is_output_of(n.graph):
+            break
+        r = readers[0]
+        if r.op_type not in ops or r.name not in quantized_names:
+            continue
+        if r.op_type == "Add" and sum(i is not None and i.const is not None
+                                      for i in r.inputs) != 1:
+            break
+        v = r.outputs[0]
+    return v
+
+
+def _best_pair(a, b, runs: int) -> tuple[float, float]:
+    a(), b()
+    ta = tb = float("inf")
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        a()
+        t1 = time.perf_counter()
+        b()
+        t2 = time.perf_counter()
+        ta, tb = min(ta, t1 - t0), min(tb, t2 - t1)
+    return ta * 1e3, tb * 1e3
+
+
+def time_layers(base: Model, quant: Model, layers: list[Node], feed: dict, backend: str,
+                runs: int = 7) -> dict[str, LayerTiming]:
+    """Per layer name: its float and quantized times (see the module doc). ``layers`` are
+    nodes of ``base`` (they must have names); ``quant`` is ``base`` quantized."""
+    qnames = {n.name for n in quant.graph.nodes if n.name}
+    quant_values = quant.graph.values_by_name()
+    spans = {}
+    for n in layers:
+        end = _chain_end(n, qnames)
+        x = n.inputs[0].name
+        q_end = f"{end.name}_dequantized"
+        spans[n.name] = (x, end.name, q_end if q_end in quant_values else end.name)
+    xs = sorted({x for x, _, _ in spans.values()})
+    inputs = {v.name for v in base.graph.inputs}
+    need = [x for x in xs if x not in inputs]
+    acts = dict(zip(need, InferenceSession(base, backend=backend).run(need, feed))) \
+        if need else {}
+    acts.update({k: v for k, v in feed.items() if k in xs})
+    out = {}
+    for name, (x, end, q_end) in spans.items():
+        fm = cut(base, inputs=[x], outputs=[end])
+        qm = cut(quant, inputs=[x], outputs=[q_end])
+        f_s = InferenceSession(fm, backend=backend)
+        q_s = InferenceSession(qm, backend=backend)
+        arr = np.asarray(acts[x])
+        fd, qd = {fm.graph.inputs[0].name: arr}, {qm.graph.inputs[0].name: arr}
+        f_ms, q_ms = _best_pair(lambda s=f_s, d=fd: s.run(None, d),
+                                lambda s=q_s, d=qd: s.run(None, d), runs)
+        out[name] = LayerTiming(f_ms, q_ms)
+    return out

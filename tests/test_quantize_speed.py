@@ -1,0 +1,59 @@
+"""Speed-aware quantization: every quantized layer is timed alone, float and quantized, on
+the target backend, and those not measured faster go back to float.
+
+No timed assertions: whatever this machine measures, the saved file must be the mix the
+report describes (a reverted layer reads its float weight, a kept one a DequantizeLinear),
+valid ONNX, and Kiln must run it as onnxruntime does (within one quantization step)."""
+
+from __future__ import annotations
+
+from importlib import resources
+
+import numpy as np
+import onnx
+from onnx import numpy_helper
+
+import kiln
+from conftest import ort_run
+from kiln.onnxio import to_proto
+
+DIGITS = resources.files("kiln") / "data"
+
+
+def _weight_is_quantized(proto: onnx.ModelProto, layer: str) -> bool:
+    producers = {o: n for n in proto.graph.node for o in n.output}
+    node = next(n for n in proto.graph.node if n.name == layer)
+    p = producers.get(node.input[1])
+    return p is not None and p.op_type == "DequantizeLinear"
+
+
+def test_speed_aware_mix_matches_report_and_onnxruntime(tmp_path, capsys):
+    from kiln.cli.main import main
+
+    images = np.load(str(DIGITS / "digits_test.npz"))["images"]
+    np.savez(tmp_path / "cal.npz", image=images[:64])
+    out = tmp_path / "q.onnx"
+    assert main(["quantize", str(DIGITS / "digits_cnn.onnx"), "-o", str(out), "--mode",
+                 "static", "--calibration", str(tmp_path / "cal.npz"), "--backend", "torch",
+                 "--speed-aware"]) == 0
+    printed = capsys.readouterr().out
+    q = kiln.quantize(str(DIGITS / "digits_cnn.onnx"), "static", {"image": images[:64]},
+                      backend="torch", speed_aware=True, measure_latency=False)
+    times = q.report.layer_times
+    # the CNN's four compute layers were each timed, and the report prints them
+    assert sorted(times) == ["/0/Conv", "/11/Gemm", "/3/Conv", "/9/Gemm"]
+    assert "per-layer times on torch" in printed and "/3/Conv" in printed
+    proto = to_proto(q.model)
+    onnx.checker.check_model(proto, full_check=True)
+    for layer, (f_ms, q_ms) in times.items():
+        assert f_ms > 0 and q_ms > 0
+        reverted = layer in q.report.kept
+        assert reverted == (q_ms >= f_ms), (layer, f_ms, q_ms)
+        assert _weight_is_quantized(proto, layer) == (not reverted), layer
+    (ref,) = ort_run(proto, {"image": images})
+    for backend in ("numpy", "torch"):
+        (got,) = kiln.InferenceSession(proto, backend=backend).run(None, {"image": images})
+        inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+        steps = [float(inits[n.input[1]].max()) for n in proto.graph.node
+                 if n.op_type == "QuantizeLinear"]
+        np.testing.assert_allclose(got, ref, atol=1.001 * max(steps, default=1e-4), rtol=0)
