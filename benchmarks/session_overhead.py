@@ -11,12 +11,14 @@ run (best-of: the machine is shared) and ratios.
 
 Per session (``--zoo``): creating a session on each zoo model's file (built into the zoo
 cache first if missing) with onnxruntime, Kiln numpy and Kiln torch, each in a fresh
-process: the seconds the constructor takes, and the peak RSS it adds (``ru_maxrss`` after
-the constructor minus ``ru_maxrss`` once the engine and its array library are imported).
+process: the seconds the constructor takes, and the peak RSS it adds (the peak resident
+set, ``VmHWM``, after the constructor minus the resident set once the engine and its array
+library are imported; Linux's ``ru_maxrss`` would not do: a child starts with its
+parent's).
 Best of ``--rounds`` fresh processes per engine, the engines alternating; ratios to
 onnxruntime.
 
-    python benchmarks/session_overhead.py --zoo [resnet18 bert ...] --rounds 3
+    python benchmarks/session_overhead.py --zoo [resnet18 bert ...] --rounds 3 [--src TREE]
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ for line in sys.stdin:
 """
 
 CREATE = r"""
-import resource, sys, time, warnings
+import sys, time, warnings
 warnings.simplefilter("ignore")
 import numpy as np
 engine, path = sys.argv[1], sys.argv[2]
@@ -61,23 +63,27 @@ else:
     if engine == "torch":
         import torch  # noqa: F401 - the array library is part of the imports, as numpy is
     make = lambda: kiln.InferenceSession(path, backend=engine)
-base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+def status(key):  # KiB; this process's own (ru_maxrss would start at the parent's, from fork)
+    return next(int(x.split()[1]) for x in open("/proc/self/status") if x.startswith(key))
+base = status("VmRSS:")
 t = time.perf_counter()
 sess = make()
 seconds = time.perf_counter() - t
-peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-print(f"{seconds:.4f} {(peak - base) / 1024:.1f}")
+print(f"{seconds:.4f} {(status('VmHWM:') - base) / 1024:.1f}")
 """
 ENGINES = ("onnxruntime", "numpy", "torch")
 
 
-def zoo_report(names: list[str], rounds: int) -> None:
-    """Session creation seconds and added peak RSS (MiB) per zoo model and engine."""
+def zoo_report(names: list[str], rounds: int, src: str | None = None) -> None:
+    """Session creation seconds and added peak RSS (MiB) per zoo model and engine (Kiln
+    from the source tree ``src`` if given)."""
     import kiln.zoo
     from kiln.zoo.registry import REGISTRY
 
     names = names or [n for n in REGISTRY if not n.endswith("_dynamo")]
     env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "2"))
+    if src:
+        env["PYTHONPATH"] = src
     print(f"{'model':<16}" + "".join(f"{e + ' s':>15}{'MiB':>8}" for e in ENGINES) +
           f"{'numpy/ort s':>13}{'torch/ort s':>13}{'numpy/ort mem':>15}{'torch/ort mem':>15}")
     for name in names:
@@ -101,6 +107,7 @@ def main() -> None:
     ap.add_argument("new", nargs="?")
     ap.add_argument("--zoo", nargs="*", metavar="MODEL",
                     help="session creation time and memory per zoo model (all if none named)")
+    ap.add_argument("--src", help="with --zoo: the Kiln source tree to measure")
     ap.add_argument("--nodes", type=int, default=200)
     ap.add_argument("--backend", default="numpy")
     ap.add_argument("--rounds", type=int, help="default: 30 blocks per run, 3 processes "
@@ -108,7 +115,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=50)
     args = ap.parse_args()
     if args.zoo is not None:
-        zoo_report(args.zoo, args.rounds or 3)
+        zoo_report(args.zoo, args.rounds or 3, args.src)
         return
     if args.old is None or args.new is None:
         ap.error("OLD and NEW source trees are needed (or --zoo)")
