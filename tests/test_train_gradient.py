@@ -124,3 +124,26 @@ def test_gradient_refuses_a_y_that_reads_an_input_outside_xs_and_zs():
         sess = InferenceSession(model, backend=backend)
         with pytest.raises(InputError, match="'C'"):
             sess.run(None, {"A": np.ones(2, np.float32), "C": np.ones(2, np.float32)})
+
+
+def _squares_model():
+    """y = ReduceSum(W * W + X) with W an initializer: folding can compute W * W."""
+    nodes = [helper.make_node("Mul", ["W", "W"], ["ww"]),
+             helper.make_node("Add", ["ww", "X"], ["a"]),
+             helper.make_node("ReduceSum", ["a"], ["y"], keepdims=0),
+             helper.make_node("Gradient", ["W", "X"], ["dW"], domain=TRAINING, xs=["W"],
+                              zs=["X"], y="y")]
+    w = np.array([1.0, -2.0, 3.0], np.float32)
+    return _model(nodes, [_vi("X", [3])], [_vi("y", []), _vi("dW", [3])],
+                  [numpy_helper.from_array(w, "W")]), w
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_gradient_wrt_an_initializer_is_never_silently_folded_to_zero(backend):
+    model, w = _squares_model()
+    x = np.ones(3, np.float32)
+    with pytest.raises(InputError, match="constant folding"):
+        InferenceSession(model, backend=backend).run(None, {"X": x})
+    y, dw = InferenceSession(model, backend=backend, optimize=False).run(None, {"X": x})
+    np.testing.assert_allclose(y, (w * w + x).sum())
+    np.testing.assert_allclose(dw, 2 * w)

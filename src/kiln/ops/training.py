@@ -120,12 +120,15 @@ def gradient_slice(node: Node, plan) -> GradientSlice:
     inputs = set(g.inputs)
     cone: set[Node] = set()
     constants: dict[Value, None] = {}
-    stack, seen = [y], set(fed)
+    stack, seen, reached = [y], set(), set()
     while stack:
         v = stack.pop()
         if v in seen:
             continue
         seen.add(v)
+        if v in fed:
+            reached.add(v)
+            continue
         src = v.producer
         if src is None:
             if v.const is None or v in inputs:
@@ -141,6 +144,13 @@ def gradient_slice(node: Node, plan) -> GradientSlice:
                                      [src.op_type])
         cone.add(src)
         stack.extend(x for x in src.inputs if x is not None)
+    folded = [v.name for v in fed[:len(xs)] if v not in reached and v.const is not None]
+    if folded:
+        # an initializer in xs that y no longer reads: the optimizer folded the nodes
+        # between them into constants, and their gradient would silently be zero
+        raise InputError(f"Gradient {node.name!r}: {y_name!r} no longer depends on "
+                         f"initializer(s) {folded} (constant folding computed through them); "
+                         "make them graph inputs or run the model without constant folding")
     opsets = {s.node: s.opset for s in plan.steps}
     nodes = [n for n in g.nodes if n in cone]
     return GradientSlice(fed, len(xs), y, nodes, {n: opsets[n] for n in nodes},

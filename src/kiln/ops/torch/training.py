@@ -39,6 +39,8 @@ def gradient(site: Site):
                 env.update(zip(sl.fed, fed))
                 run_slice(bound, env)
                 y = env[sl.y]
+                if not y.requires_grad:  # y reads none of xs
+                    return tuple(torch.zeros_like(x) for x in xs)
                 grads = torch.autograd.grad(y, xs, torch.ones_like(y), allow_unused=True)
             return tuple(torch.zeros_like(x) if g is None else g.detach()
                          for x, g in zip(xs, grads))
