@@ -102,7 +102,10 @@ MS = {"": 17, "com.microsoft": 1}
      {"x": [2]}, MS),
     (helper.make_node("FusedMatMul", ["x", "w"], ["y"], domain="com.microsoft", transb=1),
      {"x": [2, 3], "w": [2, 3]}, MS),
-], ids=["Relu", "Relu-13-consumed_inputs", "ml-Normalizer", "ms-Gelu", "ms-FusedMatMul"])
+    (helper.make_node("FusedConv", ["x", "w"], ["y"], domain="com.microsoft", activaton="Relu"),
+     {"x": [1, 1, 3, 3], "w": [1, 1, 1, 1]}, MS),
+], ids=["Relu", "Relu-13-consumed_inputs", "ml-Normalizer", "ms-Gelu", "ms-FusedMatMul",
+        "ms-FusedConv"])
 def test_an_attribute_the_op_does_not_define_is_refused_as_onnxruntime_refuses_it(
         node, inputs, opsets):
     m = _model(node, inputs, opsets)

@@ -2,20 +2,24 @@
 onnxruntime's ``com.microsoft`` ops), for load-time validation: a node naming an attribute
 its op does not take is refused when the model is loaded, as onnxruntime refuses it.
 
-A plain kernel's keyword-only parameters are its op's attributes. Prepared kernels (whose
-attributes are read inside ``prepare``) and kernels taking ``**attrs`` name none, and
-their nodes' attribute names are not checked.
+A plain kernel's keyword-only parameters are its op's attributes. Prepared kernels read
+theirs inside ``prepare``: FusedConv's are listed here; a kernel taking ``**attrs`` names
+none, and its nodes' attribute names are not checked.
 """
 
 from __future__ import annotations
 
 from kiln.onnxio import importer
+from kiln.ops.conv import CONV_ATTRS
 from kiln.ops.microsoft import MS_DOMAIN
 from kiln.ops.registry import KILN_DOMAIN, lookup
 
 DOMAINS = frozenset({KILN_DOMAIN, MS_DOMAIN})
 """Domains whose attributes Kiln's definitions state (ONNX's own domains use ONNX's
 schemas; other custom domains, including users' ``register_op`` ones, are not checked)."""
+
+# What the prepared FusedConv kernels (both domains) read in ``prepare``.
+_PREPARED = {"FusedConv": frozenset(CONV_ATTRS) | {"activation", "activation_params"}}
 
 
 def attribute_names(domain: str, op_type: str, opset: int) -> tuple[int, frozenset[str]] | None:
@@ -24,7 +28,12 @@ def attribute_names(domain: str, op_type: str, opset: int) -> tuple[int, frozens
     if domain not in DOMAINS:
         return None
     opdef = lookup(domain, op_type, opset)
-    if opdef is None or opdef.prepare or "*" in opdef.reference.attr_names:
+    if opdef is None:
+        return None
+    if opdef.prepare:
+        names = _PREPARED.get(op_type)
+        return None if names is None else (opdef.since, names)
+    if "*" in opdef.reference.attr_names:
         return None
     return opdef.since, opdef.reference.attr_names
 
