@@ -147,3 +147,34 @@ def test_gradient_wrt_an_initializer_is_never_silently_folded_to_zero(backend):
     y, dw = InferenceSession(model, backend=backend, optimize=False).run(None, {"X": x})
     np.testing.assert_allclose(y, (w * w + x).sum())
     np.testing.assert_allclose(dw, 2 * w)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("act", ["Relu", "Sigmoid", "Tanh"])
+@pytest.mark.parametrize("xshape", [(2, 3), (2, 2, 3)])
+def test_gradient_through_what_the_optimizer_fuses(backend, act, xshape):
+    """MatMul + constant bias + activation, twice: the session fuses them into Kiln's
+    FusedGemm (2-D) or FusedMatMul (3-D), which the Gradient then differentiates."""
+    rng = np.random.default_rng(3)
+    b, w2, b2 = (rng.standard_normal(s).astype(np.float32) for s in ((4,), (4, 2), (2,)))
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["h"]),
+             helper.make_node("Add", ["h", "b"], ["a"]),
+             helper.make_node(act, ["a"], ["r"]),
+             helper.make_node("MatMul", ["r", "W2"], ["o"]),
+             helper.make_node("Add", ["o", "b2"], ["o2"]),
+             helper.make_node("Sigmoid", ["o2"], ["s"]),
+             helper.make_node("ReduceSum", ["s"], ["y"], keepdims=0),
+             helper.make_node("Gradient", ["W", "X"], ["dW"], domain=TRAINING, xs=["W"],
+                              zs=["X"], y="y")]
+    inits = [numpy_helper.from_array(v, n) for v, n in ((b, "b"), (w2, "W2"), (b2, "b2"))]
+    model = _model(nodes, [_vi("X", list(xshape)), _vi("W", [3, 4])],
+                   [_vi("y", []), _vi("dW", [3, 4])], inits)
+    x, w = rng.standard_normal(xshape).astype(np.float32), \
+        rng.standard_normal((3, 4)).astype(np.float32)
+    _, dw = InferenceSession(model, backend=backend).run(None, {"X": x, "W": w})
+    tw = torch.tensor(w, requires_grad=True)
+    f = {"Relu": torch.relu, "Sigmoid": torch.sigmoid, "Tanh": torch.tanh}[act]
+    y = torch.sigmoid(f(torch.tensor(x) @ tw + torch.tensor(b)) @ torch.tensor(w2)
+                      + torch.tensor(b2)).sum()
+    (rdw,) = torch.autograd.grad(y, [tw])
+    np.testing.assert_allclose(dw, rdw.numpy(), rtol=1e-5, atol=1e-6)

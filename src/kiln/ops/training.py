@@ -246,7 +246,7 @@ def gradient(site: Site):
         for n, _ in bound:
             if any(v in live for v in n.inputs if v is not None):
                 on_path.add(n)
-                if n.op_type not in VJPS or n.domain:
+                if vjp_of(n) is None:
                     raise UnsupportedOpError(
                         f"Gradient on NumPy: no derivative rule for layer {n.name!r} "
                         f"({n.op_type}); the torch backend differentiates it", [n.op_type])
@@ -264,7 +264,7 @@ def gradient(site: Site):
                     continue
                 ins = [None if v is None else env[v] for v in n.inputs]
                 outs = [None if v is None else env[v] for v in n.outputs]
-                gins = VJPS[n.op_type](gouts, ins, outs, n.attrs)
+                gins = vjp_of(n)(gouts, ins, outs, n.attrs)
                 for v, gi in zip(n.inputs, gins):
                     if v is None or gi is None or v not in live:
                         continue
@@ -382,3 +382,35 @@ VJPS: dict[str, Callable] = {
     "Transpose": _transpose_vjp,
 }
 """The ops the NumPy Gradient differentiates through (default domain, every version)."""
+
+# What activations fused into Kiln's FusedGemm / FusedMatMul do to the gradient, from
+# their output y
+_ACTIVATION_GRADS: dict[str, Callable] = {
+    "": lambda g, y: g,
+    "Relu": lambda g, y: g * (y > 0),
+    "Sigmoid": lambda g, y: g * y * (1 - y),
+    "Tanh": lambda g, y: g * (1 - y * y),
+}
+
+
+def _fused_vjp(inner: Callable, main: int):
+    """``inner`` differentiates the first ``main`` inputs; the rest are added terms."""
+    def vjp(g, ins, outs, attrs):
+        gz = _ACTIVATION_GRADS[attrs.get("activation", "")](g[0], outs[0])
+        return list(inner([gz], ins[:main], outs, attrs)) + [gz] * (len(ins) - main)
+    return vjp
+
+
+def vjp_of(node: Node) -> Callable | None:
+    """The vector-Jacobian product of ``node`` (None where the NumPy Gradient has none):
+    :data:`VJPS`, and Kiln's FusedGemm / FusedMatMul (what the optimizer makes of
+    MatMul/Gemm + Add + activation) with no activation or Relu, Sigmoid or Tanh."""
+    if not node.domain:
+        return VJPS.get(node.op_type)
+    if node.domain == registry.KILN_DOMAIN \
+            and node.attrs.get("activation", "") in _ACTIVATION_GRADS:
+        if node.op_type == "FusedGemm":
+            return _fused_vjp(_gemm_vjp, 3)
+        if node.op_type == "FusedMatMul":  # A @ B + bias + z
+            return _fused_vjp(_matmul_vjp, 2)
+    return None

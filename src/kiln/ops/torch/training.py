@@ -26,9 +26,10 @@ def gradient(site: Site):
 
     def build(ctx: KernelContext):
         sl = gradient_slice(site.node, ctx.runner)
-        bound = bind_slice(sl, site.backend, ctx.runner, _differentiable)
-        # made outside inference mode: inference tensors cannot be saved for backward
+        # built on the first run, inside the session's inference mode: leave it, since
+        # inference tensors (constants kernels prepare) cannot be saved for backward
         with torch.inference_mode(False):
+            bound = bind_slice(sl, site.backend, ctx.runner, _differentiable)
             consts = {v: to_torch(v.const).to(device) for v in sl.constants}
 
         def run(*inputs):
