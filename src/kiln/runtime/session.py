@@ -26,10 +26,11 @@ from kiln.errors import (
 )
 from kiln.ir import DType, Model, SymDim, TensorType, Value, plain_shape
 from kiln.onnxio import load
-from kiln.runtime.backend import Backend, limit_blas_threads
+from kiln.runtime.backend import Backend, limit_blas_threads, usable_cores
 from kiln.runtime.executor import controlled
 from kiln.runtime.placement import PlacementReport
 from kiln.runtime.plan import Plan, compile_model
+from kiln.runtime.threads import governor
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,10 @@ def make_backend(name: str, **options: Any) -> Backend:
             raise OptionError(f"the numpy backend takes only threads (got {sorted(options)}); "
                               "precision and compile are the torch backend's")
         limit_blas_threads(threads)
-        return Backend()
+        backend = Backend()
+        if threads is None:
+            backend.governor = governor(usable_cores(), limit_blas_threads)
+        return backend
     if name == "torch":
         try:
             from kiln.runtime.torch_backend import TorchBackend

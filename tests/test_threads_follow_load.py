@@ -1,0 +1,70 @@
+"""Default threads follow the machine's load: with other processes keeping every core
+busy, a session left at its default threads runs on one (OpenMP and OpenBLAS threads
+waiting for a descheduled partner made runs several times slower than one thread), and
+explicit threads are never changed."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import time
+
+import numpy as np
+import pytest
+
+import kiln
+from kiln.runtime.backend import usable_cores
+from kiln.runtime.threads import running_elsewhere
+
+pytestmark = pytest.mark.skipif(running_elsewhere() is None or usable_cores() < 2,
+                                reason="needs /proc and two usable cores")
+
+
+def _burn() -> None:
+    while True:
+        pass
+
+
+def _runs_for(sess, seconds: float, feed: dict) -> None:
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        sess.run(None, feed)
+
+
+@pytest.fixture
+def busy_machine():
+    burners = [mp.get_context("fork").Process(target=_burn, daemon=True)
+               for _ in range(usable_cores())]
+    for b in burners:
+        b.start()
+    time.sleep(0.5)
+    yield
+    for b in burners:
+        b.terminate()
+        b.join()
+
+
+def test_default_threads_drop_to_one_on_a_busy_machine(mlp_model, busy_machine):
+    torch = pytest.importorskip("torch")
+    before = torch.get_num_threads()
+    try:
+        x = {"x": np.ones((2, 4), np.float32)}
+        sess = kiln.InferenceSession(mlp_model, backend="torch")
+        _runs_for(sess, 3.5, x)
+        assert torch.get_num_threads() == 1
+        fixed = kiln.InferenceSession(mlp_model, backend="torch", threads=2)
+        _runs_for(fixed, 2.5, x)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_numpy_blas_threads_drop_to_one_on_a_busy_machine(mlp_model, busy_machine):
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    blas = [p for p in threadpool_info() if p["user_api"] == "blas"]
+    if not blas:
+        pytest.skip("no BLAS library that threadpoolctl can control")
+    with threadpool_limits(limits=usable_cores(), user_api="blas"):
+        sess = kiln.InferenceSession(mlp_model)
+        _runs_for(sess, 3.5, {"x": np.ones((2, 4), np.float32)})
+        assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {1}
