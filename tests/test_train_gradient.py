@@ -178,3 +178,41 @@ def test_gradient_through_what_the_optimizer_fuses(backend, act, xshape):
                       + torch.tensor(b2)).sum()
     (rdw,) = torch.autograd.grad(y, [tw])
     np.testing.assert_allclose(dw, rdw.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("optimize", [True, False])
+def test_gradient_through_softmax_layernorm_and_erf_gelu(backend, optimize):
+    """A transformer-like chain (MatMul, Softmax, LayerNormalization, GELU written with Erf,
+    LogSoftmax), differentiated wrt the weight, LayerNorm's scale and bias; optimized, the
+    GELU is one fused op."""
+    nodes = [helper.make_node("MatMul", ["X", "W"], ["h"]),
+             helper.make_node("Softmax", ["h"], ["s"], axis=-1),
+             helper.make_node("LayerNormalization", ["s", "G", "Bt"], ["ln"], epsilon=1e-5),
+             helper.make_node("Div", ["ln", "sqrt2"], ["u"]),
+             helper.make_node("Erf", ["u"], ["e"]),
+             helper.make_node("Add", ["e", "one"], ["e1"]),
+             helper.make_node("Mul", ["ln", "e1"], ["m"]),
+             helper.make_node("Mul", ["m", "half"], ["gelu"]),
+             helper.make_node("LogSoftmax", ["gelu"], ["ls"], axis=1),
+             helper.make_node("Mul", ["ls", "C"], ["lc"]),
+             helper.make_node("ReduceSum", ["lc"], ["y"], keepdims=0),
+             helper.make_node("Gradient", ["W", "G", "Bt", "X"], ["dW", "dG", "dBt"],
+                              domain=TRAINING, xs=["W", "G", "Bt"], zs=["X"], y="y")]
+    rng = np.random.default_rng(4)
+    c = rng.standard_normal((2, 4, 8)).astype(np.float32)
+    inits = [numpy_helper.from_array(np.array(v, np.float32), n) for v, n in
+             ((np.sqrt(2.0), "sqrt2"), (1.0, "one"), (0.5, "half"))]
+    inits.append(numpy_helper.from_array(c, "C"))
+    model = _model(nodes, [_vi("X", [2, 4, 8]), _vi("W", [8, 8]), _vi("G", [8]), _vi("Bt", [8])],
+                   [_vi("y", []), _vi("dW", [8, 8]), _vi("dG", [8]), _vi("dBt", [8])], inits)
+    x, w, g, bt = (rng.standard_normal(s).astype(np.float32)
+                   for s in ((2, 4, 8), (8, 8), (8,), (8,)))
+    _, dw, dg, dbt = InferenceSession(model, backend=backend, optimize=optimize).run(
+        None, {"X": x, "W": w, "G": g, "Bt": bt})
+    tw, tg, tb = (torch.tensor(v, requires_grad=True) for v in (w, g, bt))
+    s = torch.softmax(torch.tensor(x) @ tw, -1)
+    ln = torch.nn.functional.layer_norm(s, (8,), tg, tb, 1e-5)
+    y = (torch.log_softmax(torch.nn.functional.gelu(ln), 1) * torch.tensor(c)).sum()
+    for got, ref in zip((dw, dg, dbt), torch.autograd.grad(y, [tw, tg, tb])):
+        np.testing.assert_allclose(got, ref.numpy(), rtol=1e-4, atol=1e-5)

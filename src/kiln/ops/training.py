@@ -246,7 +246,7 @@ def gradient(site: Site):
         for n, _ in bound:
             if any(v in live for v in n.inputs if v is not None):
                 on_path.add(n)
-                if vjp_of(n) is None:
+                if vjp_of(n, sl.opsets[n]) is None:
                     raise UnsupportedOpError(
                         f"Gradient on NumPy: no derivative rule for layer {n.name!r} "
                         f"({n.op_type}); the torch backend differentiates it", [n.op_type])
@@ -264,7 +264,7 @@ def gradient(site: Site):
                     continue
                 ins = [None if v is None else env[v] for v in n.inputs]
                 outs = [None if v is None else env[v] for v in n.outputs]
-                gins = vjp_of(n)(gouts, ins, outs, n.attrs)
+                gins = vjp_of(n, sl.opsets[n])(gouts, ins, outs, n.attrs)
                 for v, gi in zip(n.inputs, gins):
                     if v is None or gi is None or v not in live:
                         continue
@@ -401,12 +401,69 @@ def _fused_vjp(inner: Callable, main: int):
     return vjp
 
 
-def vjp_of(node: Node) -> Callable | None:
-    """The vector-Jacobian product of ``node`` (None where the NumPy Gradient has none):
-    :data:`VJPS`, and Kiln's FusedGemm / FusedMatMul (what the optimizer makes of
-    MatMul/Gemm + Add + activation) with no activation or Relu, Sigmoid or Tanh."""
+def _softmax_vjp(log: bool):
+    def vjp(g, ins, outs, attrs):
+        ax = attrs.get("axis", -1)
+        if log:
+            return [g[0] - np.exp(outs[0]) * g[0].sum(axis=ax, keepdims=True)]
+        y = outs[0]
+        return [y * (g[0] - (g[0] * y).sum(axis=ax, keepdims=True))]
+    return vjp
+
+
+def _erf_vjp(g, ins, outs, attrs):
+    x = ins[0]
+    return [g[0] * (2 / math.sqrt(math.pi)) * np.exp(-x * x)]
+
+
+def _gelu_vjp(g, ins, outs, attrs):
+    x = ins[0].astype(np.float64)
+    if attrs.get("approximate", "none") == "tanh":
+        c = math.sqrt(2 / math.pi)
+        t = np.tanh(c * (x + 0.044715 * x ** 3))
+        d = 0.5 * (1 + t) + 0.5 * x * (1 - t * t) * c * (1 + 3 * 0.044715 * x * x)
+    else:
+        erf = np.vectorize(math.erf, otypes=[np.float64])
+        d = 0.5 * (1 + erf(x / math.sqrt(2))) + x * np.exp(-x * x / 2) / math.sqrt(2 * math.pi)
+    return [(g[0] * d).astype(ins[0].dtype)]
+
+
+def _layer_norm_vjp(g, ins, outs, attrs):
+    x = ins[0]
+    scale = ins[1] if len(ins) > 1 else None
+    axis = attrs.get("axis", -1) % x.ndim
+    axes = tuple(range(axis, x.ndim))
+    d = x - x.mean(axis=axes, keepdims=True)
+    inv = 1 / np.sqrt(np.square(d).mean(axis=axes, keepdims=True) + attrs.get("epsilon", 1e-5))
+    xhat = d * inv
+    gx = g[0] if scale is None else g[0] * scale
+    gx = inv * (gx - gx.mean(axis=axes, keepdims=True)
+                - xhat * (gx * xhat).mean(axis=axes, keepdims=True))
+    out = [gx, None if scale is None else g[0] * xhat]
+    return out + ([g[0]] if len(ins) > 2 else [])
+
+
+# Ops whose meaning changed between versions: only the versions from this opset on
+_SINCE = {"Softmax": 13, "LogSoftmax": 13, "LayerNormalization": 17, "Gelu": 20}
+_VERSIONED = {"Softmax": _softmax_vjp(log=False), "LogSoftmax": _softmax_vjp(log=True),
+              "Erf": _erf_vjp, "Gelu": _gelu_vjp, "LayerNormalization": _layer_norm_vjp}
+
+
+def vjp_of(node: Node, opset: int) -> Callable | None:
+    """The vector-Jacobian product of ``node`` at ``opset`` (None where the NumPy Gradient
+    has none): :data:`VJPS`; Softmax and LogSoftmax (13+), Erf, Gelu (20+) and
+    LayerNormalization (17+); Kiln's Gelu and LayerNorm; Kiln's FusedGemm / FusedMatMul
+    (what the optimizer makes of MatMul/Gemm + Add + activation) with no activation or
+    Relu, Sigmoid or Tanh."""
+    if sum(v is not None for v in node.outputs) > 1:
+        return None  # LayerNormalization's mean / inverse deviation outputs: not covered
     if not node.domain:
+        if node.op_type in _VERSIONED:
+            ok = opset >= _SINCE.get(node.op_type, 1)
+            return _VERSIONED[node.op_type] if ok else None
         return VJPS.get(node.op_type)
+    if node.domain == registry.KILN_DOMAIN and node.op_type in ("Gelu", "LayerNorm"):
+        return _VERSIONED["LayerNormalization" if node.op_type == "LayerNorm" else "Gelu"]
     if node.domain == registry.KILN_DOMAIN \
             and node.attrs.get("activation", "") in _ACTIVATION_GRADS:
         if node.op_type == "FusedGemm":
