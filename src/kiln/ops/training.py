@@ -138,6 +138,10 @@ def gradient_slice(node: Node, plan) -> GradientSlice:
             continue
         if src is node:
             raise InputError(f"Gradient {node.name!r}: {y_name!r} depends on the Gradient")
+        if src.graph is not g:
+            raise UnsupportedOpError(f"Gradient {node.name!r}: {y_name!r} reads {v.name!r} "
+                                     "of an enclosing graph; differentiating across graphs "
+                                     "is not supported", ["Gradient"])
         if any(True for _ in src.subgraphs()):
             raise UnsupportedOpError(f"Gradient {node.name!r}: differentiating through "
                                      f"{src.op_type} (subgraphs) is not supported",
