@@ -5,8 +5,10 @@
 For each model, a fresh process per setting runs Kiln's torch backend and onnxruntime with
 their default threads and with 1 thread, alternating, median of the runs; first with the
 machine as it is, then with ``--burners`` processes spinning on the CPU (a busy machine,
-made on purpose so the figure is reproducible). Settings: Kiln as shipped, and Kiln with
-``KILN_OMP_SPIN=default`` (OpenMP's own spin-wait, what torch does unless told otherwise).
+made on purpose so the figure is reproducible). Settings: Kiln as shipped (default threads
+follow the load, short OpenMP spin), and Kiln with ``KILN_THREADS_FOLLOW_LOAD=0
+KILN_OMP_SPIN=default`` (default threads fixed at the usable cores, OpenMP's own long
+spin-wait: what torch does unless told otherwise).
 Prints default-threads time / 1-thread time per engine: the issue's goal is that a busy
 machine with default threads is not several times slower than with 1 thread.
 """
@@ -36,13 +38,13 @@ engines = {"kiln": kiln.InferenceSession(path, backend="torch"),
            "kiln 1t": kiln.InferenceSession(path, backend="torch", threads=1),
            "ort": ort.InferenceSession(path, providers=["CPUExecutionProvider"]),
            "ort 1t": ort.InferenceSession(path, so1, providers=["CPUExecutionProvider"])}
-from kiln.runtime.backend import usable_cores
-default_threads = min(torch.get_num_threads(), usable_cores())
+gov = engines["kiln"].backend.governor  # None when told not to follow the load
+default_threads = torch.get_num_threads() if gov is None else None
 times = {k: [] for k in engines}
 for _ in range(rounds):
     for k, s in engines.items():
-        if k.startswith("kiln"):
-            torch.set_num_threads(1 if k.endswith("1t") else default_threads)
+        if k.startswith("kiln"):  # threads are per process: give each session its own
+            torch.set_num_threads(1 if k.endswith("1t") else default_threads or gov.threads)
         s.run(None, feed)
         t0 = time.perf_counter(); s.run(None, feed); times[k].append(time.perf_counter() - t0)
 print(json.dumps({k: float(np.median(v)) for k, v in times.items()}))
@@ -67,7 +69,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=8)
     ap.add_argument("--seq", type=int, default=128, help="text models: batch 1 at this length")
     args = ap.parse_args()
-    settings = {"kiln as shipped": {}, "OpenMP spin as torch ships": {"KILN_OMP_SPIN": "default"}}
+    settings = {"kiln as shipped": {},
+                "fixed threads, torch's spin": {"KILN_OMP_SPIN": "default",
+                                                "KILN_THREADS_FOLLOW_LOAD": "0"}}
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "
           f"{os.cpu_count()} cores; default-threads time / 1-thread time (medians)")
     for busy in (False, True):
