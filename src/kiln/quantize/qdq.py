@@ -7,8 +7,9 @@ file and one that has integer kernels (onnxruntime, Kiln's torch backend) fuses 
   ``per_channel=False``; Conv/Gemm biases int32 at scale ``x_scale * w_scale`` (static).
 - Activations, static: a Q/DQ pair on every float tensor entering or leaving a quantized
   layer, its scale from calibration; uint8 with a zero point, or int8 symmetric. A
-  constant bias Add and a Relu/Clip that alone follow a Conv/MatMul/Gemm share its grid:
-  no pair between them, so an integer kernel computes the chain with one rounding.
+  constant bias Add and a Relu/Clip that alone follow a Conv/MatMul/Gemm share its grid,
+  and so does a Relu/Clip alone after a residual Add: no pair between them, so the chain
+  rounds once (an integer kernel computes layer, bias and activation together).
 - Activations, dynamic: ``DynamicQuantizeLinear`` computes the scale at run time, a
   DequantizeLinear follows it, only in front of Conv/ConvTranspose/MatMul/Gemm.
 """
@@ -251,8 +252,9 @@ def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
 
 def _activation_inputs(g: Graph, plan: Plan) -> set[Value]:
     """Outputs of quantized compute layers read only by a quantized constant bias Add
-    or Relu/Clip (and of such an Add read only by a Relu/Clip): they stay float, the
-    chain's last output is quantized instead, one grid for all."""
+    or Relu/Clip, and of quantized Adds (bias or residual) read only by a Relu/Clip: they
+    stay float, the chain's last output is quantized instead, one grid for all (a
+    residual Add's own grid would spend half its levels on values the Relu drops)."""
     chosen = set(plan.quantized)
     out: set[Value] = set()
     for n in plan.quantized:  # graph order: a bias Add is seen before its activation
@@ -266,8 +268,7 @@ def _activation_inputs(g: Graph, plan: Plan) -> set[Value]:
         p = v.producer if v is not None else None
         if p not in chosen or v.is_output_of(g) or len(v.uses) != 1:
             continue
-        if p.op_type in COMPUTE_OPS or (p.op_type == "Add" and n.op_type != "Add" and
-                                        any(i in out for i in p.inputs)):
+        if p.op_type in COMPUTE_OPS or (p.op_type == "Add" and n.op_type != "Add"):
             out.add(v)
     return out
 
