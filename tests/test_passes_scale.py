@@ -40,10 +40,10 @@ def _relu_add_chain(n: int) -> onnx.ModelProto:
 
 def test_a_200k_node_chain_that_stays_is_typed_in_linear_time():
     proto = _relu_add_chain(200_000)
-    t0 = time.perf_counter()
+    t0 = time.process_time()  # this process's CPU: other jobs on a shared box do not count
     m = kiln.load(proto)
     om, report = optimize_with_report(m, inplace=True)
-    seconds = time.perf_counter() - t0
+    seconds = time.process_time() - t0
     assert report.nodes_after == 200_000 and om.check_uses() == []
     y = om.graph.outputs[0].type
     assert y.dtype == kiln.ir.DType.FLOAT and [str(d) for d in y.shape] == ["N", "8"]
@@ -55,11 +55,11 @@ def test_a_200k_node_chain_that_stays_is_typed_in_linear_time():
 
 def test_a_200k_node_chain_loads_and_optimizes_in_seconds():
     proto = _identity_chain(200_000)
-    t0 = time.perf_counter()
+    t0 = time.process_time()
     m = kiln.load(proto)
-    t1 = time.perf_counter()
+    t1 = time.process_time()
     om, report = optimize_with_report(m, inplace=True)
-    t2 = time.perf_counter()
+    t2 = time.process_time()
     assert report.nodes_after == 1 and om.check_uses() == []
     assert t1 - t0 < 60 and t2 - t1 < 60, f"load {t1 - t0:.1f}s, optimize {t2 - t1:.1f}s"
     x = np.arange(8, dtype=np.float32).reshape(1, 8)

@@ -138,9 +138,8 @@ class Node:
         for v in self._outputs:
             if v is not None:
                 v.producer = self
-        if self.attrs:  # most nodes have none: no generator to make
-            for g in self.subgraphs():
-                g.owner = self
+        for g in self.subgraphs():
+            g.owner = self
 
     # -- inputs and outputs
     @property
@@ -198,13 +197,17 @@ class Node:
                     v.producer = self
         self._outputs = values
 
-    def subgraphs(self) -> Iterator[Graph]:
+    def subgraphs(self) -> list[Graph]:
         """The graphs held in this node's attributes (If branches, Loop/Scan bodies)."""
+        if not self.attrs:  # most nodes: asked once per node by every pass and the plan
+            return []
+        out: list[Graph] = []
         for a in self.attrs.values():
             if isinstance(a, Graph):
-                yield a
+                out.append(a)
             elif isinstance(a, list) and a and isinstance(a[0], Graph):
-                yield from a
+                out.extend(a)
+        return out
 
     # -- use-list bookkeeping (called by Graph)
     def _register_inputs(self) -> None:
@@ -227,9 +230,8 @@ class Node:
                     v._uses[(self, i)] = None
         else:
             self._unregister_inputs()
-        if self.attrs:
-            for g in self.subgraphs():
-                g._set_live(live)
+        for g in self.subgraphs():
+            g._set_live(live)
 
     def __repr__(self) -> str:
         ins = ", ".join(v.name if v else "" for v in self._inputs)

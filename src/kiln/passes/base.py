@@ -154,11 +154,12 @@ def graphs(g: Graph) -> Iterator[Graph]:
 
 
 def count_nodes(g: Graph) -> int:
-    return sum(1 for _ in g.walk())
+    return sum(len(x.nodes) for x in graphs(g))
 
 
 def op_histogram(g: Graph) -> Counter:
-    return Counter((f"{n.domain}." if n.domain else "") + n.op_type for _, n in g.walk())
+    return Counter(f"{n.domain}.{n.op_type}" if n.domain else n.op_type
+                   for x in graphs(g) for n in x.nodes)
 
 
 def replace_uses(g: Graph, old: Value, new: Value, outputs: bool = False) -> int:

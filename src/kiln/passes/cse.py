@@ -70,8 +70,14 @@ def deterministic(n: Node, opset: int) -> bool:
     return d is None or d.deterministic
 
 
-def _key(n: Node, opset: int):
-    if any(True for _ in n.subgraphs()) or not n.outputs or not deterministic(n, opset):
+def _key(n: Node, opset: int, deterministic_ops: dict):
+    if n.subgraphs() or not n.outputs:
+        return None
+    op = (n.domain, n.op_type, opset)
+    det = deterministic_ops.get(op)
+    if det is None:  # one registry lookup per op type and run, not per node
+        det = deterministic_ops[op] = deterministic(n, opset)
+    if not det:
         return None
     attrs = []
     for k in sorted(n.attrs):
@@ -87,13 +93,14 @@ def _key(n: Node, opset: int):
 def _match_node(rw: Rewriter, n: Node):
     """(kept, merged): an earlier live node with ``n``'s key (the table keeps the earliest
     node per key; entries whose node changed or went are replaced)."""
-    key = _key(n, rw.opset(n))
+    det = rw.state.setdefault("cse_deterministic", {})
+    key = _key(n, rw.opset(n), det)
     if key is None:
         return None
     table = rw.state.setdefault("cse", {})
     first = table.get(key)
     if first is None or first is n or first.graph is None or \
-            _key(first, rw.opset(first)) != key:
+            _key(first, rw.opset(first), det) != key:
         table[key] = n
         return None
     if rw.order[first] > rw.order[n]:

@@ -137,12 +137,14 @@ class Rewriter:
     def _visit(self, n: Node) -> None:
         full = self._sweep is None or n in self._full
         self._full.discard(n)
+        declines = self._declines
         for label, rule in self._rules_for((n.domain, n.op_type), full):
             m = rule.match(self, n)
-            key = (label, n)
             if m is None:
-                self._declines.pop(key, None)
+                if declines:  # mostly empty: no key to build per rule and node
+                    declines.pop((label, n), None)
                 continue
+            key = (label, n)
             reason = rule.check(self, m) if rule.check is not None else None
             if reason is not None:
                 self._declines[key] = reason

@@ -211,19 +211,18 @@ class Plan:
 def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict) -> Step:
     opset = opsets.get(node.domain, opsets.get("", 1))
     attrs = {}
+    subs = []
     for k, a in node.attrs.items():
         if isinstance(a, AttrRef):
             if a.name not in bindings:
                 continue
             a = bindings[a.name]
-        attrs[k] = a
-    # Subgraph attributes become compiled plans the kernel runs through ctx.run.
-    subs = []
-    for k, a in list(attrs.items()):
         if isinstance(a, Graph):
-            sub = attrs[k] = Plan(a, opsets, compiler, bindings)
-            sub.finish()
-            subs.append(sub)
+            # Subgraph attributes become compiled plans the kernel runs through ctx.run.
+            a = Plan(a, opsets, compiler, bindings)
+            a.finish()
+            subs.append(a)
+        attrs[k] = a
     common = dict(node=node, inputs=tuple(node.inputs), outputs=tuple(node.outputs),
                   opset=opset, subplans=tuple(subs))
     be = compiler.backend
