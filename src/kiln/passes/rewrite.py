@@ -101,7 +101,9 @@ class Rewriter:
         for g in graphs(self.model.graph):
             for n in g.nodes:
                 self._number(n)
-                if n not in self._queued:
+                # A node no sweep rule could root at waits until a change queues it.
+                if n not in self._queued and (self._sweep is None or self._rules_for(
+                        (n.domain, n.op_type), False)):
                     self._queued.add(n)
                     self._queue.append(n)
         t0 = time.perf_counter()
