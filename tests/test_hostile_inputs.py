@@ -268,6 +268,15 @@ def test_invalid_utf8_in_op_types_and_names_is_refused():
         kiln.load(raw.replace(b"\n\x01x", b"\n\x01\xff"))
 
 
+def test_invalid_utf8_in_a_dim_name_is_refused():
+    # found by the fuzzer: a TypeError from the symbolic-dim parser, not a KilnError
+    m = _relu(shape=("batch",))
+    raw = m.SerializeToString()
+    assert raw.count(b"batch") == 2  # the input's and the output's dim
+    with pytest.raises(ModelLoadError, match=r"dim name b'\\xffatch' is not valid UTF-8"):
+        kiln.load(raw.replace(b"batch", b"\xffatch"))  # same length: the proto stays whole
+
+
 def _nested_ifs(depth: int) -> onnx.ModelProto:
     """If inside If ``depth`` times, built in place: serializing it would hit protobuf's own
     depth limit, so only an in-memory ModelProto reaches Kiln this deep."""

@@ -298,7 +298,7 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
             # accepts any size there, so those are unknown dims here, not fixed ones.
             shape = tuple(
                 d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else
-                (parse_dim(d.dim_param) if d.dim_param else None)
+                (parse_dim(text(d.dim_param, "a dim name")) if d.dim_param else None)
                 for d in t.shape.dim)
         return TensorType(dtype_of(t.elem_type, "a tensor type"), shape)
     if kind == "sequence_type":
