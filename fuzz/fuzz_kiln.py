@@ -14,6 +14,8 @@ under a memory limit (``resource.setrlimit``) and a per-case time limit. Outcome
 - ``wrong``: a result that differs from onnxruntime's
 - ``optimizer_failed``: the optimizer raised and the session ran the model unoptimized
 - ``other``: any other exception, ``crash``: the worker died, ``timeout``, ``memory``
+- ``oracle_crash``: onnxruntime crashed or hung on the case (not Kiln's failure); Kiln then
+  runs it again without the oracle, and its own failure, if any, is the class instead
 
 Usage: ``python fuzz/fuzz_kiln.py --seed 0 --cases 2000`` (a seeded, deterministic
 campaign; exits 1 on any outcome outside correct / kiln_error / unchecked), or
@@ -41,7 +43,7 @@ import onnx
 from onnx import TensorProto as TP
 from onnx import helper
 
-OK_CLASSES = frozenset({"correct", "kiln_error", "unchecked", "invalid"})
+OK_CLASSES = frozenset({"correct", "kiln_error", "unchecked", "invalid", "oracle_crash"})
 MEMORY_LIMIT = 2 << 30
 TIME_LIMIT_S = 20
 DTYPES = [TP.FLOAT, TP.DOUBLE, TP.INT64, TP.INT32, TP.BOOL, TP.FLOAT16, TP.UINT8, TP.STRING,
@@ -272,11 +274,19 @@ def _reference(data: bytes, feeds: dict):
         return str(e)
 
 
-def check(data: bytes, feeds: dict) -> str:
-    """Run one case in this process; its outcome class (raises on other exceptions)."""
+def _stage(name: str) -> None:
+    """Which side of a case is running; a worker reports it so that a crash is put down to
+    onnxruntime or to Kiln."""
+
+
+def check(data: bytes, feeds: dict, oracle: bool = True) -> str:
+    """Run one case in this process; its outcome class (raises on other exceptions).
+    ``oracle=False`` skips onnxruntime (which crashed on the case): a result is unchecked."""
     import kiln
 
-    want = _reference(data, feeds)
+    _stage("oracle")
+    want = _reference(data, feeds) if oracle else "onnxruntime crashed on this case"
+    _stage("kiln")
     results = []
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -298,14 +308,14 @@ def check(data: bytes, feeds: dict) -> str:
     return "correct"
 
 
-def _run_case(seed: int) -> tuple[str, str]:
+def _run_case(seed: int, oracle: bool = True) -> tuple[str, str]:
     """Case ``seed`` in this (worker) process: (class, detail)."""
     try:
         data, feeds = make_case(seed)
     except Exception:  # noqa: BLE001 - a mutation protobuf refuses: no case
         return "invalid", ""
     try:
-        return check(data, feeds), ""
+        return check(data, feeds, oracle), ""
     except MemoryError:
         return "memory", "MemoryError"
     except BaseException as e:  # noqa: BLE001 - the class the fuzzer is looking for
@@ -336,16 +346,18 @@ class Worker:
         self.cases = 0
 
     def _serve(self, requests: int, replies: int) -> None:
+        global _stage
         try:
             resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
             # onnxruntime prints its provider fallbacks to stdout; results go through a pipe
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            _stage = lambda name: os.write(replies, f"@{name}\n".encode())  # noqa: E731
             while True:
-                b = os.read(requests, 8)
-                if len(b) < 8:
+                b = os.read(requests, 9)
+                if len(b) < 9:
                     break
                 signal.alarm(int(self.time_limit) + 1)  # the default action ends the worker
-                out = _run_case(int.from_bytes(b, "little", signed=True))
+                out = _run_case(int.from_bytes(b[:8], "little", signed=True), bool(b[8]))
                 signal.alarm(0)
                 os.write(replies, json.dumps(out).encode() + b"\n")
                 if out[0] not in OK_CLASSES:
@@ -353,28 +365,39 @@ class Worker:
         finally:
             os._exit(0)
 
-    def run(self, seed: int) -> tuple[str, str]:
-        """Case ``seed`` in this worker: (class, detail)."""
+    def run(self, seed: int, oracle: bool = True) -> tuple[str, str]:
+        """Case ``seed`` in this worker: (class, detail). A crash or timeout while
+        onnxruntime runs is ``oracle_crash``, not Kiln's (rerun it with ``oracle=False``)."""
         self.cases += 1
-        os.write(self._to_worker, seed.to_bytes(8, "little", signed=True))
-        reply = b""
+        os.write(self._to_worker, seed.to_bytes(8, "little", signed=True) + bytes([oracle]))
+        buf, stage = b"", None
         deadline = time.monotonic() + self.time_limit + 10
-        while not reply.endswith(b"\n"):
+        while True:
+            while b"\n" in buf:
+                line, buf = buf.split(b"\n", 1)
+                if line.startswith(b"@"):
+                    stage = line[1:].decode()
+                    continue
+                cls, detail = json.loads(line)
+                if cls not in OK_CLASSES:  # the worker exits after a failure: reap it
+                    self.close()
+                return cls, detail
             left = deadline - time.monotonic()
             if left <= 0 or not select.select([self._from_worker], [], [], left)[0]:
                 os.kill(self.pid, signal.SIGKILL)  # hung with its alarm blocked
-                self.close()
-                return "timeout", f"over {self.time_limit}s (killed)"
+                status, cls, detail = self.close(), "timeout", f"over {self.time_limit}s (killed)"
+                break
             b = os.read(self._from_worker, 65536)
             if not b:
                 status = self.close()
                 if os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGALRM:
-                    return "timeout", f"over {self.time_limit}s"
-                return "crash", f"worker status {status}"
-            reply += b
-        cls, detail = json.loads(reply)
-        if cls not in OK_CLASSES:  # the worker exits after a failure: reap it
-            self.close()
+                    cls, detail = "timeout", f"over {self.time_limit}s"
+                else:
+                    cls, detail = "crash", f"worker status {status}"
+                break
+            buf += b
+        if stage == "oracle":
+            return "oracle_crash", f"onnxruntime: {cls}, {detail}"
         return cls, detail
 
     @property
@@ -425,7 +448,13 @@ def outcomes(seeds, time_limit: float = TIME_LIMIT_S):
                 if worker is not None and worker.alive:
                     worker.close()
                 worker = Worker(time_limit)
-            yield (s, *worker.run(s))
+            cls, detail = worker.run(s)
+            if cls == "oracle_crash":  # Kiln still runs the case, in a fresh worker
+                worker = Worker(time_limit)
+                kiln_cls, kiln_detail = worker.run(s, oracle=False)
+                if kiln_cls not in OK_CLASSES:
+                    cls, detail = kiln_cls, kiln_detail
+            yield s, cls, detail
     finally:
         if worker is not None and worker.alive:
             worker.close()

@@ -11,6 +11,16 @@ import pytest
 FUZZER = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_kiln.py"
 
 
+def _fuzzer():
+    """The fuzzer module (fuzz/ is no package)."""
+    sys.path.insert(0, str(FUZZER.parent))
+    try:
+        import fuzz_kiln
+    finally:
+        sys.path.remove(str(FUZZER.parent))
+    return fuzz_kiln
+
+
 def test_seeded_fuzz_campaign_finds_no_failure():
     pytest.importorskip("onnxruntime")  # the campaign's oracle
     pytest.importorskip("torch")
@@ -24,12 +34,18 @@ def test_a_worker_running_many_cases_classes_each_as_a_fresh_process_does():
     no case's outcome may depend on the cases run before it in the same worker."""
     pytest.importorskip("onnxruntime")
     pytest.importorskip("torch")
-    sys.path.insert(0, str(FUZZER.parent))
-    try:
-        import fuzz_kiln
-    finally:
-        sys.path.remove(str(FUZZER.parent))
+    fuzz_kiln = _fuzzer()
     seeds = range(1000, 1030)
     shared = [(cls, detail) for _, cls, detail in fuzz_kiln.outcomes(seeds)]
     assert len(shared) == len(seeds)
     assert shared == [fuzz_kiln.run_isolated(s) for s in seeds]
+
+
+def test_a_case_onnxruntime_crashes_on_is_not_put_down_to_kiln():
+    """Seed 2123998 (a Split with an empty output name) segfaults onnxruntime 1.32; the
+    fuzzer's worker dies while the oracle runs, and Kiln's own run of it is fine."""
+    pytest.importorskip("onnxruntime")
+    pytest.importorskip("torch")
+    fuzz_kiln = _fuzzer()
+    cls, _ = fuzz_kiln.run_isolated(2123998)
+    assert cls in fuzz_kiln.OK_CLASSES, cls
