@@ -9,6 +9,7 @@ backend, Kiln's NumPy backend and onnxruntime on that same file, batch 1 and 8, 
 
     python benchmarks/quantization.py [--models resnet18 mobilenetv2 bert] [--runs 5]
         [--variants fp32 int8-static ort-int8-static] [--no-numpy] [--json FILE]
+    python benchmarks/quantization.py --kernels [--runs 30]   # int8 vs fp32 conv alone
 
 Kiln's torch backend runs QDQ layers on fbgemm's integer kernels (kiln.passes.fuse_quant);
 the ``int8 / fp32`` columns of the speed table are ratios within one process.
@@ -158,6 +159,47 @@ def _side_by_side(name: str, files: dict[str, str], batch: int, runs: int,
     return out
 
 
+def kernels(runs: int) -> str:
+    """fbgemm's int8 3x3 convolution (as Kiln's QConv calls it: wrap, convolve, take the
+    integer representation) against torch's float32 one on the same shapes, ResNet-18's
+    four stages, taking turns; a markdown table of best-of-``runs`` ms."""
+    import torch.nn.functional as F
+
+    rows = ["| channels x size | batch | fp32 conv ms | fbgemm int8 conv ms | fp32 / int8 |",
+            "|---|---|---|---|---|"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for c, hw in [(64, 56), (128, 28), (256, 14), (512, 7)]:
+            w8 = torch.randint(-63, 64, (c, c, 3, 3), dtype=torch.int8)
+            qw = torch._make_per_channel_quantized_tensor(
+                w8, torch.rand(c, dtype=torch.float64) * 0.01,
+                torch.zeros(c, dtype=torch.int64), 0)
+            packed = torch.ops.quantized.conv2d_prepack(qw, torch.randn(c), [1, 1], [1, 1],
+                                                        [1, 1], 1)
+            wf = torch.randn(c, c, 3, 3)
+            for batch in (1, 8):
+                xu = torch.randint(0, 256, (batch, c, hw, hw), dtype=torch.uint8).contiguous(
+                    memory_format=torch.channels_last)
+                xf = torch.randn(batch, c, hw, hw)
+
+                def q(xu=xu, packed=packed):
+                    qx = torch._make_per_tensor_quantized_tensor(xu, 0.02, 10)
+                    return torch.ops.quantized.conv2d(qx, packed, 0.05, 3).int_repr()
+
+                def f(xf=xf, wf=wf):
+                    return F.conv2d(xf, wf, padding=1)
+                best = {"f": float("inf"), "q": float("inf")}
+                f(), q()
+                for _ in range(runs):
+                    for key, fn in (("f", f), ("q", q)):
+                        t0 = time.perf_counter()
+                        fn()
+                        best[key] = min(best[key], time.perf_counter() - t0)
+                rows.append(f"| {c} x {hw}x{hw} | {batch} | {best['f'] * 1e3:.2f} | "
+                            f"{best['q'] * 1e3:.2f} | {best['f'] / best['q']:.2f}x |")
+    return "\n".join(rows)
+
+
 def markdown(results: dict) -> str:
     """The results as one table per model."""
     out = []
@@ -193,9 +235,14 @@ def main() -> None:
                     help="only these files (fp32 fp16 int8-dynamic int8-static "
                          "int4-weight-only ort-int8-dynamic ort-int8-static)")
     ap.add_argument("--no-numpy", action="store_true", help="skip Kiln's NumPy backend")
+    ap.add_argument("--kernels", action="store_true",
+                    help="only compare fbgemm's int8 convolution with torch's fp32 one")
     ap.add_argument("--json", default=None, help="also write the figures here")
     args = ap.parse_args()
     torch.set_num_threads(min(2, os.cpu_count() or 1))
+    if args.kernels:
+        print(kernels(args.runs))
+        return
     results = run(args.models, args.runs, args.variants, not args.no_numpy)
     meta = {"date": time.strftime("%Y-%m-%d"), "python": platform.python_version(),
             "torch": torch.__version__, "onnxruntime": ort.__version__,

@@ -11,6 +11,7 @@ import onnx.version_converter
 from kiln.errors import OptionError
 from kiln.ir import DType, Model
 from kiln.onnxio import load, save, to_proto
+from kiln.passes import FoldConstants
 from kiln.passes.infer_shapes import infer_model
 from kiln.quantize import qdq, weight_only
 from kiln.quantize.calibrate import calibrate, load_feeds
@@ -80,6 +81,10 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     original = as_model(model)
     infer_model(original)
     base = _at_opset(original, 21) if mode == "weight-only" else as_model(original)
+    # Constant nodes (Clip's bounds, exporters' scalars) become initializers: a layer
+    # reading one is then quantized like one reading a constant, not left in float as if
+    # it read a computed tensor.
+    FoldConstants()(base)
     infer_model(base)
     inputs = [v.name for v in base.graph.inputs]
     feeds = load_feeds(calibration, inputs) if calibration is not None or mode == "static" \
