@@ -250,6 +250,16 @@ def test_non_numeric_external_data_offsets_are_refused(tmp_path):
         kiln.load(m, base_dir=tmp_path)
 
 
+def test_an_empty_tensor_with_a_dim_numpy_cannot_hold_is_refused():
+    # found by the fuzzer: dims [2^62, 0] hold no element, but NumPy refuses the shape
+    # (ValueError) for numbers and strings alike
+    for dtype in (TP.FLOAT, TP.STRING):
+        m = _relu()
+        m.graph.initializer.append(helper.make_tensor("e", dtype, [2**62, 0], []))
+        with pytest.raises(ModelLoadError, match=r"tensor 'e' is malformed"):
+            kiln.load(m)
+
+
 def test_dims_whose_product_overflows_int64_are_refused():
     m = _relu()
     t = helper.make_tensor("c", TP.FLOAT, [2], [1, 2])

@@ -106,15 +106,16 @@ def _count(t: onnx.TensorProto) -> int:
 
 def _embedded_array(t: onnx.TensorProto) -> np.ndarray:
     count = _count(t)
-    if t.data_type == onnx.TensorProto.STRING:
-        if len(t.string_data) != count:
-            raise ModelLoadError(f"string tensor {t.name!r} has {len(t.string_data)} values "
-                                 f"for dims {list(t.dims)} ({count}); the model is malformed")
-        return np.array([s.decode("utf-8", "surrogateescape") for s in t.string_data],
-                        dtype=object).reshape(tuple(t.dims))
+    strings = t.data_type == onnx.TensorProto.STRING
+    if strings and len(t.string_data) != count:
+        raise ModelLoadError(f"string tensor {t.name!r} has {len(t.string_data)} values "
+                             f"for dims {list(t.dims)} ({count}); the model is malformed")
     try:
+        if strings:
+            return np.array([s.decode("utf-8", "surrogateescape") for s in t.string_data],
+                            dtype=object).reshape(tuple(t.dims))
         return numpy_helper.to_array(t)
-    except (ValueError, TypeError) as e:
+    except (ValueError, TypeError) as e:  # dims NumPy cannot hold, even with no elements
         raise ModelLoadError(f"tensor {t.name!r} is malformed: {e}") from e
 
 
