@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 import onnx
+import pytest
 from onnx import TensorProto, helper
 
 import kiln
@@ -112,3 +113,28 @@ def test_a_big_plan_runs_step_by_step_until_it_has_run_enough_to_pay_for_its_pro
     assert built == [False, False, True, True, True]
     small = kiln.InferenceSession(_relu_add_chain(8), optimize=False)
     assert small.plan.program is not None
+
+
+def test_building_pauses_the_garbage_collector_and_puts_it_back():
+    import gc
+
+    from kiln.errors import KilnError
+    from kiln.ir import collector_paused
+
+    assert gc.isenabled()
+    with collector_paused():
+        assert not gc.isenabled()
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        with collector_paused():
+            pass
+        assert not gc.isenabled()  # the caller's choice stays
+    finally:
+        gc.enable()
+    for bad in (b"not a model", _relu_add_chain(4).SerializeToString()[:-5]):
+        with pytest.raises(KilnError):
+            kiln.InferenceSession(bad)
+        assert gc.isenabled()
+    kiln.InferenceSession(_relu_add_chain(4))
+    assert gc.isenabled()

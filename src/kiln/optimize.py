@@ -29,7 +29,7 @@ from collections.abc import Iterable, Mapping, Sequence
 import onnx
 
 from kiln.errors import KilnError
-from kiln.ir import Model
+from kiln.ir import Model, collector_paused
 from kiln.ops import registry
 from kiln.ops.registry import KILN_DOMAIN
 from kiln.passes import (
@@ -114,7 +114,8 @@ def optimize_with_report(model, level: int | str = DEFAULT_LEVEL, disable: Itera
         if done < lvl or input_shapes:
             active = [p for p in _rule_passes() if p.level <= lvl and p.name not in disable
                       and _supported(p, backend)]
-            _rewrite(model, active, report, infer, max_iterations)
+            with collector_paused():
+                _rewrite(model, active, report, infer, max_iterations)
         elif infer:
             _analysis(InferShapes(), model, report)
         if "pin_host" not in disable:

@@ -16,6 +16,8 @@ trace. :func:`check_uses` verifies it all (the tests run it after optimizing).
 
 from __future__ import annotations
 
+import contextlib
+import gc
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
@@ -23,6 +25,22 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from kiln.ir.types import TensorType, ValueType
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause Python's cyclic garbage collector while a model or plan is built, then put it
+    back as it was. Building creates objects by the million that all survive, and each
+    collection of the oldest generation walks every one of them: 2 of the 9 s of loading a
+    200,000-node chain and 3.7 of the 7 s of building its session. Nothing built here is
+    garbage until the build is over (refcounting still frees what is dropped)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class Use(NamedTuple):

@@ -30,6 +30,7 @@ from kiln.ir import (
     TensorType,
     Value,
     ValueType,
+    collector_paused,
     parse_dim,
 )
 from kiln.onnxio.tensors import raw_array, sparse_to_array, to_array
@@ -66,7 +67,7 @@ def load(source: str | os.PathLike | bytes | onnx.ModelProto, base_dir=None) -> 
         base_dir = path.parent if base_dir is None else base_dir
         proto, raw = _read(path, str(source)[:80])
     _check_depth(proto)
-    with raw or contextlib.nullcontext():
+    with raw or contextlib.nullcontext(), collector_paused():
         return ModelImporter(proto, base_dir, raw).model()
 
 

@@ -14,7 +14,7 @@ from time import perf_counter
 from typing import Any
 
 from kiln.errors import KilnError, UnsupportedOpError
-from kiln.ir import AttrRef, Function, Graph, Node, Value
+from kiln.ir import AttrRef, Function, Graph, Node, Value, collector_paused
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef, Site
 from kiln.runtime.backend import Backend, Candidate
@@ -288,6 +288,12 @@ def plan_graph(graph: Graph, opsets: dict[str, int], functions: dict, backend: B
 def compile_model(graph: Graph, opsets: dict[str, int], functions: dict, backend: Backend
                   ) -> Plan:
     """Compile the main graph; raises UnsupportedOpError naming every op Kiln lacks."""
+    with collector_paused():
+        return _compile_model(graph, opsets, functions, backend)
+
+
+def _compile_model(graph: Graph, opsets: dict[str, int], functions: dict, backend: Backend
+                   ) -> Plan:
     plan, missing = plan_graph(graph, opsets, functions, backend)
     if missing:
         names = ", ".join(f"{d + '.' if d else ''}{o} (opset {v})" for d, o, v in missing)
