@@ -138,6 +138,15 @@ def test_an_attribute_given_twice_is_refused():
     assert _ort_rejects(m)
     with pytest.raises(ModelLoadError, match=r"'alpha' appears twice"):
         kiln.load(m)
+    # also on an op no schema describes (found by the fuzzer on an unknown op type)
+    node.op_type, node.domain = "F", "my.dom"
+    fn = helper.make_function("my.dom", "F", ["a"], ["b"], [helper.make_node("Relu", ["a"],
+                                                                             ["b"])],
+                              [helper.make_opsetid("", 17)], attributes=["alpha"])
+    m = _model(node, {"x": [4]}, {"": 17, "my.dom": 1}, [fn])
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=r"appears twice in \['alpha', 'alpha'\]"):
+        kiln.load(m)
 
 
 def _accepted(node, inputs, opsets, functions=()):

@@ -230,7 +230,11 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: 
     is cached per op type and opset."""
     version = opsets.get(domain)
     schema = None if version is None else _schema(np_.op_type, domain, version)
-    if schema is None:
+    if schema is None:  # onnxruntime refuses repeated attributes on any node
+        names = [a.name for a in np_.attribute]
+        if len(set(names)) < len(names):
+            raise ModelLoadError(f"{where}: an attribute appears twice in {names}; the model "
+                                 "is malformed")
         return
     for kind, n, (lo, hi) in (("inputs", len(np_.input), schema.inputs),
                               ("outputs", len(np_.output), schema.outputs)):
