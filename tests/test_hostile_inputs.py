@@ -296,6 +296,23 @@ def test_invalid_utf8_in_a_dim_name_is_refused():
         kiln.load(raw.replace(b"batch", b"\xffatch"))  # same length: the proto stays whole
 
 
+def test_a_subgraph_returning_an_outer_value_directly_is_refused():
+    # found by the fuzzer: a KeyError from the executor, not a KilnError
+    then = helper.make_graph([], "then", [], [helper.make_tensor_value_info("x", TP.FLOAT,
+                                                                            None)])
+    other = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
+                              [helper.make_tensor_value_info("e", TP.FLOAT, None)])
+    graph = helper.make_graph(
+        [helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [2]),
+         helper.make_tensor_value_info("c", TP.BOOL, [])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=r"subgraph 'then' returns 'x' .* Identity"):
+        kiln.load(m)
+
+
 def _nested_ifs(depth: int) -> onnx.ModelProto:
     """If inside If ``depth`` times, built in place: serializing it would hit protobuf's own
     depth limit, so only an in-memory ModelProto reaches Kiln this deep."""

@@ -395,6 +395,10 @@ class ModelImporter:
                 scope[vi.name].type = value_type(vi.type)
         for vo in gp.output:
             v = self._lookup(scope, vo.name, f"graph {gp.name!r} output")
+            if not top and vo.name not in scope.maps[0]:
+                raise ModelLoadError(
+                    f"subgraph {gp.name!r} returns {vo.name!r} of the enclosing graph directly "
+                    "(onnxruntime refuses this too); put an Identity node between them")
             declared = value_type(vo.type)
             if declared is not None and (v.type is None or not top or v.producer is not None):
                 v.type = declared
