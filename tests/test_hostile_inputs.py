@@ -508,3 +508,18 @@ def test_names_holding_python_code_are_never_executed(tmp_path):
         got = kiln.InferenceSession(m, backend=backend).run(None, {f"x\n{code}": x})[0]
         np.testing.assert_array_equal(got, np.maximum(x, 0))
     assert not marker.exists()
+
+
+def test_keepdims_other_than_0_or_1_is_refused_where_onnx_implementations_disagree():
+    # onnxruntime reads keepdims=2 as 0 and ONNX's reference evaluator as 1: the file has no
+    # one meaning, so Kiln refuses it instead of silently picking either shape.
+    node = helper.make_node("ReduceMean", ["x"], ["y"], name="rmean", axes=[1], keepdims=2)
+    m = _model(node, {"x": [2, 3]}, {"": 13})
+    x = np.arange(6, dtype=np.float32).reshape(2, 3)
+    got_ort = ort.InferenceSession(m.SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    from onnx.reference import ReferenceEvaluator
+    got_ref = ReferenceEvaluator(m).run(None, {"x": x})[0]
+    assert got_ort.shape != got_ref.shape  # the disagreement this guards against
+    with pytest.raises(ModelLoadError, match=r"'rmean'.*attribute 'keepdims' is 2.*0 and 1"):
+        kiln.load(m)

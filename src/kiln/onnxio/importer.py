@@ -255,6 +255,11 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: 
             # Names starting with "__" are ONNX's internal symbols, which schemas never check.
             if schema.closed and not (isinstance(name, str) and name.startswith("__")):
                 raise ModelLoadError(_unknown_attribute(np_, name, schema, where))
+        elif name == "keepdims" and a.type == A.INT and a.i not in (0, 1):
+            # A flag ONNX defines as 0 or 1: onnxruntime reads other values as 0, ONNX's
+            # reference as 1. Guessing would give one of them wrong shapes.
+            raise ModelLoadError(f"{where}: attribute 'keepdims' is {a.i}, but ONNX defines "
+                                 "only 0 and 1; set it to one of them")
         elif want_type is not None and a.type != want_type and not a.ref_attr_name:
             got = A.AttributeType.Name(a.type) if a.type in A.AttributeType.values() else a.type
             raise ModelLoadError(
