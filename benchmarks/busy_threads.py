@@ -6,9 +6,9 @@ For each model, a fresh process per setting runs Kiln's torch backend and onnxru
 their default threads and with 1 thread, alternating, median of the runs; first with the
 machine as it is, then with ``--burners`` processes spinning on the CPU (a busy machine,
 made on purpose so the figure is reproducible). Settings: Kiln as shipped (default threads
-follow the load, short OpenMP spin), and Kiln with ``KILN_THREADS_FOLLOW_LOAD=0
-KILN_OMP_SPIN=default`` (default threads fixed at the usable cores, OpenMP's own long
-spin-wait: what torch does unless told otherwise).
+follow the load when the session is made, short OpenMP spin), and Kiln with
+``KILN_THREADS_FOLLOW_LOAD=0 KILN_OMP_SPIN=default`` (default threads fixed at the usable
+cores, OpenMP's own long spin-wait: what torch does unless told otherwise).
 Prints default-threads time / 1-thread time per engine: the issue's goal is that a busy
 machine with default threads is not several times slower than with 1 thread.
 """
@@ -34,17 +34,17 @@ if seq:  # text models: batch 1 at this sequence length
             for k, v in feed.items()}
 path = str(zoo.path(name, progress=False))
 so1 = ort.SessionOptions(); so1.intra_op_num_threads = 1
-engines = {"kiln": kiln.InferenceSession(path, backend="torch"),
+engines = {"kiln": kiln.InferenceSession(path, backend="torch")}
+default_threads = torch.get_num_threads()  # what the default session chose
+engines.update({
            "kiln 1t": kiln.InferenceSession(path, backend="torch", threads=1),
            "ort": ort.InferenceSession(path, providers=["CPUExecutionProvider"]),
-           "ort 1t": ort.InferenceSession(path, so1, providers=["CPUExecutionProvider"])}
-gov = engines["kiln"].backend.governor  # None when told not to follow the load
-default_threads = torch.get_num_threads() if gov is None else None
+           "ort 1t": ort.InferenceSession(path, so1, providers=["CPUExecutionProvider"])})
 times = {k: [] for k in engines}
 for _ in range(rounds):
     for k, s in engines.items():
         if k.startswith("kiln"):  # threads are per process: give each session its own
-            torch.set_num_threads(1 if k.endswith("1t") else default_threads or gov.threads)
+            torch.set_num_threads(1 if k.endswith("1t") else default_threads)
         s.run(None, feed)
         t0 = time.perf_counter(); s.run(None, feed); times[k].append(time.perf_counter() - t0)
 print(json.dumps({k: float(np.median(v)) for k, v in times.items()}))

@@ -119,9 +119,6 @@ class Backend:
     """Whether host-parameter constants reach this backend's kernels as Python tuples."""
     array_type: type = np.ndarray
     """The class of this backend's arrays (results of another class are normalized)."""
-    governor: Callable[[], None] | None = None
-    """Called before each run to fit default threads to the machine's load
-    (:mod:`kiln.runtime.threads`); None with explicit threads."""
 
     def candidates(self, opdef: OpDef) -> list[tuple[str, Kernel, str]]:
         """The kernels to try for ``opdef``, best first: (placement label, kernel, why)."""
@@ -146,8 +143,6 @@ class Backend:
 
     def execute(self, plan, inputs: list, overrides: dict | None = None) -> list:
         """Run the main plan once."""
-        if self.governor is not None:
-            self.governor()
         return plan.run_main(inputs, overrides)
 
     def stats(self) -> RunStats:

@@ -30,7 +30,7 @@ from kiln.runtime.backend import Backend, limit_blas_threads, usable_cores
 from kiln.runtime.executor import controlled
 from kiln.runtime.placement import PlacementReport
 from kiln.runtime.plan import Plan, compile_model
-from kiln.runtime.threads import governor
+from kiln.runtime.threads import default_threads
 
 
 @dataclass(frozen=True)
@@ -66,11 +66,8 @@ def make_backend(name: str, **options: Any) -> Backend:
         if options:
             raise OptionError(f"the numpy backend takes only threads (got {sorted(options)}); "
                               "precision and compile are the torch backend's")
-        limit_blas_threads(threads)
-        backend = Backend()
-        if threads is None:
-            backend.governor = governor(usable_cores(), limit_blas_threads)
-        return backend
+        limit_blas_threads(default_threads(usable_cores()) if threads is None else threads)
+        return Backend()
     if name == "torch":
         try:
             from kiln.runtime.torch_backend import TorchBackend

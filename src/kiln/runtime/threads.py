@@ -7,9 +7,11 @@ often not running, and the op waits for it: on a 2-core machine at load 10, a 12
 torch backend 564 ms against 127 ms. onnxruntime's pool lets the caller take over work a
 descheduled worker has not started, so it loses far less (1.1-1.5x).
 
-So a session left at its default threads asks, before a run and at most every
-``PERIOD`` seconds, how many threads other processes are running right now, smooths that
-over a few samples, and uses the cores they leave free (at least one). Explicit
+So a session left at its default threads counts, when it is made, how many threads other
+processes are running (the median of three samples a few milliseconds apart), and uses
+the cores they leave free (at least one). The
+count is taken once: a session's thread count, and so its results (a BLAS reduction may
+round differently on one thread than on two), do not change from run to run. Explicit
 ``threads=`` are never changed.
 """
 
@@ -17,11 +19,11 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable
 from pathlib import Path
 
-PERIOD = 1.0
-"""Seconds between samples of the machine's load (a sample reads /proc: 0.1-1 ms)."""
+SAMPLES, SPACING_S = 3, 0.002
+"""The count is the median of this many samples this far apart: one process starting or
+ending at that instant does not decide a session's threads."""
 
 
 def running_elsewhere() -> int | None:
@@ -38,34 +40,18 @@ def running_elsewhere() -> int | None:
     return max(0, total - own)
 
 
-class LoadGovernor:
-    """Sets ``apply(n)`` threads, n = ``cores`` less those other processes keep busy; call
-    it before each run."""
-
-    def __init__(self, cores: int, apply: Callable[[int], None]):
-        self.cores, self.apply = cores, apply
-        self.threads = cores
-        self.busy = 0.0
-        self.next_sample = 0.0
-
-    def __call__(self) -> None:
-        now = time.monotonic()
-        if now < self.next_sample:
-            return
-        self.next_sample = now + PERIOD
-        seen = running_elsewhere()
-        if seen is None:
-            return
-        self.busy = 0.5 * self.busy + 0.5 * seen  # one busy instant is not a busy machine
-        want = max(1, self.cores - int(self.busy + 0.5))
-        if want != self.threads:
-            self.threads = want
-            self.apply(want)
-
-
-def governor(cores: int, apply: Callable[[int], None]) -> LoadGovernor | None:
-    """A governor for default threads (None when turned off with KILN_THREADS_FOLLOW_LOAD=0
-    or on a single core, where there is nothing to give up)."""
-    if cores < 2 or os.environ.get("KILN_THREADS_FOLLOW_LOAD", "1").strip() in ("0", "off"):
-        return None
-    return LoadGovernor(cores, apply)
+def default_threads(cores: int) -> int:
+    """Threads for a session left at its defaults: ``cores`` less the threads other
+    processes are running now, at least one (all of ``cores`` with
+    KILN_THREADS_FOLLOW_LOAD=0 or where /proc does not say)."""
+    if os.environ.get("KILN_THREADS_FOLLOW_LOAD", "1").strip().lower() in ("0", "off"):
+        return cores
+    seen = []
+    for i in range(SAMPLES):
+        if i:
+            time.sleep(SPACING_S)
+        busy = running_elsewhere()
+        if busy is None:
+            return cores
+        seen.append(busy)
+    return max(1, cores - sorted(seen)[len(seen) // 2])

@@ -34,7 +34,7 @@ from kiln.runtime.backend import Backend, Candidate, host_feed, usable_cores
 from kiln.runtime.executor import Program
 from kiln.runtime.placement import LayerPlacement, RunStats
 from kiln.runtime.specialize import CompileFailed, CompileWarning, Specializer
-from kiln.runtime.threads import governor
+from kiln.runtime.threads import default_threads
 
 # Converting a read-only NumPy array (a constant, np.broadcast_to) is zero-copy and safe
 # here: no kernel writes to its inputs.
@@ -99,10 +99,9 @@ class TorchBackend(Backend):
         self.warn = warn
         if threads is not None:
             torch.set_num_threads(int(threads))
-        else:
-            if torch.get_num_threads() > (cores := usable_cores()):  # never oversubscribe
-                torch.set_num_threads(cores)
-            self.governor = governor(torch.get_num_threads(), torch.set_num_threads)
+        else:  # never oversubscribe: the usable cores other processes leave free
+            torch.set_num_threads(default_threads(min(torch.get_num_threads(),
+                                                      usable_cores())))
         # While a specialized program is traced, kernels must use plain traceable ops.
         self.tracing = False
         self._tls = threading.local()
@@ -317,8 +316,6 @@ class TorchBackend(Backend):
         return torch.inference_mode()
 
     def execute(self, plan, inputs: list, overrides: dict | None = None) -> list:
-        if self.governor is not None:
-            self.governor()
         st = self._tls.stats = RunStats()
         try:
             return plan.run_main(inputs, overrides)
