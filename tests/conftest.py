@@ -12,12 +12,6 @@ import onnx
 import pytest
 from onnx import TensorProto, helper
 
-# Sessions' default threads would follow the machine's load (kiln/runtime/threads.py): a
-# test's results must not depend on what else runs beside it (an ill-conditioned light
-# model rounds differently on one BLAS thread). tests/test_threads_follow_load.py turns it
-# back on.
-os.environ.setdefault("KILN_THREADS_FOLLOW_LOAD", "0")
-
 ONNX_DATA = os.path.join(os.path.dirname(onnx.__file__), "backend", "test", "data")
 LIGHT_DIR = os.path.join(ONNX_DATA, "light")
 

@@ -1,7 +1,8 @@
-"""Default threads follow the machine's load: a session made while other processes keep
-every core busy runs on one thread (OpenMP and OpenBLAS threads waiting for a descheduled
-partner made runs several times slower than one thread), keeps that count from run to
-run, and explicit threads are never changed."""
+"""With KILN_THREADS_FOLLOW_LOAD=1, default threads follow the machine's load: a session
+made while other processes keep every core busy runs on one thread (OpenMP and OpenBLAS
+threads waiting for a descheduled partner made runs several times slower than one thread)
+and keeps that count from run to run; explicit threads are never changed; without the
+opt-in, the load is ignored."""
 
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def _runs_for(sess, seconds: float, feed: dict) -> None:
 
 @pytest.fixture
 def busy_machine(monkeypatch):
-    monkeypatch.setenv("KILN_THREADS_FOLLOW_LOAD", "1")  # conftest turns it off elsewhere
+    monkeypatch.setenv("KILN_THREADS_FOLLOW_LOAD", "1")  # opt-in
     burners = [mp.get_context("fork").Process(target=_burn, daemon=True)
                for _ in range(usable_cores())]
     for b in burners:
@@ -68,3 +69,16 @@ def test_numpy_blas_threads_drop_to_one_on_a_busy_machine(mlp_model, busy_machin
     with threadpool_limits(limits=usable_cores(), user_api="blas"):
         kiln.InferenceSession(mlp_model)
         assert {p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"} == {1}
+
+
+def test_without_the_opt_in_default_threads_ignore_the_load(mlp_model, busy_machine,
+                                                            monkeypatch):
+    torch = pytest.importorskip("torch")
+    monkeypatch.delenv("KILN_THREADS_FOLLOW_LOAD")
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(usable_cores())
+        kiln.InferenceSession(mlp_model, backend="torch")
+        assert torch.get_num_threads() == usable_cores()
+    finally:
+        torch.set_num_threads(before)

@@ -7,12 +7,14 @@ often not running, and the op waits for it: on a 2-core machine at load 10, a 12
 torch backend 564 ms against 127 ms. onnxruntime's pool lets the caller take over work a
 descheduled worker has not started, so it loses far less (1.1-1.5x).
 
-So a session left at its default threads counts, when it is made, how many threads other
-processes are running (the median of three samples a few milliseconds apart), and uses
-the cores they leave free (at least one). The
-count is taken once: a session's thread count, and so its results (a BLAS reduction may
-round differently on one thread than on two), do not change from run to run. Explicit
-``threads=`` are never changed.
+With KILN_THREADS_FOLLOW_LOAD=1, a session left at its default threads counts, when it is
+made, how many threads other processes are running (the median of three samples a few
+milliseconds apart), and uses the cores they leave free (at least one). It is opt-in
+because it makes results depend on the machine's load: a BLAS reduction may round
+differently on one thread than on two, and sessions made at different moments (Ray actors
+next to a driver, say) would then disagree in the last bits. The count is taken once, so a
+session's own results never change from run to run. Explicit ``threads=`` are never
+changed.
 """
 
 from __future__ import annotations
@@ -41,10 +43,10 @@ def running_elsewhere() -> int | None:
 
 
 def default_threads(cores: int) -> int:
-    """Threads for a session left at its defaults: ``cores`` less the threads other
-    processes are running now, at least one (all of ``cores`` with
-    KILN_THREADS_FOLLOW_LOAD=0 or where /proc does not say)."""
-    if os.environ.get("KILN_THREADS_FOLLOW_LOAD", "1").strip().lower() in ("0", "off"):
+    """Threads for a session left at its defaults: ``cores``, or with
+    KILN_THREADS_FOLLOW_LOAD=1 ``cores`` less the threads other processes are running now,
+    at least one."""
+    if os.environ.get("KILN_THREADS_FOLLOW_LOAD", "").strip().lower() not in ("1", "on"):
         return cores
     seen = []
     for i in range(SAMPLES):
