@@ -66,7 +66,11 @@ def make_backend(name: str, **options: Any) -> Backend:
         if options:
             raise OptionError(f"the numpy backend takes only threads (got {sorted(options)}); "
                               "precision and compile are the torch backend's")
-        limit_blas_threads(default_threads(usable_cores()) if threads is None else threads)
+        if threads is None:  # never raise what the process set (Ray sets OMP_NUM_THREADS=1)
+            cores = usable_cores()
+            free = default_threads(cores)
+            threads = None if free == cores else free
+        limit_blas_threads(threads)
         return Backend()
     if name == "torch":
         try:
