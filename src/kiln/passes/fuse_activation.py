@@ -219,7 +219,7 @@ class _Fuser:
             return
         if len(readers) == 1 and len(v._uses) == 1:
             m = readers[0]
-            act = _single_activation(m, self.rw.opset(m))
+            act = single_activation(m, self.rw.opset(m))
             if act is not None:
                 ch.activation, ch.params = act
                 self._take(ch, m)
@@ -273,7 +273,7 @@ def _build(ch: _Chain) -> Node:
                 name=name)
 
 
-def _single_activation(m: Node, opset: int) -> tuple[str, list[float]] | None:
+def single_activation(m: Node, opset: int) -> tuple[str, list[float]] | None:
     """The fused-activation name and parameters ``m`` computes, if it is one of the
     activations the fused kernels apply (``kiln.ops.fused.ACTIVATIONS``)."""
     name = m.op_type

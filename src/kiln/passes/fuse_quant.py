@@ -26,7 +26,8 @@ from kiln.ir import DType, Node, Value
 from kiln.ops.quant import dequantize_linear
 from kiln.ops.quant_fused import ACTIVATIONS
 from kiln.ops.registry import KILN_DOMAIN
-from kiln.passes.base import RulePass, const_value, dtype_of, rank_of, scalar_value
+from kiln.passes.base import RulePass, const_value, dtype_of, rank_of
+from kiln.passes.fuse_activation import single_activation
 from kiln.passes.rewrite import Rewriter, Rule, ops, producer
 
 _CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
@@ -89,20 +90,11 @@ def _dq_parts(dq: Node) -> list | None:
 
 
 def _activation(m: Node, rw: Rewriter) -> tuple[str, list[float]] | None:
-    if m.op_type == "Relu":
-        return "Relu", []
-    if m.op_type != "Clip":
+    """Relu, or Clip with constant bounds: the activations a quantized layer applies."""
+    act = single_activation(m, rw.opset(m))
+    if act is None or act[0] not in ACTIVATIONS:
         return None
-    if rw.opset(m) < 11:
-        return "Clip", [float(m.attrs.get("min", -np.inf)), float(m.attrs.get("max", np.inf))]
-    bounds = []
-    for i, default in ((1, -np.inf), (2, np.inf)):
-        v = m.inputs[i] if len(m.inputs) > i else None
-        s = default if v is None else scalar_value(v)
-        if s is None:
-            return None
-        bounds.append(float(s))
-    return "Clip", bounds
+    return act[0], [float(p) for p in act[1]]
 
 
 def _match(rw: Rewriter, n: Node) -> _Layer | None:
