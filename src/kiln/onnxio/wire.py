@@ -26,28 +26,24 @@ def split_initializers(buf) -> tuple[bytes, list[tuple[int, int] | None]]:
     file order, which is the order a parser gives them even when the graph field is split
     in several pieces (protobuf merges them). Raises :class:`Malformed`."""
     raw: list[tuple[int, int] | None] = []
-    out: list[bytes] = []
-    copied = 0  # buf[copied:...] is still to be copied as it is
-    for field, wire, start, body, end in _fields(buf, 0, len(buf)):
-        if field == _GRAPH:
-            if wire != _LEN:
-                raise Malformed("graph field of the wrong wire type")
-            out.append(buf[copied:start])
-            out.append(_message(_GRAPH, _graph(buf, body, end, raw)))
-            copied = end
-    out.append(buf[copied:len(buf)])
-    return b"".join(out), raw
+
+    def graph(body: int, stop: int) -> bytes:
+        return _rewrite(buf, body, stop, _INITIALIZER, "initializer",
+                        lambda b, e: _tensor(buf, b, e, raw))
+    return _rewrite(buf, 0, len(buf), _GRAPH, "graph", graph), raw
 
 
-def _graph(buf, start: int, end: int, raw: list) -> bytes:
+def _rewrite(buf, start: int, end: int, field: int, name: str, inner) -> bytes:
+    """The message in ``buf[start:end]`` with each length-delimited ``field`` replaced by
+    ``inner(payload start, field end)``; the other fields are copied as they are."""
     out: list[bytes] = []
     copied = start
-    for field, wire, at, body, stop in _fields(buf, start, end):
-        if field == _INITIALIZER:
+    for number, wire, at, body, stop in _fields(buf, start, end):
+        if number == field:
             if wire != _LEN:
-                raise Malformed("initializer field of the wrong wire type")
+                raise Malformed(f"{name} field of the wrong wire type")
             out.append(buf[copied:at])
-            out.append(_message(_INITIALIZER, _tensor(buf, body, stop, raw)))
+            out.append(_message(field, inner(body, stop)))
             copied = stop
     out.append(buf[copied:end])
     return b"".join(out)
