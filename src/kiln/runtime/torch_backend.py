@@ -20,6 +20,7 @@ from __future__ import annotations
 import threading
 import warnings
 from collections.abc import Callable
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -106,6 +107,7 @@ class TorchBackend(Backend):
         self.tracing = False
         self._tls = threading.local()
         self._last: RunStats | None = None
+        self.cache_folder: Path | None = None  # of compiled programs; specialize sets it
         self.compile_log: list[str] = []
         """With compile=True: per program, "loaded PATH" (from the disk cache) or
         "compiled PATH" (and stored there)."""
@@ -360,7 +362,8 @@ class TorchBackend(Backend):
             return
         plan.specializer = Specializer(plan, opsets, functions, self._compile_plan,
                                        _signature)
-        cache = None if self.is_cuda else compile_cache.folder()
+        # CUDA keeps torch.compile: its CUDA graphs are worth more than a disk cache.
+        cache = self.cache_folder = None if self.is_cuda else compile_cache.folder()
         plan.compile_status = (
             f"yes: AOTInductor programs per input shape (frozen weights), kept in {cache}"
             if cache else "yes: torch.compile programs per input shape (inductor, frozen "
@@ -378,8 +381,8 @@ class TorchBackend(Backend):
         for k, t in prog.constants.items():
             mod.register_buffer(k, t, persistent=False)
         mod.kiln_source = prog.source
-        cache = None if self.is_cuda else compile_cache.folder()
-        if cache is not None:  # CUDA keeps torch.compile: its CUDA graphs are worth more
+        cache = self.cache_folder  # chosen once, in specialize
+        if cache is not None:
             params = {k: v for k, v in prog.globals.items() if k[:1] == "p" and k[1:].isdigit()}
             options = f"{self.device}|{self.precision}|{self.channels_last}"
             return compile_cache.program(mod, plan, prog.source, params, prog.constants,
