@@ -7,6 +7,7 @@ backend (``kiln.runtime.torch_backend``) subclasses it.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -100,14 +101,24 @@ def settle_openmp() -> None:
 def limit_blas_threads(threads: int | None) -> None:
     """Set NumPy's BLAS thread pool to ``threads`` (process-wide, as torch's
     set_num_threads); None only lowers it to the usable cores."""
-    from threadpoolctl import threadpool_info, threadpool_limits
-
+    blas = [lib for lib in _thread_pools().lib_controllers if lib.user_api == "blas"]
     cap = usable_cores()
     if threads is None:
-        if all(p.get("num_threads", 1) <= cap for p in threadpool_info()):
+        if all(lib.num_threads <= cap for lib in blas):
             return
         threads = cap
-    threadpool_limits(limits=int(threads), user_api="blas")
+    for lib in blas:
+        lib.set_num_threads(int(threads))
+
+
+@functools.cache
+def _thread_pools():
+    # Scanning the process's libraries costs ~5 ms once torch and onnxruntime are loaded,
+    # more than a small model's whole session; NumPy's BLAS is loaded with NumPy, before
+    # any session, so one scan per process sees it.
+    from threadpoolctl import ThreadpoolController
+
+    return ThreadpoolController()
 
 
 class Backend:
