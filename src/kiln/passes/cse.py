@@ -93,6 +93,11 @@ def _key(n: Node, opset: int, deterministic_ops: dict):
 def _match_node(rw: Rewriter, n: Node):
     """(kept, merged): an earlier live node with ``n``'s key (the table keeps the earliest
     node per key; entries whose node changed or went are replaced)."""
+    for v in n.inputs:
+        # A node alone in reading a computed value has no duplicate. Should another node
+        # come to read it, the engine queues the value's readers again (touch's radius).
+        if v is not None and v.producer is not None and v.only_reader(n):
+            return None
     det = rw.state.setdefault("cse_deterministic", {})
     key = _key(n, rw.opset(n), det)
     if key is None:
@@ -167,10 +172,14 @@ def _canonical(rw: Rewriter, n: Node, v: Value) -> Value:
 
 
 def _match_constant(rw: Rewriter, n: Node):
+    firsts = rw.state.setdefault("cse_firsts", set())
     for i, v in enumerate(n.inputs):
-        if _mergeable(v, n):
+        # a constant found to be the first of its bytes stays so: many nodes read one
+        if v is not None and v not in firsts and _mergeable(v, n):
             c = _canonical(rw, n, v)
-            if c is not v and not v.is_output_of(n.graph):
+            if c is v:
+                firsts.add(v)
+            elif not v.is_output_of(n.graph):
                 return n, i, v, c
     return None
 

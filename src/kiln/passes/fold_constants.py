@@ -71,14 +71,17 @@ def _foldable(rw: Rewriter, n: Node) -> bool:
 
 def _match_fold(rw: Rewriter, n: Node):
     """(node, output arrays, label, input bytes) when every output is known."""
-    if not _fresh_outputs(n) or not _foldable(rw, n):
+    outs = _fresh_outputs(n)
+    if not outs:
         return None
-    known = _from_syms(n)
-    if known is not None:
-        return n, known, f"{n.op_type} folded (shape known)", None
-    if not n.inputs or any(True for _ in n.subgraphs()):
+    # The cheap tests that turn nearly every node away come before the registry lookup.
+    if all(v.meta.get("sym") is not None for v in outs):
+        known = _from_syms(n) if _foldable(rw, n) else None
+        if known is not None:
+            return n, known, f"{n.op_type} folded (shape known)", None
+    if not n.inputs or any(v is not None and const_value(v) is None for v in n.inputs):
         return None
-    if any(v is not None and const_value(v) is None for v in n.inputs):
+    if any(True for _ in n.subgraphs()) or not _foldable(rw, n):
         return None
     if not any(v.num_uses for v in n.outputs if v is not None):
         return None  # nothing reads it: dead-code elimination takes it, unbuilt

@@ -137,6 +137,9 @@ def _cancel(rw: Rewriter, n: Node):
 
 # -- MatMul + Add -> Gemm; Reshape -> Gemm -> Reshape -> MatMul + Add
 def _add(rw: Rewriter, n: Node):
+    if not any(v is not None and v.producer is not None and v.producer.op_type == "MatMul"
+               for v in n.inputs):
+        return None
     if rw.model.opset < 7 or "axis" in n.attrs:
         return None  # before opset 7, Add and Gemm broadcast only when told, and differently
     t = tensor_type(n.outputs[0])
