@@ -172,6 +172,8 @@ class SymDim:
     # ------------------------------------------------------------ comparison
 
     def __eq__(self, other: object) -> bool:
+        if type(other) is int:  # shapes compare dims with ints most of the time
+            return False
         if isinstance(other, SymDim):
             return self._terms == other._terms
         if isinstance(other, str):
@@ -440,14 +442,19 @@ _INT_OPS: dict[str, Callable[[int, int], bool]] = {
 def broadcast(a: Sequence[Dim], b: Sequence[Dim]) -> tuple[Dim, ...]:
     """Multidirectional (NumPy) broadcast of two shapes with symbolic dims. The model is
     assumed valid: a dim that is not 1 against an unknown or symbolic one is the result."""
+    a, b = tuple(a), tuple(b)
+    if a == b:  # the common case; equal elements compare by identity first
+        return a
     n = max(len(a), len(b))
-    a = (1,) * (n - len(a)) + tuple(a)
-    b = (1,) * (n - len(b)) + tuple(b)
+    a = (1,) * (n - len(a)) + a
+    b = (1,) * (n - len(b)) + b
     out: list[Dim] = []
     for x, y in zip(a, b):
-        if x == 1:
+        if x is y or y == 1:
+            out.append(x)
+        elif x == 1:
             out.append(y)
-        elif y == 1 or (x is not None and x == y):
+        elif x is not None and x == y:
             out.append(x)
         elif x is None or y is None:
             out.append(y if x is None else x)

@@ -21,6 +21,7 @@ from kiln.ir import Dim, DType, SymDim, TensorType
 from kiln.ops import registry
 from kiln.passes.symdim import (
     MAX_SYM_LEN,
+    SYM_TYPES,
     InferContext,
     broadcast,
     const_sym,
@@ -114,14 +115,17 @@ def broadcasting(ctx: InferContext) -> TensorType | None:
     """Multidirectional broadcast of the inputs' shapes; small integer results of the
     arithmetic ops (and Where) get their symbolic values."""
     n = ctx.node
+    value_dtype = ctx.dtype(1 if n.op_type == "Where" else 0)
     f = _BINARY_VALUES.get(n.op_type)
-    if f is not None and len(n.inputs) == 2:
+    if value_dtype is not None and value_dtype not in SYM_TYPES:
+        pass  # only small integer tensors carry symbolic values: no need to look
+    elif f is not None and len(n.inputs) == 2:
         ctx.set_sym(0, _elementwise(f, ctx.sym(0), ctx.sym(1)))
     elif n.op_type == "Where":
         ctx.set_sym(0, _elementwise(lambda c, x, y: (x if c else y) if isinstance(c, int)
                                     else None, ctx.sym(0), ctx.sym(1), ctx.sym(2)))
     shapes = [ctx.shape(i) for i in range(len(n.inputs))]
-    dtype = DType.BOOL if n.op_type in _COMPARISONS else ctx.dtype(1 if n.op_type == "Where" else 0)
+    dtype = DType.BOOL if n.op_type in _COMPARISONS else value_dtype
     if dtype is None or not shapes or any(s is None for s in shapes):
         return None
     out = tuple(shapes[0])  # type: ignore[arg-type]

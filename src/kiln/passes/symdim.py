@@ -175,18 +175,25 @@ class InferContext:
         self.node = node
         self.opset = opset
         self.out_syms: dict[int, tuple[Dim, ...]] = {}
+        self._inputs = node.inputs  # read per call of every accessor: once is enough
+
+    def _input(self, i: int):
+        ins = self._inputs
+        return ins[i] if i < len(ins) else None
 
     def has_input(self, i: int) -> bool:
         """Whether input ``i`` is given (optional inputs may be missing)."""
-        return i < len(self.node.inputs) and self.node.inputs[i] is not None
+        return self._input(i) is not None
 
     def type(self, i: int):
         """Input ``i``'s type, None when missing or unknown."""
-        return self.node.inputs[i].type if self.has_input(i) else None
+        v = self._input(i)
+        return None if v is None else v.type
 
     def tensor_type(self, i: int) -> TensorType | None:
         """Input ``i``'s type when it is a tensor."""
-        t = self.type(i)
+        v = self._input(i)
+        t = None if v is None else v.type
         return t if isinstance(t, TensorType) else None
 
     def shape(self, i: int) -> tuple[Dim, ...] | None:
@@ -206,14 +213,14 @@ class InferContext:
 
     def const(self, i: int) -> np.ndarray | None:
         """Input ``i``'s constant value (not an initializer users may override)."""
-        v = self.node.inputs[i] if self.has_input(i) else None
+        v = self._input(i)
         if v is None or v.const is None or v.meta.get("overridable"):
             return None
         return v.const
 
     def sym(self, i: int) -> tuple[Dim, ...] | None:
         """Input ``i``'s symbolic value (see :func:`sym_of`)."""
-        return sym_of(self.node.inputs[i]) if self.has_input(i) else None
+        return sym_of(self._input(i))
 
     def set_sym(self, i: int, elems: Sequence[Dim] | None) -> None:
         """Record the symbolic value of output ``i`` (None: unknown)."""
