@@ -224,10 +224,25 @@ def _schema(op_type: str, domain: str, version: int) -> _Schema | None:
                    frozenset(name for name, a in s.attributes.items() if a.required))
 
 
-def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: str) -> None:
+class _NodeWhere:
+    """How errors name a node, formatted only when one is raised (a long graph's nodes
+    would otherwise each build the text once)."""
+
+    __slots__ = ("name", "op_type")
+
+    def __init__(self, name: str, op_type: str):
+        self.name, self.op_type = name, op_type
+
+    def __str__(self) -> str:
+        return f"node {self.name or self.op_type!r} ({self.op_type})"
+
+
+def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
+               where: str | _NodeWhere, n_inputs: int | None = None,
+               n_outputs: int | None = None) -> None:
     """Input/output counts, attribute names (unknown, repeated, required) and attribute
     types against the op's schema (onnxruntime rejects the same graphs); the schema lookup
-    is cached per op type and opset."""
+    is cached per op type and opset. The counts may be given (the caller read the names)."""
     version = opsets.get(domain)
     schema = None if version is None else _schema(np_.op_type, domain, version)
     if schema is None:  # onnxruntime refuses repeated attributes on any node
@@ -236,8 +251,9 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int], where: 
             raise ModelLoadError(f"{where}: an attribute appears twice in {names}; the model "
                                  "is malformed")
         return
-    for kind, n, (lo, hi) in (("inputs", len(np_.input), schema.inputs),
-                              ("outputs", len(np_.output), schema.outputs)):
+    for kind, n, (lo, hi) in (
+            ("inputs", len(np_.input) if n_inputs is None else n_inputs, schema.inputs),
+            ("outputs", len(np_.output) if n_outputs is None else n_outputs, schema.outputs)):
         if not lo <= n <= hi:
             want = str(lo) if lo == hi else f"{lo} to {hi}" if hi < 2**30 else f"at least {lo}"
             raise ModelLoadError(f"{where} has {n} {kind}, but {np_.op_type}-{schema.since} "
@@ -419,9 +435,9 @@ class ModelImporter:
         op_type = text(np_.op_type, "op type")
         domain = np_.domain
         domain = "" if domain == "ai.onnx" else text(domain, "op domain")
-        name = np_.name
-        where = f"node {text(name, 'node name') or op_type!r} ({op_type})"
-        check_node(np_, domain, self.opsets, where)
+        name = text(np_.name, "node name")
+        where = _NodeWhere(name, op_type)
+        check_node(np_, domain, self.opsets, where, len(input_names), len(output_names))
         local = scope.maps[0]
         inputs = []
         for n in input_names:
