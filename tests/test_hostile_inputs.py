@@ -55,6 +55,44 @@ def test_too_few_inputs_are_refused_at_load():
         kiln.load(m)
 
 
+def _with_unused(node: onnx.NodeProto) -> onnx.ModelProto:
+    """x -> Neg -> y, plus ``node`` reading x whose result nothing reads."""
+    graph = helper.make_graph(
+        [node, helper.make_node("Neg", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, [2])])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("node, message", [
+    (helper.make_node("Relu", ["x"], [""]), r"output 0 has an empty name.*Relu-14 requires"),
+    (helper.make_node("Add", ["x", ""], ["z"]), r"input 1 has an empty name.*Add-14 requires"),
+    (helper.make_node("Foo", ["x"], ["z"]), r"ai.onnx has no op 'Foo' at opset 17"),
+    # Gelu joined ONNX at opset 20: at 17 no such op exists, even where nothing reads it
+    (helper.make_node("Gelu", ["x"], ["z"]), r"ai.onnx has no op 'Gelu' at opset 17"),
+], ids=["empty required output", "empty required input", "unknown op", "op newer than opset"])
+def test_nodes_onnxruntime_refuses_are_refused_at_load_even_when_unused(node, message):
+    m = _with_unused(node)
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=message):
+        kiln.load(m)
+
+
+def test_empty_names_for_optional_inputs_and_outputs_load_and_run_as_in_onnxruntime():
+    graph = helper.make_graph(
+        [helper.make_node("Clip", ["x", "", ""], ["c"]),
+         helper.make_node("Dropout", ["c"], ["y", ""])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, [3])])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    x = np.array([-1.0, 0.5, 2.0], np.float32)
+    want = ort.InferenceSession(m.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})
+    for backend in BACKENDS:
+        np.testing.assert_array_equal(
+            kiln.InferenceSession(m, backend=backend).run(None, {"x": x})[0], want[0])
+
+
 def test_an_attribute_of_the_wrong_type_is_refused_at_load():
     w = np.ones((4, 1, 3, 3), np.float32)
     graph = helper.make_graph(

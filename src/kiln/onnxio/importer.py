@@ -8,7 +8,7 @@ import functools
 import mmap
 import os
 from collections import ChainMap
-from collections.abc import Callable
+from collections.abc import Callable, Container
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -185,12 +185,21 @@ class _Schema(NamedTuple):
     closed: bool
     """Whether an attribute the schema does not name is refused."""
     required: frozenset[str]
+    single_inputs: tuple[int, ...] = ()
+    """Positions of the inputs that must be given: an empty name there is malformed."""
+    single_outputs: tuple[int, ...] = ()
 
 
+def _singles(params) -> tuple[int, ...]:
+    single = onnx.defs.OpSchema.FormalParameterOption.Single
+    return tuple(i for i, p in enumerate(params) if p.option == single)
+
+
+_ONNX_DOMAINS = ("", "ai.onnx.ml", "ai.onnx.preview.training")
 _ANY_COUNT = (0, 2**31)
 _UNDEFINED = object()
 
-AttributeSource = Callable[[str, str, int], "tuple[int, frozenset[str]] | None"]
+AttributeSource = Callable[[str, str, int], "tuple[int, frozenset[str] | None] | None"]
 _attribute_source: AttributeSource | None = None
 
 # onnx defines LayerNormalization-17 with AllowUncheckedAttributes, so onnx's checker and
@@ -199,29 +208,38 @@ _OPEN_SCHEMAS = {("", "LayerNormalization", 17)}
 
 
 def set_attribute_source(source: AttributeSource | None) -> None:
-    """Where load-time validation learns the attributes of ops ONNX's schemas do not define
-    (``source(domain, op_type, opset) -> (since, names)``, None where it does not know the
-    op): Kiln's op definitions (layered above this module) name the attributes of Kiln's
-    own ops and of the com.microsoft ops and register them here when imported."""
+    """Where load-time validation learns of ops ONNX's schemas do not define
+    (``source(domain, op_type, opset) -> (since, attribute names or None where unchecked)``,
+    None where it does not know the op): Kiln's op definitions (layered above this module)
+    register here when imported. An op in ONNX's own domains that neither knows is refused."""
     global _attribute_source
     _attribute_source = source
-    _schema.cache_clear()
+
+
+def _schema(op_type: str, domain: str, version: int) -> _Schema | None:
+    s = _onnx_schema(op_type, domain, version)
+    if s is not None:
+        return s
+    # Not cached: ops registered after a model was loaded count for the next one.
+    known = _attribute_source(domain, op_type, version) if _attribute_source else None
+    if known is None:
+        return None  # custom domains and model-local functions: their kernels check
+    since, names = known
+    return _Schema(since, _ANY_COUNT, _ANY_COUNT, dict.fromkeys(names or ()),
+                   names is not None, frozenset())
 
 
 @functools.cache
-def _schema(op_type: str, domain: str, version: int) -> _Schema | None:
+def _onnx_schema(op_type: str, domain: str, version: int) -> _Schema | None:
     try:
         s = onnx.defs.get_schema(op_type, version, domain)
     except onnx.defs.SchemaError:
-        known = _attribute_source(domain, op_type, version) if _attribute_source else None
-        if known is None:
-            return None  # custom domains and model-local functions: their kernels check
-        since, names = known
-        return _Schema(since, _ANY_COUNT, _ANY_COUNT, dict.fromkeys(names), True, frozenset())
+        return None
     return _Schema(s.since_version, (s.min_input, s.max_input), (s.min_output, s.max_output),
                    {name: int(a.type) for name, a in s.attributes.items()},
                    (domain, op_type, s.since_version) not in _OPEN_SCHEMAS,
-                   frozenset(name for name, a in s.attributes.items() if a.required))
+                   frozenset(name for name, a in s.attributes.items() if a.required),
+                   _singles(s.inputs), _singles(s.outputs))
 
 
 class _NodeWhere:
@@ -238,26 +256,42 @@ class _NodeWhere:
 
 
 def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
-               where: str | _NodeWhere, n_inputs: int | None = None,
-               n_outputs: int | None = None) -> None:
-    """Input/output counts, attribute names (unknown, repeated, required) and attribute
-    types against the op's schema (onnxruntime rejects the same graphs); the schema lookup
-    is cached per op type and opset. The counts may be given (the caller read the names)."""
+               where: str | _NodeWhere, input_names: list[str] | None = None,
+               output_names: list[str] | None = None,
+               local_functions: Container[tuple[str, str]] = ()) -> None:
+    """The op exists (in ONNX's own domains), input/output counts and required ones named,
+    attribute names (unknown, repeated, required) and attribute types against the op's
+    schema (onnxruntime rejects the same graphs); the schema lookup is cached per op type
+    and opset. The names may be given (the caller read them)."""
     version = opsets.get(domain)
     schema = None if version is None else _schema(np_.op_type, domain, version)
+    if schema is None and version is not None and domain in _ONNX_DOMAINS and \
+            (domain, np_.op_type) not in local_functions:
+        raise ModelLoadError(
+            f"{where}: {domain or 'ai.onnx'} has no op {np_.op_type!r} at opset {version}; "
+            f"the model is malformed, or needs a newer ONNX than the installed "
+            f"onnx {onnx.__version__}")
     if schema is None:  # onnxruntime refuses repeated attributes on any node
         names = [a.name for a in np_.attribute]
         if len(set(names)) < len(names):
             raise ModelLoadError(f"{where}: an attribute appears twice in {names}; the model "
                                  "is malformed")
         return
-    for kind, n, (lo, hi) in (
-            ("inputs", len(np_.input) if n_inputs is None else n_inputs, schema.inputs),
-            ("outputs", len(np_.output) if n_outputs is None else n_outputs, schema.outputs)):
+    for kind, names, (lo, hi), singles in (
+            ("inputs", list(np_.input) if input_names is None else input_names,
+             schema.inputs, schema.single_inputs),
+            ("outputs", list(np_.output) if output_names is None else output_names,
+             schema.outputs, schema.single_outputs)):
+        n = len(names)
         if not lo <= n <= hi:
             want = str(lo) if lo == hi else f"{lo} to {hi}" if hi < 2**30 else f"at least {lo}"
             raise ModelLoadError(f"{where} has {n} {kind}, but {np_.op_type}-{schema.since} "
                                  f"takes {want}; the model is malformed")
+        for i in singles:
+            if i < n and not names[i]:
+                raise ModelLoadError(
+                    f"{where}: its {kind[:-1]} {i} has an empty name, but "
+                    f"{np_.op_type}-{schema.since} requires it; the model is malformed")
     types = schema.attr_types
     seen = set()
     for a in np_.attribute:
@@ -346,6 +380,7 @@ class ModelImporter:
         self.raw = raw
         """The main graph's initializer bytes when they were cut out of ``proto``."""
         self.opsets: dict[str, int] = {}
+        self.function_keys = {(f.domain, f.name) for f in proto.functions}
 
     def model(self) -> Model:
         p = self.proto
@@ -437,7 +472,8 @@ class ModelImporter:
         domain = "" if domain == "ai.onnx" else text(domain, "op domain")
         name = text(np_.name, "node name")
         where = _NodeWhere(name, op_type)
-        check_node(np_, domain, self.opsets, where, len(input_names), len(output_names))
+        check_node(np_, domain, self.opsets, where, input_names, output_names,
+                   self.function_keys)
         local = scope.maps[0]
         inputs = []
         for n in input_names:

@@ -22,19 +22,20 @@ schemas; other custom domains, including users' ``register_op`` ones, are not ch
 _PREPARED = {"FusedConv": frozenset(CONV_ATTRS) | {"activation", "activation_params"}}
 
 
-def attribute_names(domain: str, op_type: str, opset: int) -> tuple[int, frozenset[str]] | None:
-    """``(since, attribute names)`` of the op version Kiln defines for ``opset`` in one of
-    :data:`DOMAINS`, or None where Kiln does not know them."""
-    if domain not in DOMAINS:
-        return None
+def attribute_names(domain: str, op_type: str, opset: int
+                    ) -> tuple[int, frozenset[str] | None] | None:
+    """``(since, attribute names)`` of the op version Kiln defines for ``opset``, the names
+    None where Kiln does not check them (outside :data:`DOMAINS`, or a kernel taking
+    ``**attrs``); None when Kiln has no such op."""
     opdef = lookup(domain, op_type, opset)
     if opdef is None:
         return None
+    if domain not in DOMAINS:
+        return opdef.since, None
     if opdef.prepare:
-        names = _PREPARED.get(op_type)
-        return None if names is None else (opdef.since, names)
+        return opdef.since, _PREPARED.get(op_type)
     if "*" in opdef.reference.attr_names:
-        return None
+        return opdef.since, None
     return opdef.since, opdef.reference.attr_names
 
 
