@@ -78,6 +78,25 @@ def test_nodes_onnxruntime_refuses_are_refused_at_load_even_when_unused(node, me
         kiln.load(m)
 
 
+def test_a_model_output_of_element_type_undefined_is_refused_at_load():
+    m = _relu()
+    m.graph.output[0].type.tensor_type.elem_type = 0
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=r"output 'y' declares element type 0"):
+        kiln.load(m)
+
+
+def test_attributes_are_checked_when_the_model_imports_no_default_opset():
+    """The long campaign's case 3167043: the opset import's domain was garbled, and Kiln
+    ran the Conv (at opset 1, its fallback) without checking its attribute 'pad='."""
+    m = _relu(alpha=1.0)
+    del m.opset_import[:]
+    m.opset_import.append(helper.make_opsetid("garbled.domain", 1))
+    assert _ort_rejects(m)
+    with pytest.raises(ModelLoadError, match=r"'alpha'"):
+        kiln.load(m)
+
+
 def test_empty_names_for_optional_inputs_and_outputs_load_and_run_as_in_onnxruntime():
     graph = helper.make_graph(
         [helper.make_node("Clip", ["x", "", ""], ["c"]),

@@ -263,7 +263,8 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
     attribute names (unknown, repeated, required) and attribute types against the op's
     schema (onnxruntime rejects the same graphs); the schema lookup is cached per op type
     and opset. The names may be given (the caller read them)."""
-    version = opsets.get(domain)
+    # A model that imports no default-domain opset runs its ONNX ops at opset 1 (Model.opset)
+    version = opsets.get(domain, 1 if domain == "" else None)
     schema = None if version is None else _schema(np_.op_type, domain, version)
     if schema is None and version is not None and domain in _ONNX_DOMAINS and \
             (domain, np_.op_type) not in local_functions:
@@ -337,13 +338,13 @@ def _unknown_attribute(np_: onnx.NodeProto, name: str | bytes, schema: _Schema,
     return f"{where} has {what}; {op} {takes}; remove or rename it"
 
 
-def _input_type(vi: onnx.ValueInfoProto) -> ValueType | None:
-    """A graph input's declared type. A tensor input must name its element type: type 0
-    (UNDEFINED) leaves the feed unchecked and the passes untyped; onnxruntime refuses it."""
+def _declared_type(vi: onnx.ValueInfoProto, what: str = "input") -> ValueType | None:
+    """A graph input's or output's declared type. A tensor must name its element type: type
+    0 (UNDEFINED) leaves a feed unchecked and the passes untyped; onnxruntime refuses it."""
     t = value_type(vi.type)
     if isinstance(t, TensorType) and t.dtype == DType.UNDEFINED:
-        raise ModelLoadError(f"input {vi.name!r} declares element type 0 (UNDEFINED); give "
-                             "it the element type it takes")
+        raise ModelLoadError(f"{what} {vi.name!r} declares element type 0 (UNDEFINED); give "
+                             "it its element type")
     return t
 
 
@@ -440,7 +441,7 @@ class ModelImporter:
                 # An input with a default (older IR): a feed may override the initializer.
                 scope[vi.name].meta["overridable"] = True
                 continue
-            v = Value(text(vi.name, "input name"), _input_type(vi))
+            v = Value(text(vi.name, "input name"), _declared_type(vi))
             g.inputs.append(v)
             scope[vi.name] = v
         known = set(scope.keys())
@@ -455,7 +456,8 @@ class ModelImporter:
                 raise ModelLoadError(
                     f"subgraph {gp.name!r} returns {vo.name!r} of the enclosing graph directly "
                     "(onnxruntime refuses this too); put an Identity node between them")
-            declared = value_type(vo.type)
+            # onnxruntime refuses element type 0 on the model's outputs (not in subgraphs)
+            declared = _declared_type(vo, "output") if top else value_type(vo.type)
             if declared is not None and (v.type is None or not top or v.producer is not None):
                 v.type = declared
             g.outputs.append(v)
