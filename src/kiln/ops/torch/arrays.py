@@ -74,7 +74,10 @@ def floats(x) -> list[float]:
 def scalar(x):
     """A one-element tensor as a Python number."""
     if isinstance(x, torch.Tensor):
-        return x.reshape(-1)[0].item()
+        # one call for a tensor of any shape holding one element
+        return x.item() if x.numel() == 1 else x.reshape(-1)[0].item()
+    if isinstance(x, (int, float)):
+        return x
     return np.asarray(x).reshape(-1)[0].item()
 
 

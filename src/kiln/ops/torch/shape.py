@@ -161,8 +161,20 @@ def slice1(x, *, axes=None, ends=None, starts=None):
     return _slice(x, list(starts), list(ends), None if axes is None else list(axes), None)
 
 
-@kernel("Gather", 1)  # 1.75x the generic kernel (index_select)
-def gather(x, indices, *, axis=0):
+@kernel("Gather", 1, prepare=True)  # 1.75x the generic kernel (index_select)
+def gather(site):
+    axis = int(site.attr("axis", 0))
+    k = site.const(1)
+    if k is not None and k.ndim == 0 and k.dtype.kind in "iu":
+        # A constant scalar index (Shape -> Gather in every exported transformer): one
+        # select, which counts negative indices from the end and raises out of range, as
+        # ONNX says; the general path below is four torch calls.
+        k = int(k)
+        return lambda x, indices: x.select(axis, k)
+    return lambda x, indices: _gather(x, indices, axis)
+
+
+def _gather(x, indices, axis: int):
     if indices.dtype not in (torch.int32, torch.int64):
         return NI
     a = axis + x.dim() if axis < 0 else axis
@@ -322,7 +334,7 @@ def range_(site):
         if d == 0:
             return NI
         n = max(math.ceil((lim - s) / d), 0)
-        return s + torch.arange(n, dtype=dtype, device=dev) * d
+        return torch.arange(s, s + n * d, d, dtype=dtype, device=dev)  # integers: exact
     return run
 
 
