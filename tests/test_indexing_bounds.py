@@ -51,3 +51,28 @@ def test_indices_outside_the_axis_are_kernel_errors_like_onnxruntime(op, index, 
         ref.run(None, feed)
     with pytest.raises(KernelError, match=op):
         sess.run(None, feed)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+@pytest.mark.parametrize("index", [-11, 10, -10, -1, 3])
+def test_a_constant_scalar_gather_index_is_checked_like_onnxruntime(index, backend):
+    """Shape -> Gather(constant scalar) is how exporters read one dim; the torch backend
+    runs it as one select, which must still count from the back and refuse out-of-range."""
+    graph = helper.make_graph(
+        [helper.make_node("Gather", ["x", "k"], ["y"], axis=1)], "g", [_X],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor("k", TensorProto.INT64, [], [index])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 16)])
+    proto.graph.input[0].type.tensor_type.shape.dim[1].dim_value = 10
+    proto.graph.input[0].type.tensor_type.shape.dim[0].dim_value = 2
+    feed = {"x": np.arange(20, dtype=np.float32).reshape(2, 10)}
+    ref = ort.InferenceSession(proto.SerializeToString())
+    if -10 <= index < 10:
+        want = ref.run(None, feed)[0]
+        got = kiln.InferenceSession(proto, backend=backend, optimize=False).run(None, feed)[0]
+        np.testing.assert_array_equal(got, want)
+        return
+    with pytest.raises(ORT_ERRORS):
+        ref.run(None, feed)
+    with pytest.raises(KernelError, match="Gather"):
+        kiln.InferenceSession(proto, backend=backend, optimize=False).run(None, feed)
