@@ -324,6 +324,13 @@ def test_an_empty_tensor_with_a_dim_numpy_cannot_hold_is_refused():
         m.graph.initializer.append(helper.make_tensor("e", dtype, [2**62, 0], []))
         with pytest.raises(ModelLoadError, match=r"tensor 'e' is malformed"):
             kiln.load(m)
+    # the long campaign's case 4658185: the same dims with (empty) raw_data, which the
+    # importer reads straight into the array
+    m = _relu()
+    m.graph.initializer.append(helper.make_tensor("e", TP.FLOAT, [0, 2**62, 0], b"",
+                                                  raw=True))
+    with pytest.raises(ModelLoadError, match=r"tensor 'e' is malformed"):
+        kiln.load(m.SerializeToString())
 
 
 def test_dims_whose_product_overflows_int64_are_refused():

@@ -147,7 +147,10 @@ def raw_array(t: onnx.TensorProto, length: int, fill: Callable[[memoryview], Non
             t.data_location != onnx.TensorProto.EXTERNAL and not t.HasField("segment"):
         count = _count(t)
         if count * dtype.numpy.itemsize == length:
-            arr = np.empty(tuple(t.dims), dtype.numpy)
+            try:
+                arr = np.empty(tuple(t.dims), dtype.numpy)
+            except ValueError as e:  # dims NumPy cannot hold, even with no elements
+                raise ModelLoadError(f"tensor {t.name!r} is malformed: {e}") from e
             fill(memoryview(arr.reshape(-1).view(np.uint8)))
             arr.flags.writeable = False
             return arr
