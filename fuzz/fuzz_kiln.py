@@ -13,8 +13,9 @@ under a memory limit (``resource.setrlimit``) and a per-case time limit. Outcome
   op's schema (counts, attribute names and types), which Kiln checks at load too
 - ``wrong``: a result that differs from onnxruntime's
 - ``nan_propagated``: Kiln's result differs only by NaNs where a constant or feed holds a
-  NaN: IEEE arithmetic carries it (NaN times a zero pad is NaN, as in PyTorch), while
-  onnxruntime's kernels skip some products (a convolution's padded taps); not a failure
+  NaN or an infinity: IEEE arithmetic carries it (NaN or inf times a zero pad is NaN, as
+  in PyTorch), while onnxruntime's kernels skip some products (a convolution's padded
+  taps); not a failure
 - ``optimizer_failed``: the optimizer raised and the session ran the model unoptimized
 - ``other``: any other exception, ``crash``: the worker died, ``timeout``, ``memory``
 - ``oracle_crash``: onnxruntime crashed or hung on the case (not Kiln's failure); Kiln then
@@ -315,24 +316,25 @@ def check(data: bytes, feeds: dict, oracle: bool = True) -> str:
             close = np.isclose(g, w, rtol=1e-4, atol=1e-5, equal_nan=True)
             if close.all():
                 continue
-            if _holds_nan(data, feeds) and np.isnan(g[~close]).all():
+            if _holds_nonfinite(data, feeds) and np.isnan(g[~close]).all():
                 cls = "nan_propagated"
             else:
                 return "wrong"
     return cls
 
 
-def _holds_nan(data: bytes, feeds: dict) -> bool:
-    """Whether a feed or a constant of the model holds a NaN."""
+def _holds_nonfinite(data: bytes, feeds: dict) -> bool:
+    """Whether a feed or a constant of the model holds a NaN or an infinity (inf * 0 is
+    NaN as well)."""
     import onnx
     from onnx import numpy_helper
 
     arrays = [np.asarray(v) for v in feeds.values() if isinstance(v, np.ndarray)]
     try:
         arrays += [numpy_helper.to_array(t) for t in onnx.load_from_string(data).graph.initializer]
-    except Exception:  # noqa: BLE001 - a constant onnx cannot read holds no NaN we can see
+    except Exception:  # noqa: BLE001 - a constant onnx cannot read holds no value we can see
         pass
-    return any(a.dtype.kind in "fc" and np.isnan(a).any() for a in arrays)
+    return any(a.dtype.kind in "fc" and not np.isfinite(a).all() for a in arrays)
 
 
 def _run_case(seed: int, oracle: bool = True) -> tuple[str, str]:
