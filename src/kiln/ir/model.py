@@ -607,6 +607,12 @@ class Model:
         """The default-domain (ai.onnx) opset version."""
         return self.opset_imports.get("", self.opset_imports.get("ai.onnx", 1))
 
+    def opset_of(self, domain: str) -> int:
+        """The opset version nodes of ``domain`` run at: the one the model imports for it,
+        else the default domain's."""
+        v = self.opset_imports.get(domain)
+        return v if v is not None else self.opset  # computed only when needed: per node
+
     def check_uses(self) -> list[str]:
         """:func:`check_uses` over the main graph and every function body."""
         out = check_uses(self.graph)

@@ -59,9 +59,7 @@ def infer_graph(g: Graph, model: Model) -> int:
 
 def infer_node(n: Node, model: Model) -> int:
     """Infer ``n``'s output types (and nested graphs); returns how many got refined."""
-    opset = model.opset_imports.get(n.domain)
-    if opset is None:  # the default is computed only when needed
-        opset = model.opset
+    opset = model.opset_of(n.domain)
     changed = 0
     ctx = InferContext(n, opset)
     if any(True for _ in n.subgraphs()):

@@ -62,7 +62,7 @@ def host_read_inputs(model: Model, g: Graph) -> list[Value]:
     Resize's scales, Range's bounds...): where walks over shape computations start."""
     out: list[Value] = []
     for n in g.nodes:
-        d = registry.lookup(n.domain, n.op_type, model.opset_imports.get(n.domain, model.opset))
+        d = registry.lookup(n.domain, n.op_type, model.opset_of(n.domain))
         if d is not None:
             out += [n.inputs[i] for i in d.host_inputs
                     if i < len(n.inputs) and n.inputs[i] is not None]

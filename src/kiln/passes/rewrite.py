@@ -244,8 +244,7 @@ class Rewriter:
 
     # -- the editing API
     def opset(self, n: Node) -> int:
-        v = self.model.opset_imports.get(n.domain)
-        return v if v is not None else self.model.opset
+        return self.model.opset_of(n.domain)
 
     def insert_before(self, anchor: Node, nodes: list[Node]) -> None:
         """Add ``nodes`` to ``anchor``'s graph just before it (it may be removed next)."""

@@ -165,7 +165,7 @@ def inspect(model: Any, backend: str | None = None, device: str | None = None,
     unknown_flops = []
     for i, n in enumerate(g.nodes):
         where, how = chosen.get(n, ("", "unsupported"))
-        fl = layer_flops(n, sizes, m.opset_imports.get(n.domain, m.opset))
+        fl = layer_flops(n, sizes, m.opset_of(n.domain))
         name = n.name or f"{n.op_type}_{i}"
         if fl is None:
             unknown_flops.append(name)
