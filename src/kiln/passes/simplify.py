@@ -137,17 +137,18 @@ def _cancel(rw: Rewriter, n: Node):
 
 # -- MatMul + Add -> Gemm; Reshape -> Gemm -> Reshape -> MatMul + Add
 def _add(rw: Rewriter, n: Node):
-    # The MatMul inputs first: their absence turns nearly every Add away.
-    mms = [(i, mm) for i in (0, 1)
-           if (mm := single_reader(n.inputs[i], n, "MatMul")) is not None]
-    if not mms or rw.model.opset < 7 or "axis" in n.attrs:
+    if not any(v is not None and v.producer is not None and v.producer.op_type == "MatMul"
+               for v in n.inputs):
+        return None
+    if rw.model.opset < 7 or "axis" in n.attrs:
         return None  # before opset 7, Add and Gemm broadcast only when told, and differently
     t = tensor_type(n.outputs[0])
     if t is None or not t.dtype.is_float:
         return None
-    for i, mm in mms:
+    for i in (0, 1):
+        mm = single_reader(n.inputs[i], n, "MatMul")
         c = n.inputs[1 - i]
-        if const_value(c) is None or mm.inputs[1] is None:
+        if mm is None or const_value(c) is None or mm.inputs[1] is None:
             continue
         if rank_of(mm.inputs[0]) != 2 or rank_of(mm.inputs[1]) != 2:
             continue
