@@ -137,6 +137,7 @@ def _cancel(rw: Rewriter, n: Node):
 
 # -- MatMul + Add -> Gemm; Reshape -> Gemm -> Reshape -> MatMul + Add
 def _add(rw: Rewriter, n: Node):
+    # A plain producer test turns nearly every Add away at a third of single_reader's cost
     if not any(v is not None and v.producer is not None and v.producer.op_type == "MatMul"
                for v in n.inputs):
         return None
