@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -110,12 +111,20 @@ def _embedded_array(t: onnx.TensorProto) -> np.ndarray:
     if strings and len(t.string_data) != count:
         raise ModelLoadError(f"string tensor {t.name!r} has {len(t.string_data)} values "
                              f"for dims {list(t.dims)} ({count}); the model is malformed")
-    try:
+    with _refused_by_numpy(t):
         if strings:
             return np.array([s.decode("utf-8", "surrogateescape") for s in t.string_data],
                             dtype=object).reshape(tuple(t.dims))
         return numpy_helper.to_array(t)
-    except (ValueError, TypeError) as e:  # dims NumPy cannot hold, even with no elements
+
+
+@contextlib.contextmanager
+def _refused_by_numpy(t: onnx.TensorProto) -> Iterator[None]:
+    """NumPy's refusal of ``t``'s dims (some it cannot hold even with no element, such as
+    [0, 2^62, 0]) as a ModelLoadError."""
+    try:
+        yield
+    except (ValueError, TypeError) as e:
         raise ModelLoadError(f"tensor {t.name!r} is malformed: {e}") from e
 
 
@@ -147,10 +156,8 @@ def raw_array(t: onnx.TensorProto, length: int, fill: Callable[[memoryview], Non
             t.data_location != onnx.TensorProto.EXTERNAL and not t.HasField("segment"):
         count = _count(t)
         if count * dtype.numpy.itemsize == length:
-            try:
+            with _refused_by_numpy(t):
                 arr = np.empty(tuple(t.dims), dtype.numpy)
-            except ValueError as e:  # dims NumPy cannot hold, even with no elements
-                raise ModelLoadError(f"tensor {t.name!r} is malformed: {e}") from e
             fill(memoryview(arr.reshape(-1).view(np.uint8)))
             arr.flags.writeable = False
             return arr
