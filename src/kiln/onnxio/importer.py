@@ -256,13 +256,12 @@ class _NodeWhere:
 
 
 def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
-               where: str | _NodeWhere, input_names: list[str] | None = None,
-               output_names: list[str] | None = None,
+               where: str | _NodeWhere, input_names: list[str], output_names: list[str],
                local_functions: Container[tuple[str, str]] = ()) -> None:
     """The op exists (in ONNX's own domains), input/output counts and required ones named,
     attribute names (unknown, repeated, required) and attribute types against the op's
     schema (onnxruntime rejects the same graphs); the schema lookup is cached per op type
-    and opset. The names may be given (the caller read them)."""
+    and opset. ``input_names``/``output_names`` are the node's, read from it once."""
     # A model that imports no default-domain opset runs its ONNX ops at opset 1 (Model.opset)
     version = opsets.get(domain, 1 if domain == "" else None)
     schema = None if version is None else _schema(np_.op_type, domain, version)
@@ -279,10 +278,8 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
                                  "is malformed")
         return
     for kind, names, (lo, hi), singles in (
-            ("inputs", list(np_.input) if input_names is None else input_names,
-             schema.inputs, schema.single_inputs),
-            ("outputs", list(np_.output) if output_names is None else output_names,
-             schema.outputs, schema.single_outputs)):
+            ("inputs", input_names, schema.inputs, schema.single_inputs),
+            ("outputs", output_names, schema.outputs, schema.single_outputs)):
         n = len(names)
         if not lo <= n <= hi:
             want = str(lo) if lo == hi else f"{lo} to {hi}" if hi < 2**30 else f"at least {lo}"
