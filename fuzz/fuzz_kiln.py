@@ -45,7 +45,7 @@ import warnings
 import numpy as np
 import onnx
 from onnx import TensorProto as TP
-from onnx import helper
+from onnx import helper, numpy_helper
 
 OK_CLASSES = frozenset({"correct", "kiln_error", "unchecked", "invalid", "oracle_crash",
                         "nan_propagated"})
@@ -326,9 +326,6 @@ def check(data: bytes, feeds: dict, oracle: bool = True) -> str:
 def _holds_nonfinite(data: bytes, feeds: dict) -> bool:
     """Whether a feed or a constant of the model holds a NaN or an infinity (inf * 0 is
     NaN as well)."""
-    import onnx
-    from onnx import numpy_helper
-
     arrays = [np.asarray(v) for v in feeds.values() if isinstance(v, np.ndarray)]
     try:
         arrays += [numpy_helper.to_array(t) for t in onnx.load_from_string(data).graph.initializer]
