@@ -107,7 +107,10 @@ class Rewriter:
                     self._queued.add(n)
                     self._queue.append(n)
         t0 = time.perf_counter()
-        while self._queue:
+        while self._queue or self._seeds:
+            if not self._queue:
+                self._flush()
+                continue
             n = self._queue.popleft()
             self._queued.discard(n)
             if n.graph is None:
@@ -153,7 +156,6 @@ class Rewriter:
                 continue
             self._declines.pop(key, None)
             label = rule.apply(self, m)
-            self._flush()
             if label:
                 self.records[rule.owner].add(label)
                 self.applied += 1
