@@ -21,7 +21,7 @@ import numpy as np
 
 from kiln.ir import TensorType
 from kiln.ir.symbolic import broadcast
-from kiln.ops import cost
+from kiln.ops import cost, registry
 from kiln.ops.conv import CONV_ATTRS, convolve, prepare_winograd
 from kiln.ops.function_body import function_body
 from kiln.ops.registry import KILN_DOMAIN, op
@@ -236,6 +236,10 @@ def _infer_as(ctx, op_type: str, n_inputs: int, drop: tuple[str, ...]):
     attrs = {k: v for k, v in node.attrs.items() if k not in drop}
     probe = Node(op_type, node.inputs[:n_inputs], [None], attrs)
     probe.outputs = node.outputs[:1]
+    rule = registry.lookup("", op_type, 21).infer
+    t = rule(type(ctx)(probe, 21)) if rule is not None else None
+    if t is not None and t.shape is not None and all(d is not None for d in t.shape):
+        return t
     return onnx_infer(probe, 21, {"": 21})[0]
 
 
