@@ -149,6 +149,7 @@ def _rewrite(model: Model, passes: list[RulePass], report: OptimizeReport, infer
         stages += [(1, [r for p in passes for r in p.owned_rules() if not r.needs_types],
                     False)]
     done: set[tuple[str, str]] = set()
+    state: dict = {}  # rules' tables (CSE's constant fingerprints) outlive a stage
     for stage, rules, typed in stages:
         if stage == 1 and infer:
             _analysis(InferShapes(), model, report)
@@ -156,7 +157,8 @@ def _rewrite(model: Model, passes: list[RulePass], report: OptimizeReport, infer
         t0 = time.perf_counter()
         # rules that ran to a fixed point in an earlier stage only need the changes
         sweep = [r for r in rules if (r.owner, r.name) not in done]
-        rw = run_rules(model, rules, records, infer=typed, budget=budget, sweep=sweep)
+        rw = run_rules(model, rules, records, infer=typed, budget=budget, sweep=sweep,
+                       state=state)
         done |= {(r.owner, r.name) for r in rules}
         report.rewrites += rw.applied
         report.converged &= rw.converged

@@ -158,14 +158,16 @@ def _canonical(rw: Rewriter, n: Node, v: Value) -> Value:
     """The first constant of ``n``'s graph with ``v``'s dtype, shape and bytes."""
     table = rw.state.setdefault("cse_const", {})
     prints = rw.state.setdefault("cse_print", {})
-    h = prints.get(v)
-    if h is None:
-        h = prints[v] = _fingerprint(v.const)
-    bucket = table.setdefault((id(n.graph), v.const.dtype.str, v.const.shape, h), [])
+    const = v.const
+    seen = prints.get(v)
+    if seen is None or seen[0] is not const:  # a value may be given a new array
+        seen = prints[v] = (const, _fingerprint(const))
+    bucket = table.setdefault((id(n.graph), const.dtype.str, const.shape, seen[1]), [])
     for c in bucket:
         if c is v:
             return v
-        if np.array_equal(_bytes(c.const), _bytes(v.const)):
+        if c.const is not None and n.graph.initializers.get(c.name) is c and \
+                np.array_equal(_bytes(c.const), _bytes(const)):
             return c
     bucket.append(v)
     return v

@@ -64,7 +64,7 @@ class Rewriter:
 
     def __init__(self, model: Model, rules: Iterable[Rule], records: dict[str, PassRecord],
                  infer: bool = True, budget: int | None = None,
-                 sweep: Iterable[Rule] | None = None):
+                 sweep: Iterable[Rule] | None = None, state: dict[str, Any] | None = None):
         self.model = model
         self.rules = list(rules)
         self._sweep = None if sweep is None else {id(r) for r in sweep}
@@ -92,8 +92,8 @@ class Rewriter:
         self.applied = 0
         self.budget = budget
         self.converged = True
-        self.state: dict[str, Any] = {}
-        """Per-run scratch space for rules (CSE's table of node keys)."""
+        self.state: dict[str, Any] = {} if state is None else state
+        """Scratch space for rules (CSE's tables), shared by the stages of one optimize."""
 
     # -- driving
     def run(self) -> None:
@@ -326,15 +326,17 @@ class Rewriter:
 
 def run_rules(model: Model, rules: Iterable[Rule], records: dict[str, PassRecord], *,
               infer: bool = True, budget: int | None = None,
-              sweep: Iterable[Rule] | None = None) -> Rewriter:
+              sweep: Iterable[Rule] | None = None,
+              state: dict[str, Any] | None = None) -> Rewriter:
     """Apply ``rules`` to ``model`` until none applies; changes go into ``records`` (one
     per rule owner, created when missing). ``sweep``: the rules the first pass over the
-    graph tries (the others are at a fixed point already; they still apply near changes).
+    graph tries (the others are at a fixed point already; they still apply near changes);
+    ``state``: the rules' scratch space, to share it with a later run on the same model.
     Returns the engine (for its counters)."""
     rules = list(rules)
     for r in rules:
         records.setdefault(r.owner, PassRecord(r.owner))
-    rw = Rewriter(model, rules, records, infer=infer, budget=budget, sweep=sweep)
+    rw = Rewriter(model, rules, records, infer=infer, budget=budget, sweep=sweep, state=state)
     rw.run()
     return rw
 
