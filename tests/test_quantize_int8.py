@@ -229,6 +229,52 @@ def test_weight_only_matches_onnxruntime(mlp_model, bits, block):
     np.testing.assert_allclose(k, g, atol=2e-2)  # onnxruntime's fused kernel rounds more
 
 
+def _embedding_model(vocab: int = 300, width: int = 24) -> onnx.ModelProto:
+    """ids -> Gather(table) -> MatMul(w): a token embedding and a projection."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(7)
+    table = (rng.standard_normal((vocab, width)) * rng.uniform(0.1, 3, width)).astype(np.float32)
+    w = rng.standard_normal((width, 5)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["table", "ids"], ["emb"], name="embed"),
+         helper.make_node("MatMul", ["emb", "w"], ["y"], name="proj")], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, ["n", "s"])],
+        [helper.make_tensor_value_info("emb", TensorProto.FLOAT, ["n", "s", width]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "s", 5])],
+        [numpy_helper.from_array(table, "table"), numpy_helper.from_array(w, "w")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_embedding_tables_int8_per_column(mode):
+    """The Gather reads an int8 table and a DequantizeLinear follows it: every gathered
+    element is within half a step of its column's grid of the float one in onnxruntime,
+    and Kiln's backends compute what onnxruntime computes on the file."""
+    model = _embedding_model()
+    ids = np.random.default_rng(1).integers(0, 300, (4, 9))
+    q = kiln.quantize(model, mode, [{"ids": ids}], measure_latency=False)
+    proto = to_proto(q.model)
+    onnx.checker.check_model(proto, full_check=True)
+    inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
+    gather = next(n for n in proto.graph.node if n.op_type == "Gather")
+    assert inits[gather.input[0]].dtype == np.int8
+    assert not any(a.dtype == np.float32 and a.shape == (300, 24) for a in inits.values())
+    dq = next(n for n in proto.graph.node if gather.output[0] in n.input)
+    assert dq.op_type == "DequantizeLinear"
+    step = inits[dq.input[1]]
+    assert step.shape == (24,)  # one scale per column
+    fresh = np.random.default_rng(2).integers(0, 300, (3, 11))
+    ref, got = ort_run(model, {"ids": fresh}), ort_run(proto, {"ids": fresh})
+    assert np.all(np.abs(got[0] - ref[0]) <= step / 2 * (1 + 1e-6))
+    for backend in ("numpy", "torch"):
+        mine = kiln.InferenceSession(proto, backend=backend).run(None, {"ids": fresh})
+        np.testing.assert_allclose(mine[0], got[0], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(mine[1], got[1], rtol=0, atol=_one_step(proto)
+                                   if mode == "static" else 1e-2)
+    assert q.report.size_after < 0.4 * q.report.size_before
+
+
 def test_static_mlp_matches_onnxruntime(mlp_model):
     rng = np.random.default_rng(0)
     cal = [{"x": rng.standard_normal((16, 4)).astype(np.float32)} for _ in range(4)]

@@ -90,11 +90,13 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     feeds = load_feeds(calibration, inputs) if calibration is not None or mode == "static" \
         else []
     exclude = set(exclude)
-    types = tuple(op_types) if op_types is not None else qdq.COMPUTE_OPS + qdq.ELEMENTWISE_OPS
+    types = tuple(op_types) if op_types is not None else \
+        qdq.COMPUTE_OPS + qdq.ELEMENTWISE_OPS + qdq.EMBEDDING_OPS
     ranges = None
     if mode == "static":
         plan = qdq.plan_layers(base, mode, types, exclude)
-        tensors = sorted({v.name for n in plan.quantized for v in list(n.inputs) + list(n.outputs)
+        tensors = sorted({v.name for n in plan.quantized if n.op_type not in qdq.EMBEDDING_OPS
+                          for v in list(n.inputs) + list(n.outputs)
                           if v is not None and v.const is None and v.dtype == DType.FLOAT})
         ranges = calibrate(base, tensors, feeds, method, percentile, backend, on_batch)
 
@@ -200,7 +202,8 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
     gap = budget.shortfall(compare(original, m, check, backend))
     if gap == 0:
         return m, plan, {}
-    names = [n.name for n in plan.quantized if n.op_type in qdq.COMPUTE_OPS and n.name]
+    names = [n.name for n in plan.quantized
+             if n.op_type in qdq.COMPUTE_OPS + qdq.EMBEDDING_OPS and n.name]
     gain = {}
     for name in names:
         trial, _ = build(exclude | {name})

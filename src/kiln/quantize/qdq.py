@@ -12,6 +12,10 @@ file and one that has integer kernels (onnxruntime, Kiln's torch backend) fuses 
   rounds once (an integer kernel computes layer, bias and activation together).
 - Activations, dynamic: ``DynamicQuantizeLinear`` computes the scale at run time, a
   DequantizeLinear follows it, only in front of Conv/ConvTranspose/MatMul/Gemm.
+- Embedding tables (a Gather's constant float data, in both modes): the Gather reads an
+  int8 copy and a DequantizeLinear follows it, per column (8 bits, symmetric), so only
+  the rows read are converted and every runtime runs the Gather on int8 (a DQ before the
+  Gather would convert the whole table on every run where DQ is not constant-folded).
 """
 
 from __future__ import annotations
@@ -24,14 +28,18 @@ from kiln.ir import DType, Graph, Model, Node, TensorType, Value
 from kiln.passes.base import add_const
 from kiln.quantize.calibrate import Range
 
-__all__ = ["COMPUTE_OPS", "ELEMENTWISE_OPS", "Plan", "act_params", "plan_layers",
-           "quantize_weight", "rewrite"]
+__all__ = ["COMPUTE_OPS", "ELEMENTWISE_OPS", "EMBEDDING_OPS", "Plan", "act_params",
+           "plan_layers", "quantize_weight", "rewrite"]
 
 COMPUTE_OPS = ("Conv", "ConvTranspose", "MatMul", "Gemm")
 # Quantized only when every non-constant input comes from a quantized layer: they keep a
 # chain of integer layers unbroken, they do not start one.
 ELEMENTWISE_OPS = ("Add", "Mul", "Relu", "Clip", "MaxPool", "AveragePool",
                    "GlobalAveragePool")
+EMBEDDING_OPS = ("Gather",)
+MIN_TABLE = 1024
+"""Elements a Gather's table needs to be quantized (a token-type table of 2 rows gains
+nothing and costs a node)."""
 
 
 @dataclass
@@ -68,6 +76,10 @@ def plan_layers(m: Model, mode: str, op_types: tuple[str, ...], exclude: set[str
         if n.name in exclude or n.op_type in exclude:
             plan.kept[label] = "excluded by the caller"
             continue
+        if n.op_type in EMBEDDING_OPS:
+            if _is_table(n.inputs[0]):
+                plan.quantized.append(n)  # its output is float: it starts no integer chain
+            continue
         if not floats or n.outputs[0].dtype != DType.FLOAT:
             plan.kept[label] = "not float32"
             continue
@@ -88,6 +100,11 @@ def plan_layers(m: Model, mode: str, op_types: tuple[str, ...], exclude: set[str
         plan.quantized.append(n)
         done.update(o for o in n.outputs if o is not None)
     return plan
+
+
+def _is_table(v: Value | None) -> bool:
+    c = None if v is None or v.meta.get("overridable") else v.const
+    return c is not None and c.dtype == np.float32 and c.ndim >= 2 and c.size >= MIN_TABLE
 
 
 def quantize_weight(w: np.ndarray, axis: int | None, bits: int = 8
@@ -131,6 +148,8 @@ class _Editor:
         self.order = {n: i for i, n in enumerate(g.nodes)}
         self.weights: dict[tuple[Value, int | None], Value] = {}
         self.acts: dict[Value, tuple[Value, np.ndarray]] = {}
+        self.gathered: set[Value] = set()
+        """Outputs of the DequantizeLinear after a quantized table's Gather."""
 
     def _first_reader(self, v: Value) -> Node:
         readers = [u.node for u in v.uses if u.node in self.order]
@@ -145,6 +164,35 @@ class _Editor:
             self.weights[key] = self._dq(w, q, scale, np.zeros(scale.shape, np.int8), attrs,
                                          self._first_reader(w))
         return self.weights[key], self.weights[key].meta["scale"]
+
+    def table(self, n: Node, per_column: bool) -> None:
+        """Make Gather ``n`` read an int8 copy of its constant table and dequantize what
+        it gathered: per column when the gathered axis is not the last."""
+        w, out = n.inputs[0], n.outputs[0]
+        last = w.const.ndim - 1
+        axis = n.attrs.get("axis", 0)
+        per_column = per_column and axis not in (last, -1)
+        key = (w, last if per_column else None)
+        if key not in self.weights:
+            q, scale = quantize_weight(w.const, key[1])
+            qv = add_const(self.g, f"{w.name}_quantized", q)
+            qv.meta["scale"] = scale
+            self.weights[key] = qv
+        qv = self.weights[key]
+        scale = qv.meta["scale"]
+        readers = [u.node for u in out.uses if u.node in self.order]
+        gathered = Value(f"{out.name}_gathered", TensorType(DType.INT8, out.shape))
+        n.set_input(0, qv)
+        n.outputs = [gathered]
+        dq = Node("DequantizeLinear",
+                  [gathered, add_const(self.g, f"{out.name}_scale", scale),
+                   add_const(self.g, f"{out.name}_zero_point", np.zeros(scale.shape, np.int8))],
+                  [out], {"axis": -1} if per_column else {}, name=f"{out.name}_DequantizeGathered")
+        self.gathered.add(out)
+        if readers:
+            self.g.insert_before(min(readers, key=self.order.__getitem__), [dq])
+        else:
+            self.g.append(dq)
 
     def bias(self, b: Value, scale: np.ndarray) -> Value:
         """DQ(int32 ``b`` at ``scale``), the bias precision integer kernels accumulate in."""
@@ -215,10 +263,14 @@ def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
     per_channel = per_channel and m.opset >= 13
     inner = _activation_inputs(m.graph, plan) if mode == "static" else set()
     for n in plan.quantized:
+        if n.op_type in EMBEDDING_OPS:
+            ed.table(n, per_channel)
+            continue
         if mode == "static":
             for i, v in enumerate(list(n.inputs)):
                 if v is None or v.const is not None or v.dtype != DType.FLOAT or v in inner or \
-                        v.producer is not None and v.producer.op_type == "DequantizeLinear":
+                        v.producer is not None and v.producer.op_type == "DequantizeLinear" \
+                        and v not in ed.gathered:  # a table's per-column grid is no activation's
                     continue
                 if v in ed.acts:
                     n.set_input(i, ed.acts[v][0])
@@ -242,6 +294,8 @@ def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
                     n.set_input(2, ed.bias(b, x_scale * w_scale))
     if mode == "static":
         for n in plan.quantized:
+            if n.op_type in EMBEDDING_OPS:
+                continue
             for o in n.outputs:
                 if o is not None and o.dtype == DType.FLOAT and o.uses and o not in ed.acts \
                         and o not in inner and o.name in ranges:
