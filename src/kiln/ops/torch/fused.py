@@ -129,7 +129,8 @@ def fused_matmul(site):
     lin = None
     if low is None and wc is not None and wc.ndim == 2 and wc.dtype.name == "float32" and (
             bc is None or (bc.ndim == 1 and bc.shape[0] == wc.shape[1])):
-        lin = (site.backend.from_numpy(wc.T.copy()),
+        # torch's blocked transpose copies a wide weight ~5x faster than NumPy's .T.copy()
+        lin = (site.backend.from_numpy(wc).t().contiguous(),
                None if bc is None else site.backend.from_numpy(bc))
 
     def run(a, b, bias=None, z=None, *more):
