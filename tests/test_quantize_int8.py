@@ -345,8 +345,10 @@ def test_cli_quantize(tmp_path, digits, capsys):
 
 
 @pytest.mark.slow
-# About 100 s (resnet18) and 190 s (mobilenetv2) on 2 cores: one trial build per layer.
-@pytest.mark.parametrize("name", ["bert", "resnet18", "mobilenetv2"])
+# About 100 s on 2 cores (one trial build per layer). Only resnet18 keeps some layers
+# quantized within this budget; bert and mobilenetv2 revert every layer (their near-tie
+# logits flip on any 8-bit layer), where the check below would pass on a float model.
+@pytest.mark.parametrize("name", ["resnet18"])
 def test_zoo_static_within_top1_budget(zoo_model, name):
     """Plain static INT8 of the zoo's seeded random-weight models keeps only 25-75% top-1
     agreement (their logits are near-ties: median top-1/top-2 margin 0.16 on resnet18);
@@ -368,3 +370,4 @@ def test_zoo_static_within_top1_budget(zoo_model, name):
             agree += int((r2.argmax(-1) == g2.argmax(-1)).sum())
             rows += len(r2)
     assert agree / rows >= 0.99
+    assert q.report.quantized, "every layer was reverted: the file is the float model"
