@@ -64,20 +64,30 @@ def gemm(a, b, c=None, *, alpha=1.0, beta=1.0, transA=0, transB=0):
     return _gemm(a, b, c, alpha, beta, transA, transB)
 
 
-@op("MatMulInteger", 10, differentiable=False, cost=cost.matmul)
-def matmul_integer(a, b, a_zero_point=None, b_zero_point=None):
-    """Integer matmul with zero points, as exact int32. float64 BLAS is exact here: int8
-    products summed over any realistic K stay far below 2**53."""
-    a = a.astype(np.float64)
+def _minus_zero_point(b: np.ndarray, zp: np.ndarray | None) -> np.ndarray:
     b = b.astype(np.float64)
-    if a_zero_point is not None:
-        zp = a_zero_point.astype(np.float64)
-        if zp.ndim == 1 and zp.size > 1:  # per-row zero point of A
-            zp = zp.reshape(-1, 1)
-        a = a - zp
-    if b_zero_point is not None:
-        b = b - b_zero_point.astype(np.float64)  # scalar or per-column: broadcasts as is
-    return np.matmul(a, b).astype(np.int32)
+    return b if zp is None else b - zp.astype(np.float64)  # scalar or per column
+
+
+@op("MatMulInteger", 10, differentiable=False, cost=cost.matmul, prepare=True)
+def matmul_integer(site):
+    """Integer matmul with zero points, as exact int32. float64 BLAS is exact here: int8
+    products summed over any realistic K stay far below 2**53. A constant B (a quantized
+    weight) is converted once, when the session is prepared, not on every run."""
+    fixed = None
+    if site.const(1) is not None and (not site.has_input(3) or site.const(3) is not None):
+        fixed = _minus_zero_point(site.const(1), site.const(3))
+
+    def run(a, b, a_zero_point=None, b_zero_point=None):
+        a = a.astype(np.float64)
+        if a_zero_point is not None:
+            zp = a_zero_point.astype(np.float64)
+            if zp.ndim == 1 and zp.size > 1:  # per-row zero point of A
+                zp = zp.reshape(-1, 1)
+            a = a - zp
+        b = fixed if fixed is not None else _minus_zero_point(b, b_zero_point)
+        return np.matmul(a, b).astype(np.int32)
+    return run
 
 
 @op("Einsum", 12)

@@ -255,3 +255,39 @@ def dynamic_quantize_linear(x):
     zp = float(np.clip(np.rint(np.float32(-lo) / scale), 0, 255))
     y = torch.round(x / torch.tensor(scale)).add_(zp).clamp_(0, 255).to(torch.uint8)
     return y, torch.tensor(scale), torch.tensor(int(zp), dtype=torch.uint8)
+
+
+# float32 adds integers exactly while every partial sum stays below 2**24.
+_EXACT_F32 = 2.0 ** 24
+
+
+@kernel("MatMulInteger", 10, prepare=True)
+def matmul_integer(site):
+    """Exact int32 MatMulInteger (onnxruntime's dynamic quantization writes one per layer)
+    with a constant B on float32 BLAS: B minus its zero point is converted once, and K is
+    cut into chunks short enough that float32 sums the integer products exactly; the
+    chunks' sums add in float64. The shared kernel's float64 product on NumPy costs 3-4x
+    more a layer (0.38 ms for BERT's 16 x 256 x 256 layers)."""
+    b, bz = site.const(1), site.const(3)
+    if b is None or b.ndim != 2 or site.has_input(3) and bz is None or \
+            b.dtype not in (np.int8, np.uint8):
+        return None
+    w = b.astype(np.float32) - (0 if bz is None else bz.astype(np.float32))
+    chunk = max(1, int(_EXACT_F32 // (255 * max(float(np.abs(w).max(initial=0)), 1.0))))
+    pieces = [(k, site.backend.from_numpy(np.ascontiguousarray(w[k:k + chunk])))
+              for k in range(0, w.shape[0], chunk)]
+
+    def run(a, b_, a_zero_point=None, b_zero_point=None):
+        if a.dtype not in _EIGHT or a_zero_point is not None and a_zero_point.numel() != 1:
+            return NI
+        x = a.to(torch.float32)  # |a - a_zero_point| <= 255
+        if a_zero_point is not None:
+            x -= a_zero_point.reshape(()).to(torch.float32)
+        if len(pieces) == 1:
+            return torch.matmul(x, pieces[0][1]).to(torch.int32)
+        acc = None
+        for k, p in pieces:
+            part = torch.matmul(x[..., k:k + p.shape[0]], p).to(torch.float64)
+            acc = part if acc is None else acc.add_(part)
+        return acc.to(torch.int32)
+    return run
