@@ -275,6 +275,30 @@ def test_embedding_tables_int8_per_column(mode):
     assert q.report.size_after < 0.4 * q.report.size_before
 
 
+def test_table_shared_with_a_matmul():
+    """A tied table (read by a Gather and as a MatMul's weight) gives each its own
+    quantized form: the MatMul still reads a dequantized float weight."""
+    from onnx import TensorProto, helper
+
+    table = np.random.default_rng(3).standard_normal((64, 32)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("Gather", ["t", "ids"], ["e"]),
+         helper.make_node("MatMul", ["x", "t"], ["y"])], "g",
+        [helper.make_tensor_value_info("ids", TensorProto.INT64, [3]),
+         helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 64])],
+        [helper.make_tensor_value_info("e", TensorProto.FLOAT, [3, 32]),
+         helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 32])],
+        [numpy_helper.from_array(table, "t")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    proto = to_proto(kiln.quantize(model, "dynamic", measure_latency=False).model)
+    onnx.checker.check_model(proto, full_check=True)
+    feeds = {"ids": np.array([0, 5, 63]),
+             "x": np.random.default_rng(4).standard_normal((2, 64)).astype(np.float32)}
+    ref, got = ort_run(model, feeds), ort_run(proto, feeds)
+    for r, q in zip(ref, got):
+        assert np.abs(q - r).max() <= 0.05 * np.abs(r).max()
+
+
 def test_static_mlp_matches_onnxruntime(mlp_model):
     rng = np.random.default_rng(0)
     cal = [{"x": rng.standard_normal((16, 4)).astype(np.float32)} for _ in range(4)]

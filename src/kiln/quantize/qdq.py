@@ -148,6 +148,8 @@ class _Editor:
         self.order = {n: i for i, n in enumerate(g.nodes)}
         self.weights: dict[tuple[Value, int | None], Value] = {}
         self.acts: dict[Value, tuple[Value, np.ndarray]] = {}
+        self.tables: dict[tuple[Value, int | None], Value] = {}
+        """int8 copies of Gather tables (what the Gather reads, not a DQ output)."""
         self.gathered: set[Value] = set()
         """Outputs of the DequantizeLinear after a quantized table's Gather."""
 
@@ -172,13 +174,15 @@ class _Editor:
         last = w.const.ndim - 1
         axis = n.attrs.get("axis", 0)
         per_column = per_column and axis not in (last, -1)
+        # Its own cache: ``weights`` holds DQ outputs, and a table may also be a MatMul's
+        # weight (tied embeddings) under the same key.
         key = (w, last if per_column else None)
-        if key not in self.weights:
+        if key not in self.tables:
             q, scale = quantize_weight(w.const, key[1])
             qv = add_const(self.g, f"{w.name}_quantized", q)
             qv.meta["scale"] = scale
-            self.weights[key] = qv
-        qv = self.weights[key]
+            self.tables[key] = qv
+        qv = self.tables[key]
         scale = qv.meta["scale"]
         readers = [u.node for u in out.uses if u.node in self.order]
         gathered = Value(f"{out.name}_gathered", TensorType(DType.INT8, out.shape))
