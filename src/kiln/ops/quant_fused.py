@@ -36,7 +36,7 @@ ACTIVATIONS = ("", "Relu", "Clip")
 
 # float32 sums of integers are exact below 2**24: the product is computed in float32 when
 # every partial sum provably stays below it, in float64 otherwise.
-_EXACT_F32 = 2.0 ** 24
+EXACT_F32 = 2.0 ** 24
 
 
 def activation_bounds(activation: str, params) -> tuple[float, float]:
@@ -63,7 +63,7 @@ def _work_dtype(x, x_zp, w, w_zp, reduce_size: int) -> type:
     xm = float(np.abs(_centred(np.array([x.min(initial=0), x.max(initial=0)]), x_zp,
                                np.float64)).max(initial=0))
     wm = float(np.abs(_centred(w, w_zp, np.float64)).max(initial=0))
-    return np.float32 if reduce_size * xm * wm < _EXACT_F32 else np.float64
+    return np.float32 if reduce_size * xm * wm < EXACT_F32 else np.float64
 
 
 def _clamped(y: np.ndarray, activation, params) -> np.ndarray:

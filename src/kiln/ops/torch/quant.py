@@ -22,7 +22,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.quant_fused import activation_bounds
+from kiln.ops.quant_fused import EXACT_F32, activation_bounds
 from kiln.ops.registry import KILN_DOMAIN
 from kiln.ops.torch import kernel
 
@@ -260,10 +260,6 @@ def dynamic_quantize_linear(x):
     return y, s, torch.tensor(zp, dtype=torch.uint8)
 
 
-# float32 adds integers exactly while every partial sum stays below 2**24.
-_EXACT_F32 = 2.0 ** 24
-
-
 @kernel("MatMulInteger", 10, prepare=True)
 def matmul_integer(site):
     """Exact int32 MatMulInteger (onnxruntime's dynamic quantization writes one per layer)
@@ -276,7 +272,7 @@ def matmul_integer(site):
             b.dtype not in (np.int8, np.uint8):
         return None
     w = b.astype(np.float32) - (0 if bz is None else bz.astype(np.float32))
-    chunk = max(1, int(_EXACT_F32 // (255 * max(float(np.abs(w).max(initial=0)), 1.0))))
+    chunk = max(1, int(EXACT_F32 // (255 * max(float(np.abs(w).max(initial=0)), 1.0))))
     pieces = [(k, site.backend.from_numpy(np.ascontiguousarray(w[k:k + chunk])))
               for k in range(0, w.shape[0], chunk)]
 
