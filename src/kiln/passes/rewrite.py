@@ -179,7 +179,7 @@ class Rewriter:
 
     def touch(self, *nodes: Node | None, radius: int = NEIGHBOURHOOD) -> None:
         """Queue ``nodes`` and the nodes within ``radius`` hops of them for another visit
-        (gathered per rewrite and walked once, when the rewrite is done)."""
+        (gathered, and walked once for all the rewrites made when the queue drains)."""
         for n in nodes:
             if n is not None:
                 r = self._seeds.get(n)
