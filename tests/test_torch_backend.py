@@ -611,7 +611,7 @@ def _residual_conv_net():
              N("LeakyRelu", ["c2"], ["a2"], alpha=0.1),
              N("Conv", ["a2", "w3"], ["c3"], pads=[0, 1, 1, 0])]
     return _make_model(
-        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, 9, 9])],
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 8, "h", "w"])],
         [helper.make_tensor_value_info("c3", TensorProto.FLOAT, None)],
         [w("w1", 8, 8, 3, 3), w("b1", 8), w("w2", 16, 8, 3, 3), w("b2", 16),
          w("w3", 4, 16, 2, 2)])
@@ -619,8 +619,9 @@ def _residual_conv_net():
 
 @_requires("Conv")
 def test_onednn_packed_convolutions_match_onnxruntime(monkeypatch):
-    """The packed-weight oneDNN path is the default only on AVX-512 CPUs; forced here (it
-    runs on any x86 oneDNN, only slower) so it is checked on every machine."""
+    """The packed-weight oneDNN path is the default on x86 CPUs; forced here so it is checked
+    on every machine. Weights are packed per input shape, so new batch sizes and image
+    sizes must give onnxruntime's results too."""
     from kiln.ops.torch import nn
 
     if not torch.backends.mkldnn.is_available():
@@ -630,7 +631,7 @@ def test_onednn_packed_convolutions_match_onnxruntime(monkeypatch):
     sess = kiln.InferenceSession(model, backend="torch")
     notes = " ".join(layer.why for layer in sess.placement().layers)
     assert "oneDNN, weights reordered once" in notes and "post-op" in notes, notes
-    for n in (1, 2):
-        x = np.random.default_rng(n).standard_normal((n, 8, 9, 9)).astype(np.float32)
+    for n, size in ((1, 9), (2, 9), (1, 12), (3, 7)):
+        x = np.random.default_rng(n).standard_normal((n, 8, size, size)).astype(np.float32)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
                                    rtol=1e-4, atol=1e-4)
