@@ -31,9 +31,9 @@ _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn") 
 # on AVX2 picks a kernel wanting another blocking and re-packs the weights on every call
 # (117 ms instead of 3.2 ms for a 512x512x3x3 kernel on a 7x7 input).
 PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
-# Distinct input shapes a convolution keeps packed weights for (a detector fed many image
-# sizes would otherwise keep one copy of its weights per size).
-_PACKED_SHAPES = 4
+# Distinct input shapes a convolution keeps packed weights for, the oldest dropped first (a
+# detector fed many image sizes would otherwise keep one copy of its weights per size).
+_PACKED_SHAPES = 3
 # oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere plain
 # F.conv2d computes in bf16 instead.
 PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -84,18 +84,18 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     state: dict = {}
 
     def packed(pad, strides, dil, x):
-        key = (tuple(pad), tuple(strides), tuple(dil), tuple(x.shape[1:]))
+        key = (tuple(pad), tuple(strides), tuple(dil), tuple(x.shape))
         got = state.get(key)
         if got is None:
             if len(state) >= _PACKED_SHAPES:
-                state.clear()
+                state.pop(list(state)[0], None)  # list(): a snapshot other runs cannot change
             w = torch.from_numpy(wc.copy())
             b = bc
             if low is not None:
                 w = w.to(low)
                 b = None if b is None else b.to(low)
             pw = torch.ops.mkldnn._reorder_convolution_weight(
-                w, list(pad), list(strides), list(dil), group, [1, *x.shape[1:]])
+                w, list(pad), list(strides), list(dil), group, list(x.shape))
             got = state[key] = (pw, b)
         return got
 
