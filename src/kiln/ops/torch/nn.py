@@ -208,11 +208,16 @@ def max_pool(site):
         return None
     ceil = bool(site.attr("ceil_mode", 0))
     ks = list(site.attr("kernel_shape"))
+    cl = site.backend.channels_last
 
     def run(x):
         n = x.dim() - 2
         if x.dtype not in FLOATS or n not in _MAXPOOL:
             return NI
+        if cl and n == 2 and not want_idx:
+            # torch's NCHW max-pool is about 10x slower than its NHWC one on the CPU: the
+            # copy costs far less (indices, when asked for, are NCHW positions)
+            x = x.contiguous(memory_format=torch.channels_last)
         strides, dil, begins, ends = _window(site, x, ks)
         want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
         sym = begins == ends and all(b <= ((k - 1) * d + 1) // 2 for b, k, d in

@@ -221,6 +221,13 @@ def _pad(x, p, value, mode: str, axes=None):
         return NI
     if mode == "reflect" and any(max(begins[a], ends[a]) >= x.shape[a] for a in padded):
         return NI
+    if 3 <= r <= 5 and padded[0] >= 2:
+        # (N, C, spatial...) as torch takes it: no reshape, so an NHWC tensor stays NHWC
+        # (reshaped, it came back NCHW, and a max-pool after it ran 10x slower)
+        fp = []
+        for a in reversed(range(2, r)):
+            fp += [begins[a], ends[a]]
+        return F.pad(x, fp, mode=_PAD_MODES[mode])
     lead = tuple(x.shape[:r - k])
     y = x.reshape((1, math.prod(lead)) + tuple(x.shape[r - k:]))
     fp = []
