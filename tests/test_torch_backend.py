@@ -635,3 +635,29 @@ def test_onednn_packed_convolutions_match_onnxruntime(monkeypatch):
         x = np.random.default_rng(n).standard_normal((n, 8, size, size)).astype(np.float32)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
                                    rtol=1e-4, atol=1e-4)
+
+
+@_requires("PRelu")
+@pytest.mark.parametrize("x_shape, slope_shape", [
+    ((2, 5, 4, 4), (5, 1, 1)), ((2, 5, 4, 4), (1, 5, 1, 1)), ((2, 5), (5,)), ((3, 5), (1,)),
+    ((2, 5, 4, 4), ()), ((2, 5, 4, 4), (4,)), ((2, 5, 4, 4), (5, 4, 1)), ((4,), (4,))])
+def test_prelu_matches_onnxruntime_for_every_slope_shape(x_shape, slope_shape):
+    """The torch PRelu kernel takes one slope or one per channel (F.prelu); slopes that
+    broadcast otherwise run the generic kernel. Both give onnxruntime's results, on NHWC
+    inputs too (the layout convolutions hand it)."""
+    rng = np.random.default_rng(len(x_shape) * 10 + len(slope_shape))
+    slope = rng.standard_normal(slope_shape).astype(np.float32)
+    model = _make_model(
+        [helper.make_node("PRelu", ["x", "s"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(slope, "s")])
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    got = kiln.InferenceSession(model, backend="torch").run(None, {"x": x})[0]
+    np.testing.assert_allclose(got, ort_run(model, {"x": x})[0], rtol=1e-6, atol=1e-6)
+    if len(x_shape) == 4:
+        t = torch.from_numpy(x).contiguous(memory_format=torch.channels_last)
+        got = kiln.InferenceSession(model, backend="torch").run(
+            None, {"x": t}, output_type="torch")[0]
+        np.testing.assert_allclose(got.numpy(), ort_run(model, {"x": x})[0],
+                                   rtol=1e-6, atol=1e-6)
