@@ -661,3 +661,42 @@ def test_prelu_matches_onnxruntime_for_every_slope_shape(x_shape, slope_shape):
             None, {"x": t}, output_type="torch")[0]
         np.testing.assert_allclose(got.numpy(), ort_run(model, {"x": x})[0],
                                    rtol=1e-6, atol=1e-6)
+
+
+@_requires("MatMul")
+def test_packed_linear_layers_match_onnxruntime_and_pack_only_for_repeated_row_counts(
+        monkeypatch):
+    """Big products with a constant weight run as packed oneDNN 1x1 convolutions (forced
+    here for small ones). Weights are packed for a row count only once it comes twice in a
+    row, and re-packed when it changes: every call still gives onnxruntime's results."""
+    from kiln.ops.torch import nn
+
+    if not nn.PREPACK:
+        pytest.skip("oneDNN weight packing is used on x86 CPUs only")
+    monkeypatch.setattr(nn, "_PACKED_MACS", 0)
+    reorders = []
+    real = torch.ops.mkldnn._reorder_convolution_weight
+
+    def counted(*args):
+        reorders.append(args[-1])
+        return real(*args)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_convolution_weight", counted)
+    rng = np.random.default_rng(11)
+
+    def w(name, *shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.2,
+                                       name)
+    N = helper.make_node
+    nodes = [N("MatMul", ["x", "w1"], ["m1"]), N("Add", ["m1", "b1"], ["a1"]),
+             N("Relu", ["a1"], ["r1"]), N("MatMul", ["r1", "w2"], ["y"])]
+    model = _make_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, "s", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [w("w1", 16, 24), w("b1", 24), w("w2", 24, 8)])
+    sess = kiln.InferenceSession(model, backend="torch")
+    for seq in (5, 5, 7, 7, 7, 5, 5):
+        x = rng.standard_normal((2, seq, 16)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-5)
+    # two weights, each packed at the second 5, the second 7 and the second 5 again
+    assert [r[2] for r in reorders] == [10, 10, 14, 14, 10, 10], reorders

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from kiln.ir import DType
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS, TORCH_OF, const_tensor
+from kiln.ops.torch.nn import packed_linear
 
 NI = NotImplemented
 
@@ -234,10 +235,15 @@ def matmul(site):
     wc = const_tensor(site, 1)
     wlow = wc.to(low) if low is not None and wc is not None and wc.dtype == torch.float32 \
         else None
+    packed = packed_linear(site, wc) if wc is not None and wc.dim() == 2 else None
 
     def run(a, b):
         if a.dtype != b.dtype or a.dtype not in FLOATS + (torch.int32, torch.int64):
             return NI
+        if packed is not None and a.dtype == torch.float32 and a.dim() >= 2:
+            y = packed(a.reshape(-1, a.shape[-1]).contiguous(), None)
+            if y is not None:
+                return y.view(*a.shape[:-1], -1)
         if a.dtype.is_floating_point is False and a.is_cuda:
             return NI
         if low is not None and a.dtype == torch.float32:

@@ -19,7 +19,7 @@ from kiln.ops.torch import elementwise, kernel
 from kiln.ops.torch.arrays import FLOATS
 from kiln.ops.torch.elementwise import gemm as _gemm_builder
 from kiln.ops.torch.elementwise import matmul as _matmul_builder
-from kiln.ops.torch.nn import conv_kernel
+from kiln.ops.torch.nn import conv_kernel, packed_linear
 
 NI = NotImplemented
 
@@ -132,13 +132,16 @@ def fused_matmul(site):
         # torch's blocked transpose copies a wide weight ~5x faster than NumPy's .T.copy()
         lin = (site.backend.from_numpy(wc).t().contiguous(),
                None if bc is None else site.backend.from_numpy(bc))
+    packed = None if lin is None else packed_linear(site, lin[0].t())
 
     def run(a, b, bias=None, z=None, *more):
         if more:
             return NI
         if lin is not None and a.dtype == torch.float32 and a.dim() >= 2 \
                 and (bias is None) == (lin[1] is None):
-            y = F.linear(a, lin[0], lin[1])
+            y = None if packed is None else packed(a.reshape(-1, a.shape[-1]).contiguous(),
+                                                   lin[1])
+            y = F.linear(a, lin[0], lin[1]) if y is None else y.view(*a.shape[:-1], -1)
         else:
             y = plain(a, b)
             if y is NI:

@@ -39,6 +39,49 @@ _PACKED_SHAPES = 3
 PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+# Products of at least this many multiply-adds go through a packed oneDNN 1x1 convolution
+# (see packed_linear): 1.05-1.1x F.linear at 128x256x1024, 1.4x at 128x256x8192 and
+# 128x768x3072, 2.4x at 16x256x8192; below it the packed call's fixed cost (~80 us) loses.
+_PACKED_MACS = 32_000_000
+
+
+def packed_linear(site, weight):
+    """``(rows, bias) -> rows @ weight + bias`` through oneDNN with ``weight`` (K, N, a
+    constant fp32 tensor or a transposed view) packed for the row count, or None where that
+    does not pay.
+
+    oneDNN's packed layout holds for a range of row counts only: a mismatched one re-packs
+    on every call (110 ms for 768x3072). So weights are packed for exactly the row count
+    of the call, and only once the same count comes twice in a row (a decode loop, a fixed
+    serving shape), never on alternating counts; one pack is kept, the latest.
+    """
+    be = site.backend
+    if not (PREPACK and be.tdevice.type == "cpu" and not be.tracing
+            and be.compute_dtype is None and weight.dtype == torch.float32):
+        return None
+    k, n = weight.shape
+    state: dict = {"rows": None, "pack": None}
+
+    def run(rows, bias):
+        m = rows.shape[0]
+        if m * k * n < _PACKED_MACS:
+            return None
+        pack = state["pack"]
+        if pack is None or pack[0] != m:
+            last, state["rows"] = state["rows"], m
+            if last != m:
+                return None
+            w4 = weight.t().contiguous().view(n, k, 1, 1)
+            pack = state["pack"] = (m, torch.ops.mkldnn._reorder_convolution_weight(
+                w4, [0, 0], [1, 1], [1, 1], 1, [1, k, m, 1]))
+        # (m, k) rows are an NHWC image of height m, width 1: no copy in or out
+        y = torch.ops.mkldnn._convolution_pointwise(
+            rows.view(1, m, 1, k).permute(0, 3, 1, 2), pack[1], bias, [0, 0], [1, 1], [1, 1],
+            1, "none", [], "")
+        return y.permute(0, 2, 3, 1).reshape(m, n)
+    return run
+
+
 def _window(site, x, ks: list[int]):
     """(strides, dilations, begins, ends) of a conv/pool node for input ``x``: the shared
     geometry of kiln.ops.conv (explicit pads, or computed for auto_pad)."""
