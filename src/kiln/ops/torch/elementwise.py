@@ -241,9 +241,9 @@ def matmul(site):
         if a.dtype != b.dtype or a.dtype not in FLOATS + (torch.int32, torch.int64):
             return NI
         if packed is not None and a.dtype == torch.float32 and a.dim() >= 2:
-            y = packed(a.reshape(-1, a.shape[-1]).contiguous(), None)
+            y = packed(a, None)
             if y is not None:
-                return y.view(*a.shape[:-1], -1)
+                return y
         if a.dtype.is_floating_point is False and a.is_cuda:
             return NI
         if low is not None and a.dtype == torch.float32:

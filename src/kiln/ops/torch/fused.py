@@ -139,9 +139,9 @@ def fused_matmul(site):
             return NI
         if lin is not None and a.dtype == torch.float32 and a.dim() >= 2 \
                 and (bias is None) == (lin[1] is None):
-            y = None if packed is None else packed(a.reshape(-1, a.shape[-1]).contiguous(),
-                                                   lin[1])
-            y = F.linear(a, lin[0], lin[1]) if y is None else y.view(*a.shape[:-1], -1)
+            y = None if packed is None else packed(a, lin[1])
+            if y is None:
+                y = F.linear(a, lin[0], lin[1])
         else:
             y = plain(a, b)
             if y is NI:

@@ -46,9 +46,9 @@ _PACKED_MACS = 32_000_000
 
 
 def packed_linear(site, weight):
-    """``(rows, bias) -> rows @ weight + bias`` through oneDNN with ``weight`` (K, N, a
-    constant fp32 tensor or a transposed view) packed for the row count, or None where that
-    does not pay.
+    """``(a, bias) -> a @ weight + bias`` through oneDNN with ``weight`` (K, N, a constant
+    fp32 tensor or a transposed view) packed for the row count of ``a`` (its leading dims
+    flattened), or None where that does not pay.
 
     oneDNN's packed layout holds for a range of row counts only: a mismatched one re-packs
     on every call (110 ms for 768x3072). So weights are packed for exactly the row count
@@ -62,9 +62,9 @@ def packed_linear(site, weight):
     k, n = weight.shape
     state: dict = {"rows": None, "pack": None}
 
-    def run(rows, bias):
-        m = rows.shape[0]
-        if m * k * n < _PACKED_MACS:
+    def run(a, bias):
+        m = a.numel() // k
+        if a.shape[-1] != k or m * k * n < _PACKED_MACS:
             return None
         pack = state["pack"]
         if pack is None or pack[0] != m:
@@ -75,10 +75,11 @@ def packed_linear(site, weight):
             pack = state["pack"] = (m, torch.ops.mkldnn._reorder_convolution_weight(
                 w4, [0, 0], [1, 1], [1, 1], 1, [1, k, m, 1]))
         # (m, k) rows are an NHWC image of height m, width 1: no copy in or out
+        rows = a.reshape(m, k).contiguous()
         y = torch.ops.mkldnn._convolution_pointwise(
             rows.view(1, m, 1, k).permute(0, 3, 1, 2), pack[1], bias, [0, 0], [1, 1], [1, 1],
             1, "none", [], "")
-        return y.permute(0, 2, 3, 1).reshape(m, n)
+        return y.permute(0, 2, 3, 1).reshape(*a.shape[:-1], n)
     return run
 
 
