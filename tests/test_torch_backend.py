@@ -664,23 +664,23 @@ def test_prelu_matches_onnxruntime_for_every_slope_shape(x_shape, slope_shape):
 
 
 @_requires("MatMul")
-def test_packed_linear_layers_match_onnxruntime_and_pack_only_for_repeated_row_counts(
+def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_count(
         monkeypatch):
-    """Big products with a constant weight run as packed oneDNN 1x1 convolutions (forced
-    here for small ones). Weights are packed for a row count only once it comes twice in a
-    row, and re-packed when it changes: every call still gives onnxruntime's results."""
+    """Big products with a constant weight run through oneDNN's linear primitive with
+    packed weights (forced here for small ones). Each weight is packed once, at its first
+    call, and that pack gives onnxruntime's results for every row count."""
     from kiln.ops.torch import nn
 
     if not nn.PREPACK:
         pytest.skip("oneDNN weight packing is used on x86 CPUs only")
     monkeypatch.setattr(nn, "_PACKED_MACS", 0)
     reorders = []
-    real = torch.ops.mkldnn._reorder_convolution_weight
+    real = torch.ops.mkldnn._reorder_linear_weight
 
-    def counted(*args):
-        reorders.append(args[-1])
-        return real(*args)
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_convolution_weight", counted)
+    def counted(w, *args):
+        reorders.append(tuple(w.shape))
+        return real(w, *args)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counted)
     rng = np.random.default_rng(11)
 
     def w(name, *shape):
@@ -694,9 +694,8 @@ def test_packed_linear_layers_match_onnxruntime_and_pack_only_for_repeated_row_c
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [w("w1", 16, 24), w("b1", 24), w("w2", 24, 8)])
     sess = kiln.InferenceSession(model, backend="torch")
-    for seq in (5, 5, 7, 7, 7, 5, 5):
+    for seq in (5, 7, 1, 5, 64):
         x = rng.standard_normal((2, seq, 16)).astype(np.float32)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
                                    rtol=1e-4, atol=1e-5)
-    # two weights, each packed at the second 5, the second 7 and the second 5 again
-    assert [r[2] for r in reorders] == [10, 10, 14, 14, 10, 10], reorders
+    assert reorders == [(24, 16), (8, 24)], reorders  # (N, K): each weight once

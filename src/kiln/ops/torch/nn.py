@@ -39,47 +39,34 @@ _PACKED_SHAPES = 3
 PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-# Products of at least this many multiply-adds go through a packed oneDNN 1x1 convolution
-# (see packed_linear): 1.05-1.1x F.linear at 128x256x1024, 1.4x at 128x256x8192 and
-# 128x768x3072, 2.4x at 16x256x8192; below it the packed call's fixed cost (~80 us) loses.
+# Products of at least this many multiply-adds go through oneDNN's linear primitive with
+# packed weights (see packed_linear); below it the call's fixed cost (~40 us) loses to MKL.
 _PACKED_MACS = 32_000_000
 
 
 def packed_linear(site, weight):
-    """``(a, bias) -> a @ weight + bias`` through oneDNN with ``weight`` (K, N, a constant
-    fp32 tensor or a transposed view) packed for the row count of ``a`` (its leading dims
-    flattened), or None where that does not pay.
+    """``(a, bias) -> a @ weight + bias`` through oneDNN's linear primitive with ``weight``
+    (K, N, a constant fp32 tensor or a transposed view) packed once, or None where that
+    does not pay (a product under ``_PACKED_MACS``, another device or dtype).
 
-    oneDNN's packed layout holds for a range of row counts only: a mismatched one re-packs
-    on every call (110 ms for 768x3072). So weights are packed for exactly the row count
-    of the call, and only once the same count comes twice in a row (a decode loop, a fixed
-    serving shape), never on alternating counts; one pack is kept, the latest.
+    MKL's sgemm streams an unpacked weight slowly on AVX2 AMD CPUs: 768->3072 at 16 rows
+    takes 1.35 ms packed against 2.5 ms for ``addmm`` (docs/performance.md). One pack,
+    made at the first call that uses it, serves every row count.
     """
     be = site.backend
     if not (PREPACK and be.tdevice.type == "cpu" and not be.tracing
             and be.compute_dtype is None and weight.dtype == torch.float32):
         return None
     k, n = weight.shape
-    state: dict = {"rows": None, "pack": None}
+    packs: list = []
 
     def run(a, bias):
-        m = a.numel() // k
-        if a.shape[-1] != k or m * k * n < _PACKED_MACS:
+        if a.shape[-1] != k or a.numel() * n < _PACKED_MACS:
             return None
-        pack = state["pack"]
-        if pack is None or pack[0] != m:
-            last, state["rows"] = state["rows"], m
-            if last != m:
-                return None
-            w4 = weight.t().contiguous().view(n, k, 1, 1)
-            pack = state["pack"] = (m, torch.ops.mkldnn._reorder_convolution_weight(
-                w4, [0, 0], [1, 1], [1, 1], 1, [1, k, m, 1]))
-        # (m, k) rows are an NHWC image of height m, width 1: no copy in or out
-        rows = a.reshape(m, k).contiguous()
-        y = torch.ops.mkldnn._convolution_pointwise(
-            rows.view(1, m, 1, k).permute(0, 3, 1, 2), pack[1], bias, [0, 0], [1, 1], [1, 1],
-            1, "none", [], "")
-        return y.permute(0, 2, 3, 1).reshape(*a.shape[:-1], n)
+        if not packs:  # two threads may both pack: the same result, one kept
+            packs[:] = [torch.ops.mkldnn._reorder_linear_weight(weight.t().contiguous())]
+        return torch.ops.mkldnn._linear_pointwise(a.contiguous(), packs[0], bias, "none",
+                                                  [], "")
     return run
 
 
