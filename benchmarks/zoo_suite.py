@@ -17,8 +17,9 @@ cannot be reset per engine): each child imports every engine, notes its resident
 loads the model and runs it once; reported is the high-water mark above that baseline
 (weights, plans, activations, workspace).
 
-Writes ``docs/zoo_benchmark.json`` and the table between the ``zoo-suite`` markers of
-``docs/performance.md``.
+For a run of all models, writes ``docs/zoo_benchmark.json`` and the table between the
+``zoo-suite`` markers of ``docs/performance.md`` (elsewhere with ``--json``/``--doc``): a
+partial run does not replace the full table.
 """
 
 from __future__ import annotations
@@ -277,8 +278,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-runs", type=int, default=60)
     ap.add_argument("--rest", type=float, default=0.2, help="seconds of rest before a block")
     ap.add_argument("--no-memory", action="store_true")
-    ap.add_argument("--json", default=os.path.join(ROOT, "docs", "zoo_benchmark.json"))
-    ap.add_argument("--doc", default=os.path.join(ROOT, "docs", "performance.md"))
+    ap.add_argument("--json", help="where to write the results "
+                    "(default: docs/zoo_benchmark.json when --models all)")
+    ap.add_argument("--doc", help="markdown file whose zoo-suite table to replace "
+                    "(default: docs/performance.md when --models all)")
     ap.add_argument("--tmp", default="/tmp")
     args = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
@@ -287,6 +290,8 @@ def main(argv: list[str] | None = None) -> int:
              else args.models.split(","))
     batches = [int(b) for b in args.batches.split(",")]
     engines = engine_names(args.engines.split(","))
+    full = args.models == "all"
+    json_path = args.json or (os.path.join(ROOT, "docs", "zoo_benchmark.json") if full else None)
     env = environment(args)
     records = []
     bar = progress_bar(len(names) * len(batches), "zoo suite", True)
@@ -300,11 +305,14 @@ def main(argv: list[str] | None = None) -> int:
                 summary = ", ".join(f"{e} {v['p50_ms']:.1f} ms" for e, v in rec["engines"].items()
                                     if "p50_ms" in v)
                 print(f"{name} b{batch}: {summary}", file=sys.stderr, flush=True)
-                with open(args.json, "w") as f:  # after every model: a long run keeps its part
-                    json.dump({"environment": env, "results": records}, f, indent=1)
+                if json_path:  # after every model: a long run keeps its part
+                    with open(json_path, "w") as f:
+                        json.dump({"environment": env, "results": records}, f, indent=1)
     bar.close()
     md = markdown(env, records, engines)
-    write_docs(md, args.doc)
+    doc = args.doc or (os.path.join(ROOT, "docs", "performance.md") if full else None)
+    if doc:
+        write_docs(md, doc)
     print(md)
     return 0
 
