@@ -34,12 +34,12 @@ _AMD = ("AuthenticAMD", "HygonGenuine")
 def _mkl_cnr_auto() -> None:
     """On AMD (and Hygon) CPUs, run MKL (torch's BLAS) in its CNR mode AUTO.
 
-    Left alone, MKL takes a slower branch on CPUs that are not Intel's; in CNR mode (``MKL_CBWR``, a
-    documented MKL setting) it picks its code by the CPU's features. On the 2-core AMD EPYC
-    (AVX2) that makes 16-row products 10-35% faster and BERT, RoBERTa and GPT-2 at
-    sequence 16 3-17% (docs/performance.md). MKL reads the variable at its first call, so
-    this runs before torch computes anything; a value the user set, or a process that
-    already used MKL, is left as it is. Child processes inherit it.
+    Left alone, MKL takes a slower branch on CPUs that are not Intel's; in CNR mode
+    (``MKL_CBWR``, a documented MKL setting) it picks its code by the CPU's features. On the
+    2-core AMD EPYC (AVX2) that makes wide 16-row products up to 35% faster and BERT,
+    RoBERTa and GPT-2 at sequence 16 3-17% (docs/performance.md). MKL reads the variable at
+    its first call, so this runs before torch computes anything; a value the user set, or
+    a process that already used MKL, is left as it is. Child processes inherit it.
     """
     if "MKL_CBWR" not in os.environ and any(v in _cpu_vendor() for v in _AMD):
         os.environ["MKL_CBWR"] = "AUTO"

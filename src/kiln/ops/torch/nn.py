@@ -50,8 +50,8 @@ def packed_linear(site, weight):
     does not pay (a product under ``_PACKED_MACS``, another device or dtype).
 
     MKL's sgemm streams an unpacked weight slowly on AVX2 AMD CPUs: 768->3072 at 16 rows
-    takes 1.35 ms packed against 2.5 ms for ``addmm`` (docs/performance.md). One pack,
-    made at the first call that uses it, serves every row count.
+    takes about half ``addmm``'s time packed (docs/performance.md). One pack, made at the
+    first call that uses it, serves every row count.
     """
     be = site.backend
     if not (PREPACK and be.tdevice.type == "cpu" and not be.tracing
