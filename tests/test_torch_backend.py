@@ -666,14 +666,17 @@ def test_prelu_matches_onnxruntime_for_every_slope_shape(x_shape, slope_shape):
 @_requires("MatMul")
 def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_count(
         monkeypatch):
-    """Big products with a constant weight run through oneDNN's linear primitive with
-    packed weights (forced here for small ones). Each weight is packed once, at its first
-    call, and that pack gives onnxruntime's results for every row count."""
+    """Products with a constant weight run through oneDNN's linear primitive with packed
+    weights (the thresholds lowered here for small ones): a big weight at every call, a
+    smaller one from a big enough product. Each weight is packed once, at its first packed
+    call, and that pack gives onnxruntime's results for every row count, as does MKL for
+    the calls below the thresholds."""
     from kiln.ops.torch import nn
 
     if not nn.PREPACK:
         pytest.skip("oneDNN weight packing is used on x86 CPUs only")
-    monkeypatch.setattr(nn, "_PACKED_MACS", 0)
+    monkeypatch.setattr(nn, "_PACKED_WEIGHT", 300)  # w1 (16x24) is big; w2, wg are not
+    monkeypatch.setattr(nn, "_PACKED_MACS", 2 * 6 * 24 * 8)
     reorders = []
     real = torch.ops.mkldnn._reorder_linear_weight
 
@@ -694,8 +697,21 @@ def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_coun
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [w("w1", 16, 24), w("b1", 24), w("w2", 24, 8)])
     sess = kiln.InferenceSession(model, backend="torch")
-    for seq in (5, 7, 1, 5, 64):
+    assert reorders == [], reorders  # packs wait for the first run
+    for seq in (5, 7, 1, 5, 64):  # w2: MKL at 5 and 1 rows a batch, packed at 7 and 64
         x = rng.standard_normal((2, seq, 16)).astype(np.float32)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
                                    rtol=1e-4, atol=1e-5)
     assert reorders == [(24, 16), (8, 24)], reorders  # (N, K): each weight once
+
+    gemm = _make_model(  # nn.Linear's export: B as (N, K), a bias scaled by beta
+        [N("Gemm", ["x", "wg", "c"], ["y"], transB=1, beta=0.5)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [w("wg", 12, 16), w("c", 12)])
+    sess = kiln.InferenceSession(gemm, backend="torch")
+    for rows in (2, 64, 3):
+        x = rng.standard_normal((rows, 16)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(gemm, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-5)
+    assert reorders[2:] == [(12, 16)], reorders

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from kiln.ir import DType
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS, TORCH_OF, const_tensor
-from kiln.ops.torch.nn import packed_linear
+from kiln.ops.torch.nn import linear
 
 NI = NotImplemented
 
@@ -235,15 +235,14 @@ def matmul(site):
     wc = const_tensor(site, 1)
     wlow = wc.to(low) if low is not None and wc is not None and wc.dtype == torch.float32 \
         else None
-    packed = packed_linear(site, wc) if wc is not None and wc.dim() == 2 else None
+    lin = linear(site, wc) if wc is not None and wc.dim() == 2 \
+        and wc.dtype == torch.float32 and low is None else None
 
     def run(a, b):
         if a.dtype != b.dtype or a.dtype not in FLOATS + (torch.int32, torch.int64):
             return NI
-        if packed is not None and a.dtype == torch.float32 and a.dim() >= 2:
-            y = packed(a, None)
-            if y is not None:
-                return y
+        if lin is not None and a.dtype == torch.float32 and a.dim() >= 2:
+            return lin(a, None)
         if a.dtype.is_floating_point is False and a.is_cuda:
             return NI
         if low is not None and a.dtype == torch.float32:
@@ -264,9 +263,14 @@ def gemm(site):
     tb = int(site.attr("transB", 0))
     low = _lowp(site)
     wc = const_tensor(site, 1)
-    # Keep a constant B as the (N, K) matrix F.linear wants, cast once for low precision.
+    lin = None
+    if wc is not None and wc.dim() == 2 and wc.dtype == torch.float32 and low is None \
+            and not ta and alpha == 1.0:
+        lin = linear(site, wc.t() if tb else wc)
+    # Otherwise keep a constant B as the (N, K) matrix F.linear wants, cast once for low
+    # precision.
     w = None
-    if wc is not None and wc.dim() == 2 and wc.dtype in FLOATS:
+    if lin is None and wc is not None and wc.dim() == 2 and wc.dtype in FLOATS:
         w = wc if tb else wc.t().contiguous()
         if low is not None and w.dtype == torch.float32:
             w = w.to(low)
@@ -276,6 +280,11 @@ def gemm(site):
             return NI
         if a.dim() != 2 or b.dim() != 2:
             return NI
+        if lin is not None:
+            bias = None if c is None or beta == 0.0 else c if beta == 1.0 else c * beta
+            if bias is None or (bias.dim() == 1 and bias.shape[0] == wc.shape[0 if tb else 1]):
+                return lin(a, bias)
+            return lin(a, None) + bias
         out_dtype = a.dtype
         if ta:
             a = a.t()

@@ -19,7 +19,7 @@ from kiln.ops.torch import elementwise, kernel
 from kiln.ops.torch.arrays import FLOATS
 from kiln.ops.torch.elementwise import gemm as _gemm_builder
 from kiln.ops.torch.elementwise import matmul as _matmul_builder
-from kiln.ops.torch.nn import conv_kernel, packed_linear
+from kiln.ops.torch.nn import conv_kernel, linear
 
 NI = NotImplemented
 
@@ -117,10 +117,6 @@ def fused_matmul(site):
     act = activation_fn(site.attr("activation", "") or "", site.attr("activation_params"))
     if act is False:
         return None
-    sub = _sub_site(site, 2)
-    sub.node.op_type = "MatMul"
-    plain = _matmul_builder(sub)
-    site.notes.extend(sub.notes)
     low = site.backend.compute_dtype
     wc = site.const(1)
     bc = site.const(2)
@@ -129,19 +125,21 @@ def fused_matmul(site):
     lin = None
     if low is None and wc is not None and wc.ndim == 2 and wc.dtype.name == "float32" and (
             bc is None or (bc.ndim == 1 and bc.shape[0] == wc.shape[1])):
-        # torch's blocked transpose copies a wide weight ~5x faster than NumPy's .T.copy()
-        lin = (site.backend.from_numpy(wc).t().contiguous(),
+        lin = (linear(site, site.backend.from_numpy(wc)),
                None if bc is None else site.backend.from_numpy(bc))
-    packed = None if lin is None else packed_linear(site, lin[0].t())
+        plain = torch.matmul  # for a 1-D ``a``; not MatMul's kernel, which would pack again
+    else:
+        sub = _sub_site(site, 2)
+        sub.node.op_type = "MatMul"
+        plain = _matmul_builder(sub)
+        site.notes.extend(sub.notes)
 
     def run(a, b, bias=None, z=None, *more):
         if more:
             return NI
         if lin is not None and a.dtype == torch.float32 and a.dim() >= 2 \
                 and (bias is None) == (lin[1] is None):
-            y = None if packed is None else packed(a, lin[1])
-            if y is None:
-                y = F.linear(a, lin[0], lin[1])
+            y = lin[0](a, lin[1])
         else:
             y = plain(a, b)
             if y is NI:

@@ -39,32 +39,42 @@ _PACKED_SHAPES = 3
 PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-# Products of at least this many multiply-adds go through oneDNN's linear primitive with
-# packed weights (see packed_linear); below it the call's fixed cost (~40 us) loses to MKL.
-_PACKED_MACS = 32_000_000
+# oneDNN's linear primitive with a packed weight against MKL's sgemm (F.linear), on an AVX2
+# AMD CPU (docs/performance.md): from a megabyte of weight it is as fast or up to 3.5x
+# faster at every row count, as it streams the packed weight where MKL re-packs it on each
+# call; a smaller weight wins from about 2M multiply-adds and loses below to its ~15 us
+# fixed cost.
+_PACKED_WEIGHT = 1 << 18
+_PACKED_MACS = 1 << 21
 
 
-def packed_linear(site, weight):
-    """``(a, bias) -> a @ weight + bias`` through oneDNN's linear primitive with ``weight``
-    (K, N, a constant fp32 tensor or a transposed view) packed once, or None where that
-    does not pay (a product under ``_PACKED_MACS``, another device or dtype).
+def linear(site, weight):
+    """``(a, bias) -> a @ weight + bias`` for a constant 2-D ``weight`` (K, N; a view will
+    do), ``a`` of the weight's dtype with at least 2 dims, ``bias`` (N,) or None.
 
-    MKL's sgemm streams an unpacked weight slowly on AVX2 AMD CPUs: 768->3072 at 16 rows
-    takes about half ``addmm``'s time packed (docs/performance.md). One pack, made at the
-    first call that uses it, serves every row count.
+    A call goes through oneDNN with the weight packed when the weight has at least
+    ``_PACKED_WEIGHT`` elements or the product at least ``_PACKED_MACS`` multiply-adds; the
+    pack is made at the first such call (made at session creation it would be held, with
+    the model's own array, by sessions that never run: VGG-16's would add 490 MB to
+    creating one) and serves every row count. Otherwise, or where oneDNN does not apply
+    (another device or dtype, a reduced compute dtype, tracing for torch.compile), MKL
+    multiplies the weight as it is: it reads the (K, N) layout within 7% of the transposed
+    one, so no copy is kept.
     """
     be = site.backend
+    k, n = weight.shape
+    wt = weight.t()
     if not (PREPACK and be.tdevice.type == "cpu" and not be.tracing
             and be.compute_dtype is None and weight.dtype == torch.float32):
-        return None
-    k, n = weight.shape
+        return lambda a, bias: F.linear(a, wt, bias)
+    big = k * n >= _PACKED_WEIGHT
     packs: list = []
 
     def run(a, bias):
-        if a.shape[-1] != k or a.numel() * n < _PACKED_MACS:
-            return None
+        if a.shape[-1] != k or not (big or a.numel() * n >= _PACKED_MACS):
+            return F.linear(a, wt, bias)  # raises on a mismatched k: oneDNN would not
         if not packs:  # two threads may both pack: the same result, one kept
-            packs[:] = [torch.ops.mkldnn._reorder_linear_weight(weight.t().contiguous())]
+            packs[:] = [torch.ops.mkldnn._reorder_linear_weight(wt.contiguous())]
         return torch.ops.mkldnn._linear_pointwise(a.contiguous(), packs[0], bias, "none",
                                                   [], "")
     return run
