@@ -71,8 +71,11 @@ def _compare(path, feeds, *, atol, rtol=0.0, backends=None, top1=False):
         for g, r in zip(got, ref):
             np.testing.assert_allclose(np.asarray(g, np.float64), r.astype(np.float64),
                                        atol=atol, rtol=rtol, err_msg=f"{path.name} {backend}")
-            if top1:
-                assert (np.asarray(g).argmax(-1) == r.argmax(-1)).all()
+            if top1:  # Kiln's class is one onnxruntime rates within atol of its best:
+                # a near tie may flip (mobilenetv2_static: 402 at 5.09 and 287 at 4.91 in
+                # onnxruntime, 4.96 and 5.00 in Kiln, after 50 layers' requantizing)
+                best = np.take_along_axis(r, np.asarray(g).argmax(-1)[..., None], -1)
+                assert (best[..., 0] >= r.max(-1) - atol).all()
 
 
 class _Reader(CalibrationDataReader):
