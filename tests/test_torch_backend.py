@@ -715,3 +715,51 @@ def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_coun
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(gemm, {"x": x})[0],
                                    rtol=1e-4, atol=1e-5)
     assert reorders[2:] == [(12, 16)], reorders
+
+
+@_requires("Conv")
+def test_pointwise_convolutions_run_as_linear_layers_and_match_onnxruntime(monkeypatch):
+    """1x1, stride-1, unpadded convolutions on NHWC activations run through oneDNN's
+    linear primitive (with the activation fused, or the residual added inside it), each
+    weight packed once; padded, strided or residual-plus-activation ones keep the
+    convolution. All of them give onnxruntime's results."""
+    from kiln.ops.torch import nn
+
+    if not nn.PREPACK:
+        pytest.skip("oneDNN weight packing is used on x86 CPUs only")
+    reorders = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def counted(w, *args):
+        reorders.append(tuple(w.shape))
+        return real(w, *args)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counted)
+    rng = np.random.default_rng(5)
+
+    def w(name, *shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.3,
+                                       name)
+    N = helper.make_node
+    nodes = [
+        N("Conv", ["x", "w1", "b1"], ["c1"]), N("Relu", ["c1"], ["r1"]),          # + Relu
+        N("Conv", ["r1", "w2", "b2"], ["c2"]), N("Add", ["c2", "r1"], ["a2"]),     # + residual
+        N("Conv", ["a2", "w3"], ["c3"]), N("Clip", ["c3", "lo", "hi"], ["r3"]),    # ReLU6
+        N("Conv", ["r3", "w4", "b4"], ["c4"], pads=[1, 1, 1, 1]),                  # padded
+        N("Conv", ["c4", "w5", "b5"], ["c5"], strides=[2, 2]),                     # strided
+        N("Conv", ["c5", "w6", "b6"], ["c6"]), N("Add", ["c6", "c5"], ["a6"]),
+        N("Relu", ["a6"], ["y"]),                                    # residual, then Relu
+    ]
+    inits = [w("w1", 12, 5, 1, 1), w("b1", 12), w("w2", 12, 12, 1, 1), w("b2", 12),
+             w("w3", 8, 12, 1, 1), w("w4", 8, 8, 1, 1), w("b4", 8), w("w5", 8, 8, 1, 1),
+             w("b5", 8), w("w6", 8, 8, 1, 1), w("b6", 8),
+             numpy_helper.from_array(np.array(0, np.float32), "lo"),
+             numpy_helper.from_array(np.array(6, np.float32), "hi")]
+    model = _make_model(
+        nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 5, 6, 7])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    sess = kiln.InferenceSession(model, backend="torch")
+    for n in (1, 3, 1):
+        x = rng.standard_normal((n, 5, 6, 7)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
+                                   rtol=1e-4, atol=1e-5)
+    assert reorders == [(12, 5), (12, 12), (8, 12)], reorders  # (Cout, Cin): once each

@@ -46,6 +46,8 @@ PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 # fixed cost.
 _PACKED_WEIGHT = 1 << 18
 _PACKED_MACS = 1 << 21
+# 1x1 convolutions up to this many multiply-adds run as linear layers (see conv_kernel).
+_ROWS_MACS = 24_000_000
 
 
 def linear(site, weight):
@@ -123,6 +125,33 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
                 and post is not None and wc.ndim == 4 and wc.dtype.name == "float32"
                 and (low is None or (low == torch.bfloat16 and PREPACK_BF16 and act is None)))
     state: dict = {}
+    # A 1x1 convolution over NHWC rows is a linear layer, and oneDNN's linear primitive
+    # costs about 15 us a call before any arithmetic where its convolution costs 23: the
+    # depthwise nets' small pointwise layers take 0.7-0.95x the time that way
+    # (docs/performance.md). Layers over _ROWS_MACS, not measured, keep the convolution.
+    rows_ok = packable and cl and low is None and group == 1 and wc.shape[2:] == (1, 1)
+    rows_pack: list = []
+
+    def as_rows(x, z, b):
+        """The 1x1 convolution through oneDNN's linear primitive, or None."""
+        n, c, h, w_ = x.shape
+        cout = wc.shape[0]
+        attr, scalars, algo = post
+        if c != wc.shape[1] or n * h * w_ * c * cout > _ROWS_MACS or z is not None and (
+                attr != "none" or tuple(z.shape) != (n, cout, h, w_) or z.dtype != x.dtype):
+            return None
+        if not rows_pack:  # two threads may both pack: the same result, one kept
+            rows_pack[:] = [torch.ops.mkldnn._reorder_linear_weight(
+                torch.from_numpy(wc.reshape(cout, c).copy()))]
+        rows = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1) \
+            .reshape(-1, c)
+        if z is None:
+            y = torch.ops.mkldnn._linear_pointwise(rows, rows_pack[0], b, attr, scalars, algo)
+        else:
+            zr = z.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1) \
+                .reshape(-1, cout)
+            y = torch.ops.mkldnn._linear_pointwise.binary(rows, zr, rows_pack[0], b, "add")
+        return y.view(n, h, w_, cout).permute(0, 3, 1, 2)
 
     def packed(pad, strides, dil, x):
         key = (tuple(pad), tuple(strides), tuple(dil), tuple(x.shape))
@@ -175,7 +204,11 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
             x = F.pad(x, _torch_pad(begins, ends))
             begins = [0] * n
         if packable and n == 2 and x.dtype == torch.float32:
-            y = onednn(x, b, z, strides, dil, begins)
+            y = None
+            if rows_ok and strides == [1, 1] and not any(begins):
+                y = as_rows(x, z, b)
+            if y is None:
+                y = onednn(x, b, z, strides, dil, begins)
             if y is not None:
                 return y
         if cl and n == 2:  # NHWC convolutions, and NHWC outputs make the next pooling fast
