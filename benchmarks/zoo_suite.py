@@ -4,11 +4,12 @@
     python benchmarks/zoo_suite.py --models resnet18,bert --batches 1 --budget 5
 
 For each model and batch size, one process holds an onnxruntime session, a Kiln session per
-backend (``numpy``, ``torch``) and an OpenVINO one when ``openvino`` is installed, all with
-the same thread count. Outputs are first checked against onnxruntime's. Then rounds
-alternate between the engines: each round runs a short block per engine, after a rest so
-that the previous engine's spinning worker threads (onnxruntime, OpenMP and OpenBLAS all
-spin after a parallel region) do not compete with the next one. Reported per engine:
+backend (``numpy``, ``torch``), and OpenVINO and tract ones when they are installed
+(``pip install -e ".[bench]"``), all with the same thread count (tract: its default).
+Outputs are first checked against onnxruntime's. Then rounds alternate between the
+engines: each round runs a short block per engine, after a rest so that the previous
+engine's spinning worker threads (onnxruntime, OpenMP and OpenBLAS all spin after a
+parallel region) do not compete with the next one. Reported per engine:
 median and p90 latency per run, throughput (samples/s at the median), and the ratio of its
 median to onnxruntime's (< 1: faster than onnxruntime).
 
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import importlib
 import json
 import os
 import platform
@@ -39,6 +41,7 @@ import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BEGIN, END = "<!-- zoo-suite:begin -->", "<!-- zoo-suite:end -->"
+OPTIONAL = ("openvino", "tract")  # anchors, measured when installed (pip install .[bench])
 
 
 def _import_engines() -> None:
@@ -47,25 +50,28 @@ def _import_engines() -> None:
     import torch  # noqa: F401
 
     import kiln  # noqa: F401
-    try:
-        import openvino  # noqa: F401
-    except ImportError:
-        pass
+    for anchor in OPTIONAL:
+        try:
+            importlib.import_module(anchor)
+        except ImportError:
+            pass
 
 
 def engine_names(requested: list[str]) -> list[str]:
     """The requested engines that are installed here, onnxruntime first."""
     names = ["onnxruntime"] + [e for e in requested if e != "onnxruntime"]
-    if "openvino" in names:
-        try:
-            import openvino  # noqa: F401
-        except ImportError:
-            names.remove("openvino")
+    for anchor in OPTIONAL:
+        if anchor in names:
+            try:
+                importlib.import_module(anchor)
+            except ImportError:
+                names.remove(anchor)
     return names
 
 
-def make_runner(engine: str, path: str, threads: int):
-    """A function feeds -> list of arrays for ``engine``."""
+def make_runner(engine: str, path: str, threads: int, feeds: dict):
+    """A function feeds -> list of arrays for ``engine`` (tract plans for ``feeds``'
+    shapes; the others take any)."""
     if engine == "onnxruntime":
         from kiln.tools.benchmark import _ort_session
         sess = _ort_session(path, threads, "cpu")
@@ -80,12 +86,31 @@ def make_runner(engine: str, path: str, threads: int):
             return [request.get_output_tensor(i).data.copy()
                     for i in range(len(compiled.outputs))]
         return run_ov
+    if engine == "tract":
+        return _tract_runner(path, feeds)
     import kiln
     opts = {"threads": threads} if engine == "torch" else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         sess = kiln.InferenceSession(path, backend=engine, **opts)
     return lambda feeds: sess.run(None, feeds)
+
+
+_TRACT_TYPES = {"float32": "f32", "float64": "f64", "int64": "i64", "int32": "i32",
+                "bool": "bool"}
+
+
+def _tract_runner(path: str, feeds: dict):
+    """tract, optimized for the shapes of ``feeds`` (its default threads: it has no
+    per-model thread setting)."""
+    import tract
+    model = tract.onnx().load(path)
+    names = [model.input_name(i) for i in range(model.input_count())]
+    for i, name in enumerate(names):
+        a = feeds[name]
+        model.set_input_fact(i, ",".join([*map(str, a.shape), _TRACT_TYPES[a.dtype.name]]))
+    runnable = model.into_model().into_runnable()
+    return lambda f: [o.to_numpy() for o in runnable.run([f[n] for n in names])]
 
 
 def peak_memory_child(engine: str, path: str, feeds_path: str, threads: int) -> None:
@@ -95,7 +120,7 @@ def peak_memory_child(engine: str, path: str, feeds_path: str, threads: int) -> 
     feeds = dict(np.load(feeds_path))
     base = _status_kb("VmRSS")
     with threadpool_limits(threads):
-        make_runner(engine, path, threads)(feeds)
+        make_runner(engine, path, threads, feeds)(feeds)
     print(json.dumps({"peak_mb": (_status_kb("VmHWM") - base) / 1024}))
 
 
@@ -159,7 +184,7 @@ def bench_one(name: str, batch: int, args, engines: list[str]) -> dict:
     want = None
     for e in engines:  # an engine that cannot run the model is recorded, not fatal
         try:
-            fn = make_runner(e, path, args.threads)
+            fn = make_runner(e, path, args.threads, feeds)
             got = fn(feeds)
         except Exception as exc:
             rec["engines"][e] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
@@ -200,23 +225,31 @@ def environment(args) -> dict:
            "python": platform.python_version(), "numpy": np.__version__,
            "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
            "torch": torch.__version__, "kiln": getattr(kiln, "__version__", "?")}
-    try:
-        import openvino
-        env["openvino"] = openvino.__version__
-    except ImportError:
-        pass
+    for anchor in OPTIONAL:
+        try:
+            mod = importlib.import_module(anchor)
+        except ImportError:
+            continue
+        env[anchor] = mod.version() if anchor == "tract" else mod.__version__
     return env
 
 
 def _cpu_model() -> str:
+    """The CPU's model name and the vector extensions that change these numbers most."""
+    name, flags = platform.processor(), set()
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
+                    name = line.split(":", 1)[1].strip()
+                elif line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    break
     except OSError:
         pass
-    return platform.processor()
+    have = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile")
+            if f in flags]
+    return f"{name}; {' '.join(have) or 'no AVX2'}" if flags else name
 
 
 def _cell(rec: dict, e: str, key: str, fmt: str) -> str:
@@ -233,7 +266,7 @@ def markdown(env: dict, records: list[dict], engines: list[str]) -> str:
     lines = [f"Run {env['date']} on {env['cpu']} ({env['machine']}), {env['threads']} "
              f"threads per engine, text models at sequence length {env['seq']}; "
              + ", ".join(f"{k} {env[k]}" for k in ("python", "numpy", "onnx", "onnxruntime",
-                                                   "torch", "openvino") if k in env) + ".",
+                                                   "torch", "openvino", "tract") if k in env) + ".",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         row = [r["model"], str(r["batch"]),
@@ -269,7 +302,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="all", help="comma-separated zoo names, or 'all'")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--engines", default="numpy,torch,openvino")
+    ap.add_argument("--engines", default="numpy,torch,openvino,tract")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seq", type=int, default=128, help="sequence length for text models")
     ap.add_argument("--budget", type=float, default=6.0,
