@@ -78,7 +78,10 @@ def make_runner(engine: str, path: str, threads: int, feeds: dict):
         return lambda feeds: sess.run(None, feeds)
     if engine == "openvino":
         import openvino as ov
-        compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": threads})
+        # f32 asked for: on CPUs with AVX512_BF16 or AMX OpenVINO otherwise computes in bf16
+        # (outputs 1e-2 to 3.5 away from onnxruntime's on the zoo), no fp32 anchor
+        compiled = ov.Core().compile_model(path, "CPU", {"INFERENCE_NUM_THREADS": threads,
+                                                         "INFERENCE_PRECISION_HINT": "f32"})
         request = compiled.create_infer_request()
 
         def run_ov(feeds):

@@ -663,6 +663,22 @@ def test_prelu_matches_onnxruntime_for_every_slope_shape(x_shape, slope_shape):
                                    rtol=1e-6, atol=1e-6)
 
 
+def _count_linear_packs(monkeypatch) -> list[tuple[int, ...]]:
+    """The (N, K) shape of every weight packed for oneDNN's linear primitive from now on."""
+    from kiln.ops.torch import nn
+
+    if not nn.PREPACK:
+        pytest.skip("oneDNN weight packing is used on x86 CPUs only")
+    reorders: list[tuple[int, ...]] = []
+    real = torch.ops.mkldnn._reorder_linear_weight
+
+    def counted(w, *args):
+        reorders.append(tuple(w.shape))
+        return real(w, *args)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counted)
+    return reorders
+
+
 @_requires("MatMul")
 def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_count(
         monkeypatch):
@@ -673,17 +689,9 @@ def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_coun
     the calls below the thresholds."""
     from kiln.ops.torch import nn
 
-    if not nn.PREPACK:
-        pytest.skip("oneDNN weight packing is used on x86 CPUs only")
     monkeypatch.setattr(nn, "_PACKED_WEIGHT", 300)  # w1 (16x24) is big; w2, wg are not
     monkeypatch.setattr(nn, "_PACKED_MACS", 2 * 6 * 24 * 8)
-    reorders = []
-    real = torch.ops.mkldnn._reorder_linear_weight
-
-    def counted(w, *args):
-        reorders.append(tuple(w.shape))
-        return real(w, *args)
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counted)
+    reorders = _count_linear_packs(monkeypatch)
     rng = np.random.default_rng(11)
 
     def w(name, *shape):
@@ -725,15 +733,8 @@ def test_pointwise_convolutions_run_as_linear_layers_and_match_onnxruntime(monke
     convolution. All of them give onnxruntime's results."""
     from kiln.ops.torch import nn
 
-    if not nn.PREPACK:
-        pytest.skip("oneDNN weight packing is used on x86 CPUs only")
-    reorders = []
-    real = torch.ops.mkldnn._reorder_linear_weight
-
-    def counted(w, *args):
-        reorders.append(tuple(w.shape))
-        return real(w, *args)
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counted)
+    monkeypatch.setattr(nn, "_ROWS_MACS", 24_000_000)  # on AVX2 CPUs too (0 there)
+    reorders = _count_linear_packs(monkeypatch)
     rng = np.random.default_rng(5)
 
     def w(name, *shape):

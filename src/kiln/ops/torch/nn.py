@@ -39,15 +39,18 @@ _PACKED_SHAPES = 3
 PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
-# oneDNN's linear primitive with a packed weight against MKL's sgemm (F.linear), on an AVX2
-# AMD CPU (docs/performance.md): from a megabyte of weight it is as fast or up to 3.5x
-# faster at every row count, as it streams the packed weight where MKL re-packs it on each
-# call; a smaller weight wins from about 2M multiply-adds and loses below to its ~15 us
-# fixed cost.
-_PACKED_WEIGHT = 1 << 18
-_PACKED_MACS = 1 << 21
-# 1x1 convolutions up to this many multiply-adds run as linear layers (see conv_kernel).
-_ROWS_MACS = 24_000_000
+# oneDNN's linear primitive with a packed weight against MKL's sgemm (F.linear), measured on
+# an AVX-512 AMD EPYC (Zen 5, docs/performance.md): from a megabyte of weight it is as fast
+# or up to 3.5x faster at every row count, as it streams the packed weight where MKL
+# re-packs it on each call; a smaller weight wins from about 2M multiply-adds and loses
+# below to its ~15 us fixed cost. On an AVX2 EPYC the primitive was measured at ~40 us a
+# call and no better below 32M multiply-adds, so AVX2 CPUs keep that threshold alone.
+_AVX512 = torch.backends.cpu.get_cpu_capability().startswith("AVX512")
+_PACKED_WEIGHT = 1 << 18 if _AVX512 else 1 << 62
+_PACKED_MACS = 1 << 21 if _AVX512 else 32_000_000
+# 1x1 convolutions up to this many multiply-adds run as linear layers (see conv_kernel;
+# measured on the AVX-512 CPU only).
+_ROWS_MACS = 24_000_000 if _AVX512 else 0
 
 
 def linear(site, weight):
@@ -125,9 +128,9 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
                 and post is not None and wc.ndim == 4 and wc.dtype.name == "float32"
                 and (low is None or (low == torch.bfloat16 and PREPACK_BF16 and act is None)))
     state: dict = {}
-    # A 1x1 convolution over NHWC rows is a linear layer, and oneDNN's linear primitive
-    # costs about 15 us a call before any arithmetic where its convolution costs 23: the
-    # depthwise nets' small pointwise layers take 0.7-0.95x the time that way
+    # A 1x1 convolution over NHWC rows is a linear layer, and on the AVX-512 EPYC oneDNN's
+    # linear primitive costs about 15 us a call before any arithmetic where its convolution
+    # costs 23: the depthwise nets' small pointwise layers take 0.7-0.95x the time that way
     # (docs/performance.md). Layers over _ROWS_MACS, not measured, keep the convolution.
     rows_ok = packable and cl and low is None and group == 1 and wc.shape[2:] == (1, 1)
     rows_pack: list = []
