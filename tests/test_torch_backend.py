@@ -663,6 +663,14 @@ def test_prelu_matches_onnxruntime_for_every_slope_shape(x_shape, slope_shape):
                                    rtol=1e-6, atol=1e-6)
 
 
+def _random_initializer(rng, scale: float):
+    """``w(name, *shape)``: a float32 initializer of normal values times ``scale``."""
+    def w(name, *shape):
+        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * scale,
+                                       name)
+    return w
+
+
 def _count_linear_packs(monkeypatch) -> list[tuple[int, ...]]:
     """The (N, K) shape of every weight packed for oneDNN's linear primitive from now on."""
     from kiln.ops.torch import nn
@@ -693,10 +701,7 @@ def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_coun
     monkeypatch.setattr(nn, "_PACKED_MACS", 2 * 6 * 24 * 8)
     reorders = _count_linear_packs(monkeypatch)
     rng = np.random.default_rng(11)
-
-    def w(name, *shape):
-        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.2,
-                                       name)
+    w = _random_initializer(rng, 0.2)
     N = helper.make_node
     nodes = [N("MatMul", ["x", "w1"], ["m1"]), N("Add", ["m1", "b1"], ["a1"]),
              N("Relu", ["a1"], ["r1"]), N("MatMul", ["r1", "w2"], ["y"])]
@@ -736,10 +741,7 @@ def test_pointwise_convolutions_run_as_linear_layers_and_match_onnxruntime(monke
     monkeypatch.setattr(nn, "_ROWS_MACS", 24_000_000)  # on AVX2 CPUs too (0 there)
     reorders = _count_linear_packs(monkeypatch)
     rng = np.random.default_rng(5)
-
-    def w(name, *shape):
-        return numpy_helper.from_array(rng.standard_normal(shape).astype(np.float32) * 0.3,
-                                       name)
+    w = _random_initializer(rng, 0.3)
     N = helper.make_node
     nodes = [
         N("Conv", ["x", "w1", "b1"], ["c1"]), N("Relu", ["c1"], ["r1"]),          # + Relu
