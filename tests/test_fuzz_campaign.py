@@ -21,20 +21,6 @@ def _fuzzer():
     return fuzz_kiln
 
 
-@pytest.fixture(autouse=True)
-def _threads_restored():
-    """The fuzzer drops torch to one thread in this process before forking its workers;
-    later tests (test_train_zoo's gradient check against PyTorch) need the count back."""
-    try:
-        import torch
-    except ImportError:
-        yield
-        return
-    before = torch.get_num_threads()
-    yield
-    torch.set_num_threads(before)
-
-
 def test_seeded_fuzz_campaign_finds_no_failure():
     pytest.importorskip("onnxruntime")  # the campaign's oracle
     pytest.importorskip("torch")

@@ -63,25 +63,19 @@ def uninterrupted(cluster, digits, tmp_path_factory):
 
 def _one_process(x: np.ndarray, y: np.ndarray) -> dict[str, torch.Tensor]:
     """The same steps in this process, plain PyTorch, whole batches, no DDP, on one thread
-    like each worker. The thread count is restored after: left at one, test_train_zoo's
-    ResNet-18 stem gradient through Kiln and through PyTorch differ by 1.8e-4 (relative),
-    over its 1e-4."""
-    threads = torch.get_num_threads()
+    like each worker (conftest restores the thread count after the test)."""
     torch.set_num_threads(1)
-    try:
-        module = kiln.to_torch(MODEL)
-        opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
-        order = np.random.default_rng(0).permutation(len(x))
-        for step in range(STEPS):
-            first = (step * BATCH) % (len(order) - BATCH)
-            idx = order[first:first + BATCH]
-            opt.zero_grad()
-            torch.nn.functional.cross_entropy(module(torch.from_numpy(x[idx])),
-                                              torch.from_numpy(y[idx])).backward()
-            opt.step()
-        return module.state_dict()
-    finally:
-        torch.set_num_threads(threads)
+    module = kiln.to_torch(MODEL)
+    opt = torch.optim.SGD(module.parameters(), lr=LR, momentum=MOMENTUM)
+    order = np.random.default_rng(0).permutation(len(x))
+    for step in range(STEPS):
+        first = (step * BATCH) % (len(order) - BATCH)
+        idx = order[first:first + BATCH]
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(module(torch.from_numpy(x[idx])),
+                                          torch.from_numpy(y[idx])).backward()
+        opt.step()
+    return module.state_dict()
 
 
 def test_two_workers_with_half_batches_match_one_process_with_the_whole_batch(
