@@ -51,22 +51,21 @@ def _import_engines() -> None:
 
     import kiln  # noqa: F401
     for anchor in OPTIONAL:
-        try:
-            importlib.import_module(anchor)
-        except ImportError:
-            pass
+        _anchor(anchor)
+
+
+def _anchor(name: str):
+    """The optional engine's module, or None where it is not installed."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
 
 
 def engine_names(requested: list[str]) -> list[str]:
     """The requested engines that are installed here, onnxruntime first."""
-    names = ["onnxruntime"] + [e for e in requested if e != "onnxruntime"]
-    for anchor in OPTIONAL:
-        if anchor in names:
-            try:
-                importlib.import_module(anchor)
-            except ImportError:
-                names.remove(anchor)
-    return names
+    return ["onnxruntime"] + [e for e in requested if e != "onnxruntime"
+                              and (e not in OPTIONAL or _anchor(e) is not None)]
 
 
 def make_runner(engine: str, path: str, threads: int, feeds: dict):
@@ -229,11 +228,9 @@ def environment(args) -> dict:
            "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
            "torch": torch.__version__, "kiln": getattr(kiln, "__version__", "?")}
     for anchor in OPTIONAL:
-        try:
-            mod = importlib.import_module(anchor)
-        except ImportError:
-            continue
-        env[anchor] = mod.version() if anchor == "tract" else mod.__version__
+        mod = _anchor(anchor)
+        if mod is not None:
+            env[anchor] = mod.version() if anchor == "tract" else mod.__version__
     return env
 
 
