@@ -663,6 +663,35 @@ def test_prelu_matches_onnxruntime_for_every_slope_shape(x_shape, slope_shape):
                                    rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("x_shape, attrs", [
+    ((2, 3, 8, 8), dict(kernel_shape=[2, 2], strides=[2, 2])),
+    ((2, 3, 7, 9), dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
+    ((1, 4, 6, 5), dict(kernel_shape=[2, 2], pads=[1, 0, 0, 1])),
+    ((1, 4, 6, 5), dict(kernel_shape=[2, 2], auto_pad="SAME_LOWER")),
+    ((1, 2, 9, 9), dict(kernel_shape=[2, 2], strides=[3, 2], dilations=[2, 3])),
+    ((1, 5, 6, 6), dict(kernel_shape=[1, 3], strides=[1, 2], pads=[0, 1, 0, 1])),
+    ((2, 3, 11), dict(kernel_shape=[3], strides=[2], ceil_mode=1)),
+    ((1, 2, 4, 5, 6), dict(kernel_shape=[1, 2, 2], strides=[1, 2, 2]))])
+def test_small_max_pools_match_onnxruntime(x_shape, attrs):
+    """Max-pools of up to 4 taps run as maxima over strided views of the input (not torch's
+    max-pool): padding, ceil mode, dilation and 1-D to 3-D windows give onnxruntime's
+    results, on NHWC inputs too."""
+    rng = np.random.default_rng(len(x_shape) + len(attrs))
+    model = _make_model(
+        [helper.make_node("MaxPool", ["x"], ["y"], **attrs)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    want = ort_run(model, {"x": x})[0]
+    sess = kiln.InferenceSession(model, backend="torch")
+    assert not sess.placement().fallbacks
+    np.testing.assert_array_equal(sess.run(None, {"x": x})[0], want)
+    if len(x_shape) == 4:
+        t = torch.from_numpy(x).contiguous(memory_format=torch.channels_last)
+        np.testing.assert_array_equal(
+            sess.run(None, {"x": t}, output_type="torch")[0].numpy(), want)
+
+
 def _random_initializer(rng, scale: float):
     """``w(name, *shape)``: a float32 initializer of normal values times ``scale``."""
     def w(name, *shape):

@@ -10,6 +10,7 @@ run time) and run on the NumPy kernel instead.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 
@@ -297,6 +298,8 @@ def max_pool(site):
             x = x.contiguous(memory_format=torch.channels_last)
         strides, dil, begins, ends = _window(site, x, ks)
         want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
+        if not want_idx and math.prod(ks) <= 4:
+            return _max_pool_taps(x, ks, strides, dil, begins, want)
         sym = begins == ends and all(b <= ((k - 1) * d + 1) // 2 for b, k, d in
                                      zip(begins, ks, dil))
         if not sym:
@@ -316,6 +319,43 @@ def max_pool(site):
             (x.shape[0], x.shape[1]) + (1,) * n)
         return y, r[1] + nc * plane
     return run
+
+
+def _max_pool_taps(x, ks, strides, dil, begins, sizes):
+    """Max-pool as a running maximum over the window's strided views of ``x``.
+
+    torch's CPU max-pool computes int64 indices even when they are not asked for: 2x the
+    output's bytes written (fresh pages for every call once they pass 32 MB). For windows
+    of up to 4 taps, maxima over views are 2-4x faster (8x16x416x416 NHWC, 2x2: 4.8
+    against 18 ms; batch 1: 0.19 against 0.58 ms). Larger windows gain less and keep torch's.
+    """
+    lead = (slice(None), slice(None))
+    per_axis = []
+    for n, k, s, d, b, o in zip(x.shape[2:], ks, strides, dil, begins, sizes):
+        taps = []  # (first, last + 1) output positions a tap reaches, and its input slice
+        for j in range(k):
+            start = j * d - b
+            lo, hi = max(0, -(start // s)), min(o, (n - 1 - start) // s + 1)
+            if lo < hi:
+                taps.append((lo, hi, slice(start + lo * s, start + (hi - 1) * s + 1, s)))
+        per_axis.append(taps)
+    views = []  # (covers every output, output region, input view)
+    for combo in itertools.product(*per_axis):
+        whole = all(hi - lo == o for (lo, hi, _), o in zip(combo, sizes))
+        views.append((whole, lead + tuple(slice(lo, hi) for lo, hi, _ in combo),
+                      x[lead + tuple(c[2] for c in combo)]))
+    views.sort(key=lambda v: not v[0])
+    if len(views) > 1 and views[1][0]:
+        out, rest = torch.maximum(views[0][2], views[1][2]), views[2:]
+    elif views and views[0][0]:
+        out, rest = views[0][2].clone(), views[1:]
+    else:  # some output sees padding only in every tap (-inf, as in ONNX's reference)
+        out = torch.full(x.shape[:2] + tuple(sizes), -math.inf, dtype=x.dtype, device=x.device)
+        rest = views
+    for _, region, view in rest:
+        seg = out[region]
+        torch.maximum(seg, view, out=seg)
+    return out
 
 
 @kernel("AveragePool", 7, prepare=True)
