@@ -68,9 +68,10 @@ class SessionOptions(_Options):
     the usable cores), ``graph_optimization_level``, ``enable_profiling`` with
     ``profile_file_prefix``, ``optimized_model_filepath``, ``log_severity_level`` (3 or
     more silences Kiln's warnings while the session is built; -1, the default, takes
-    :func:`set_default_logger_severity`'s level). Accepted with no effect
-    (Kiln runs layers in order and plans memory itself): ``inter_op_num_threads``,
-    ``execution_mode``, ``enable_mem_pattern``, ``enable_cpu_mem_arena``,
+    :func:`set_default_logger_severity`'s level), ``enable_cpu_mem_arena`` (False: this
+    session leaves the process's malloc as it is; see :mod:`kiln.runtime.memory`).
+    Accepted with no effect (Kiln runs layers in order and plans memory itself):
+    ``inter_op_num_threads``, ``execution_mode``, ``enable_mem_pattern``,
     ``enable_mem_reuse``, ``use_deterministic_compute``, ``logid``,
     ``log_verbosity_level`` and config entries. ``add_free_dimension_override_by_name``
     fixes a symbolic dim of the inputs (as ``input_shapes=`` does)."""
@@ -184,6 +185,7 @@ def configure(sess_options: SessionOptions | None, providers, provider_options,
     backend = backend or "numpy"
     if so.intra_op_num_threads:
         options.setdefault("threads", int(so.intra_op_num_threads))
+    options.setdefault("keep_freed_memory", bool(so.enable_cpu_mem_arena))
     on_cuda = str(options.get("device", "cpu")).startswith("cuda")
     used = [(CUDA, {"device_id": str(options["device"]).partition(":")[2] or "0"}),
             (CPU, {})] if on_cuda else [(CPU, {})]

@@ -26,6 +26,7 @@ from kiln.errors import (
 )
 from kiln.ir import DType, Model, SymDim, TensorType, Value, plain_shape
 from kiln.onnxio import load
+from kiln.runtime import memory
 from kiln.runtime.backend import Backend, limit_blas_threads, usable_cores
 from kiln.runtime.executor import controlled
 from kiln.runtime.placement import PlacementReport
@@ -110,14 +111,16 @@ class Session:
 
     ``backend``: "numpy" or "torch"; ``optimize``: True, False or an optimizer level;
     ``input_shapes``: fixed shapes for inputs by name; ``dims``: sizes for symbolic dims
-    by name (in every input that has them); ``quiet``: no warnings while building; the
-    rest are the backend's options (``threads``, torch's ``device``, ``precision``...)."""
+    by name (in every input that has them); ``quiet``: no warnings while building;
+    ``keep_freed_memory``: once built, switch the process's malloc to keep freed memory
+    for the next run (:mod:`kiln.runtime.memory`; process-wide); the rest are the
+    backend's options (``threads``, torch's ``device``, ``precision``...)."""
 
     def __init__(self, model: Model | str | os.PathLike | bytes | onnx.ModelProto, *,
                  backend: str = "numpy", optimize: bool | int | str = True,
                  input_shapes: dict[str, list[int | str | None]] | None = None,
                  dims: dict[str, int] | None = None, quiet: bool = False,
-                 **backend_options: Any):
+                 keep_freed_memory: bool = True, **backend_options: Any):
         self._level = optimize
         self._quiet = quiet
         with _silenced(quiet):
@@ -141,6 +144,8 @@ class Session:
         self._outputs = self._main.outputs
         self._variants: dict[tuple[str, ...], _Target] = {}
         self._lock = threading.Lock()
+        if keep_freed_memory:  # after loading: the protobuf's memory goes back to the OS
+            memory.keep_freed_memory()
 
     def _optimized(self, model: Model) -> Model:
         if not (self._level or self._input_shapes):

@@ -298,7 +298,9 @@ def max_pool(site):
             x = x.contiguous(memory_format=torch.channels_last)
         strides, dil, begins, ends = _window(site, x, ks)
         want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
-        if not want_idx and math.prod(ks) <= 4:
+        if not want_idx and math.prod(ks) <= 4 and not x.requires_grad:
+            # (training keeps torch's pool: its gradient goes to one element of a tie, as
+            # PyTorch's own modules do)
             return _max_pool_taps(x, ks, strides, dil, begins, want)
         sym = begins == ends and all(b <= ((k - 1) * d + 1) // 2 for b, k, d in
                                      zip(begins, ks, dil))
