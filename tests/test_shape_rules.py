@@ -55,6 +55,23 @@ CASES = [
     ("Conv", [(2, 3, 17), (4, 3, 5)], {"strides": [4], "pads": [2, 1]}, {}, 13),
     ("Conv", [(1, 2, 5, 6, 7), (3, 2, 1, 2, 3)], {"kernel_shape": [1, 2, 3]}, {}, 13),
     ("LayerNormalization", [(2, 5, 8), (8,), (8,)], {"axis": -1}, {}, 17),
+    ("MaxPool", [(1, 3, 9, 9)], {"kernel_shape": [2, 2], "strides": [2, 2]}, {}, 17),
+    ("MaxPool", [(2, 4, 10, 11)], {"kernel_shape": [3, 3], "strides": [2, 2],
+                                   "pads": [1, 1, 1, 1]}, {}, 17),
+    ("MaxPool", [(1, 3, 10, 11)], {"kernel_shape": [3, 2], "auto_pad": "SAME_UPPER",
+                                   "strides": [3, 2]}, {}, 17),
+    ("MaxPool", [(1, 3, 12, 12)], {"kernel_shape": [2, 2], "dilations": [2, 3]}, {}, 17),
+    ("AveragePool", [(2, 3, 17)], {"kernel_shape": [5], "strides": [4], "pads": [2, 1]},
+     {}, 17),
+    ("AveragePool", [(1, 2, 5, 6, 7)], {"kernel_shape": [1, 2, 3], "auto_pad": "VALID"},
+     {}, 17),
+    ("ReduceMean", [(2, 3, 4, 5)], {"axes": [2, 3], "keepdims": 0}, {}, 17),
+    ("ReduceMean", [(2, 3, 4, 5)], {"axes": [-1]}, {}, 17),
+    ("ReduceMax", [(2, 3, 4)], {}, {}, 17),
+    ("ReduceMean", [(2, 3, 4, 5)], {"keepdims": 0}, {1: [1, -1]}, 18),
+    ("ReduceSum", [(2, 3, 4)], {}, {1: [0]}, 13),
+    ("ReduceSum", [(2, 3, 4)], {"noop_with_empty_axes": 1}, {}, 13),
+    ("ReduceL2", [(6, 7)], {"keepdims": 0}, {1: [0]}, 18),
 ]
 
 
@@ -109,6 +126,9 @@ SYMBOLIC = [  # dims named by text; the rule's symbolic answer is checked at the
     ("Gather", [("V", 8), ("N", "S")], {}),
     ("Transpose", [("N", "S", 4, 2)], {"perm": [0, 2, 1, 3]}),
     ("Gemm", [("N", 16), (8, 16)], {"transB": 1}),
+    ("MaxPool", [("N", 3, 9, 9)], {"kernel_shape": [3, 3], "strides": [2, 2],
+                                   "pads": [1, 1, 1, 1]}),
+    ("ReduceMean", [("N", "S", 8)], {"axes": [-1]}),
 ]
 
 

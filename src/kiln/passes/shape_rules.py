@@ -292,14 +292,14 @@ def gather(ctx: InferContext) -> TensorType | None:
 
 
 @_rule("ReduceProd", "ReduceSum")
-def reduce_all(ctx: InferContext) -> None:
-    """Product or sum of all the elements of a 1-D shape tensor."""
+def reduce_all(ctx: InferContext) -> TensorType | None:
+    """As the other reductions; also the product or sum of all the elements of a 1-D
+    shape tensor."""
     s = ctx.sym(0)
-    if s is None or ctx.rank(0) != 1 or ctx.has_input(1) or \
-            ctx.node.attrs.get("axes") not in (None, [0], [-1]):
-        return None
-    ctx.set_sym(0, ((product if ctx.node.op_type == "ReduceProd" else total)(s),))
-    return None
+    if s is not None and ctx.rank(0) == 1 and not ctx.has_input(1) and \
+            ctx.node.attrs.get("axes") in (None, [0], [-1]):
+        ctx.set_sym(0, ((product if ctx.node.op_type == "ReduceProd" else total)(s),))
+    return _reduced(ctx)
 
 
 # ---------------------------------------------------------------- shapes from values
@@ -552,9 +552,27 @@ def conv(ctx: InferContext) -> TensorType | None:
     if x is None or x.shape is None or w is None or len(x.shape) < 3 or \
             len(w) != len(x.shape):
         return None
+    spatial = _windows(ctx, x.shape, list(ctx.node.attrs.get("kernel_shape") or w[2:]))
+    return None if spatial is None else TensorType(x.dtype, (x.shape[0], w[0], *spatial))
+
+
+@_rule("MaxPool", "AveragePool", "LpPool")
+def pool(ctx: InferContext) -> TensorType | list | None:
+    """(N, C, spatial...) as for Conv (floor mode only); MaxPool's indices alike, int64."""
+    x = ctx.tensor_type(0)
+    if x is None or x.shape is None or len(x.shape) < 3 or ctx.node.attrs.get("ceil_mode"):
+        return None
+    spatial = _windows(ctx, x.shape, list(ctx.node.attrs.get("kernel_shape") or []))
+    if spatial is None:
+        return None
+    out = TensorType(x.dtype, (*x.shape[:2], *spatial))
+    return [out, TensorType(DType.INT64, out.shape)] if len(ctx.node.outputs) > 1 else out
+
+
+def _windows(ctx: InferContext, shape: tuple, kernel: list) -> list[Dim] | None:
+    """The spatial output dims of a convolution or pooling window over ``shape``."""
     attrs = ctx.node.attrs
-    k = len(x.shape) - 2
-    kernel = list(attrs.get("kernel_shape") or w[2:])
+    k = len(shape) - 2
     strides = list(attrs.get("strides") or [1] * k)
     dilations = list(attrs.get("dilations") or [1] * k)
     pads = list(attrs.get("pads") or [0] * (2 * k))
@@ -563,9 +581,9 @@ def conv(ctx: InferContext) -> TensorType | None:
     if not (len(kernel) == len(strides) == len(dilations) == k and len(pads) == 2 * k) or \
             not all(isinstance(d, int) for d in kernel):
         return None
-    out: list[Dim] = [x.shape[0], w[0]]
+    out: list[Dim] = []
     for i in range(k):
-        size, s = x.shape[2 + i], strides[i]
+        size, s = shape[2 + i], strides[i]
         extent = dilations[i] * (kernel[i] - 1) + 1
         if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
             padded, extent = size, 1  # ceil(size / stride)
@@ -579,7 +597,43 @@ def conv(ctx: InferContext) -> TensorType | None:
             out.append(d if d > 0 else None)
         else:
             out.append(sub(padded, extent - 1) if s == 1 and padded is not None else None)
-    return TensorType(x.dtype, tuple(out))
+    return out
+
+
+_REDUCE = ("ReduceMean", "ReduceMax", "ReduceMin", "ReduceL1", "ReduceL2", "ReduceLogSum",
+           "ReduceLogSumExp", "ReduceSumSquare")
+
+
+@_rule(*_REDUCE)
+def reduce(ctx: InferContext) -> TensorType | None:
+    """The input's type with ``axes`` removed, or kept as 1 (``keepdims``)."""
+    return _reduced(ctx)
+
+
+def _reduced(ctx: InferContext) -> TensorType | None:
+    t = ctx.tensor_type(0)
+    attrs = ctx.node.attrs
+    if t is None or t.shape is None:
+        return None
+    if "axes" in attrs:
+        axes = list(attrs["axes"])
+    elif ctx.has_input(1):
+        axes = known_ints(ctx.sym(1))
+        if axes is None:
+            return None
+    else:
+        axes = []
+    rank = len(t.shape)
+    if not axes:
+        if attrs.get("noop_with_empty_axes", 0):
+            return t
+        axes = list(range(rank))
+    at = {a + rank if a < 0 else a for a in axes}
+    if not all(0 <= a < rank for a in at):
+        return None
+    keep = attrs.get("keepdims", 1)
+    return TensorType(t.dtype, tuple(1 if i in at else d for i, d in enumerate(t.shape)
+                                     if keep or i not in at))
 
 
 @_rule("LayerNormalization")
