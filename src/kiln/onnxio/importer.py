@@ -33,6 +33,7 @@ from kiln.ir import (
     collector_paused,
     parse_dim,
 )
+from kiln.onnxio import schema_file
 from kiln.onnxio.tensors import raw_array, sparse_to_array, to_array
 from kiln.onnxio.wire import Malformed, split_initializers
 
@@ -68,7 +69,9 @@ def load(source: str | os.PathLike | bytes | onnx.ModelProto, base_dir=None) -> 
         proto, raw = _read(path, str(source)[:80])
     _check_depth(proto)
     with raw or contextlib.nullcontext(), collector_paused():
-        return ModelImporter(proto, base_dir, raw).model()
+        model = ModelImporter(proto, base_dir, raw).model()
+    _save_schema_facts()
+    return model
 
 
 def _read(path: Path, what: str) -> tuple[onnx.ModelProto, RawData | None]:
@@ -229,17 +232,46 @@ def _schema(op_type: str, domain: str, version: int) -> _Schema | None:
                    names is not None, frozenset())
 
 
-@functools.cache
 def _onnx_schema(op_type: str, domain: str, version: int) -> _Schema | None:
-    try:
-        s = onnx.defs.get_schema(op_type, version, domain)
-    except onnx.defs.SchemaError:
-        return None
-    return _Schema(s.since_version, (s.min_input, s.max_input), (s.min_output, s.max_output),
-                   {name: int(a.type) for name, a in s.attributes.items()},
-                   (domain, op_type, s.since_version) not in _OPEN_SCHEMAS,
-                   frozenset(name for name, a in s.attributes.items() if a.required),
-                   _singles(s.inputs), _singles(s.outputs))
+    known, _ = _schema_facts()
+    key = f"{domain}|{op_type}|{version}"
+    got = known.get(key, ())
+    if got == ():
+        try:
+            s = onnx.defs.get_schema(op_type, version, domain)
+        except onnx.defs.SchemaError:
+            got = None
+        else:
+            got = _Schema(s.since_version, (s.min_input, s.max_input),
+                          (s.min_output, s.max_output),
+                          {name: int(a.type) for name, a in s.attributes.items()},
+                          (domain, op_type, s.since_version) not in _OPEN_SCHEMAS,
+                          frozenset(name for name, a in s.attributes.items() if a.required),
+                          _singles(s.inputs), _singles(s.outputs))
+        known[key] = got
+        _schema_facts()[1].add(key)
+    elif isinstance(got, list):  # as read from the file
+        since, ins, outs, types, closed, required, single_in, single_out = got
+        got = known[key] = _Schema(since, tuple(ins), tuple(outs), types, closed,
+                                   frozenset(required), tuple(single_in), tuple(single_out))
+    return got
+
+
+@functools.cache
+def _schema_facts() -> tuple[dict, set]:
+    """The schema facts known in this process (read once from :mod:`schema_file`) and the
+    keys found since, not yet written back."""
+    return schema_file.read(schema_file.path()), set()
+
+
+def _save_schema_facts() -> None:
+    known, unsaved = _schema_facts()
+    if unsaved:
+        unsaved.clear()
+        schema_file.write(schema_file.path(), {
+            k: s if s is None or isinstance(s, list) else
+            [s.since, s.inputs, s.outputs, s.attr_types, s.closed, sorted(s.required),
+             s.single_inputs, s.single_outputs] for k, s in list(known.items())})
 
 
 class _NodeWhere:
