@@ -1,7 +1,10 @@
 """Gradient oracle for kiln.to_torch on zoo models: the zoo builds each model from a
 PyTorch module, so the gradients of a fixed loss wrt every parameter through Kiln's module
 must be that module's (relative error <= 1e-4), in train mode (BatchNorm batch statistics)
-and eval mode, and one SGD step must give the same weights.
+and eval mode, and one SGD step must give the same weights. Where PyTorch's own float32
+gradient is further than that from the module's float64 one (MobileNetV2 in train mode at
+32x32: 2.5-3.6e-3 on this AVX-512 CPU), Kiln's must be within 1.5x PyTorch's distance of
+the float64 gradient instead.
 
 Each model is exported here with BatchNorm kept (TrainingMode.PRESERVE) and no constant
 folding, so every ONNX initializer is one of the module's parameters; its weights are
@@ -55,6 +58,13 @@ def _loss(outs, gen_seed=0):
     return sum((o * torch.randn(o.shape, generator=gen)).sum() for o in outs)
 
 
+def _float64_gradients(net: nn.Module, args: tuple, train: bool) -> dict:
+    """Each parameter's gradient of the same loss through the module in float64."""
+    exact = copy.deepcopy(net).double().train(train)
+    _loss(exact(*(a.double() if a.is_floating_point() else a for a in args))).backward()
+    return {k: p.grad for k, p in exact.named_parameters() if p.grad is not None}
+
+
 def _padding_rows(net: nn.Module) -> dict[str, int]:
     """Embedding rows PyTorch never updates (padding_idx): ONNX's Gather has no such
     notion, so those rows are compared apart (see docs/training.md)."""
@@ -80,6 +90,7 @@ def test_gradients_and_sgd_step_match_the_zoo_pytorch_module(name):
         _loss(m(*args)).backward()
         want = dict(ref.named_parameters())
         scale = max(p.grad.norm() for p in want.values() if p.grad is not None)
+        exact = None
         for k, p in m.named_parameters():
             g, w = p.grad.clone(), want[k].grad.clone()
             if k in pad:  # PyTorch leaves the padding row's gradient at zero
@@ -87,7 +98,18 @@ def test_gradients_and_sgd_step_match_the_zoo_pytorch_module(name):
                 g[pad[k]] = 0
             # a mathematically zero gradient (a key bias under softmax) is float noise:
             # compared against the largest gradient instead
-            assert (g - w).norm() <= REL * w.norm() + 1e-6 * scale, (k, train)
+            if (g - w).norm() <= REL * w.norm() + 1e-6 * scale:
+                continue
+            # Where PyTorch's own float32 gradient is further than REL from the exact one
+            # (train-mode BatchNorm over few pixels), Kiln's must be as close to the exact
+            # one as PyTorch's: the module in float64 is the oracle then.
+            exact = exact or _float64_gradients(net, args, train)
+            e = exact[k].clone()
+            if k in pad:
+                e[pad[k]] = 0
+            torch_err, kiln_err = (w.double() - e).norm(), (g.double() - e).norm()
+            assert torch_err > REL * e.norm() and kiln_err <= 1.5 * torch_err, \
+                (k, train, float(kiln_err / e.norm()), float(torch_err / e.norm()))
         unused = [k for k in want if k not in dict(m.named_parameters())]
         assert all(want[k].grad is None for k in unused)  # pruned: no gradient in torch
         before = {k: p.detach().clone() for k, p in want.items()}
@@ -96,4 +118,9 @@ def test_gradients_and_sgd_step_match_the_zoo_pytorch_module(name):
         for k, p in m.named_parameters():
             if k not in pad:  # same weights, up to the gradients' float error
                 step = (want[k] - before[k]).norm()
-                assert (p - want[k]).norm() <= REL * step + 1e-8 * scale, (k, train)
+                if (p - want[k]).norm() <= REL * step + 1e-8 * scale:
+                    continue
+                exact = exact or _float64_gradients(net, args, train)  # as above
+                target = before[k].double() - 0.01 * exact[k]
+                assert (p.double() - target).norm() <= \
+                    1.5 * (want[k].double() - target).norm() + 1e-8 * scale, (k, train)
