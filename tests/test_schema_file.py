@@ -72,3 +72,11 @@ def test_a_file_others_can_write_is_not_trusted(tmp_path):
 def test_the_cache_can_be_turned_off(tmp_path):
     run = _child("0")
     assert run["refused"] and "Relu" in run["schema_calls"]
+
+
+def test_entries_of_another_format_are_derived_again(tmp_path):
+    cache = tmp_path / "schemas.json"
+    cache.write_text(json.dumps({"|Relu|17": [14, "junk"], "|MaxPool|17": None}))
+    os.chmod(cache, 0o600)
+    run = _child(str(cache))
+    assert run["refused"] and "Relu" in run["schema_calls"]

@@ -236,6 +236,14 @@ def _onnx_schema(op_type: str, domain: str, version: int) -> _Schema | None:
     known, _ = _schema_facts()
     key = f"{domain}|{op_type}|{version}"
     got = known.get(key, ())
+    if isinstance(got, list):  # as read from the file
+        try:
+            since, ins, outs, types, closed, required, single_in, single_out = got
+            got = known[key] = _Schema(int(since), tuple(ins), tuple(outs), dict(types),
+                                       bool(closed), frozenset(required), tuple(single_in),
+                                       tuple(single_out))
+        except (TypeError, ValueError):  # not this format: derive it again
+            got = ()
     if got == ():
         try:
             s = onnx.defs.get_schema(op_type, version, domain)
@@ -250,10 +258,6 @@ def _onnx_schema(op_type: str, domain: str, version: int) -> _Schema | None:
                           _singles(s.inputs), _singles(s.outputs))
         known[key] = got
         _schema_facts()[1].add(key)
-    elif isinstance(got, list):  # as read from the file
-        since, ins, outs, types, closed, required, single_in, single_out = got
-        got = known[key] = _Schema(since, tuple(ins), tuple(outs), types, closed,
-                                   frozenset(required), tuple(single_in), tuple(single_out))
     return got
 
 
