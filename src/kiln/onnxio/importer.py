@@ -233,17 +233,11 @@ def _schema(op_type: str, domain: str, version: int) -> _Schema | None:
 
 
 def _onnx_schema(op_type: str, domain: str, version: int) -> _Schema | None:
-    known, _ = _schema_facts()
+    known, unsaved = _schema_facts()
     key = f"{domain}|{op_type}|{version}"
     got = known.get(key, ())
     if isinstance(got, list):  # as read from the file
-        try:
-            since, ins, outs, types, closed, required, single_in, single_out = got
-            got = known[key] = _Schema(int(since), tuple(ins), tuple(outs), dict(types),
-                                       bool(closed), frozenset(required), tuple(single_in),
-                                       tuple(single_out))
-        except (TypeError, ValueError):  # not this format: derive it again
-            got = ()
+        got = known[key] = _schema_from_list(got)
     if got == ():
         try:
             s = onnx.defs.get_schema(op_type, version, domain)
@@ -257,8 +251,24 @@ def _onnx_schema(op_type: str, domain: str, version: int) -> _Schema | None:
                           frozenset(name for name, a in s.attributes.items() if a.required),
                           _singles(s.inputs), _singles(s.outputs))
         known[key] = got
-        _schema_facts()[1].add(key)
+        unsaved.add(key)
     return got
+
+
+def _schema_as_list(s: _Schema) -> list:
+    """``s`` as the schema file keeps it (JSON has no tuples or sets)."""
+    return [s.since, s.inputs, s.outputs, s.attr_types, s.closed, sorted(s.required),
+            s.single_inputs, s.single_outputs]
+
+
+def _schema_from_list(kept: list) -> _Schema | tuple:
+    """The schema a file entry holds; () where it is not in this format."""
+    try:
+        since, ins, outs, types, closed, required, single_in, single_out = kept
+        return _Schema(int(since), tuple(ins), tuple(outs), dict(types), bool(closed),
+                       frozenset(required), tuple(single_in), tuple(single_out))
+    except (TypeError, ValueError):
+        return ()
 
 
 @functools.cache
@@ -273,9 +283,8 @@ def _save_schema_facts() -> None:
     if unsaved:
         unsaved.clear()
         schema_file.write(schema_file.path(), {
-            k: s if s is None or isinstance(s, list) else
-            [s.since, s.inputs, s.outputs, s.attr_types, s.closed, sorted(s.required),
-             s.single_inputs, s.single_outputs] for k, s in list(known.items())})
+            k: s if s is None or isinstance(s, list) else _schema_as_list(s)
+            for k, s in list(known.items())})
 
 
 class _NodeWhere:
