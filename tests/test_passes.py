@@ -416,16 +416,25 @@ def test_fusions_are_skipped_for_backends_without_their_kernels():
     assert ("ai.kiln.FusedMatMul" in other) == d.runs_on("some_gpu_backend")
 
 
-def test_a_failing_pass_warns_and_the_session_runs_unoptimized(monkeypatch):
+@pytest.mark.parametrize("source", ["proto", "path", "model"])
+def test_a_failing_pass_warns_and_the_session_runs_unoptimized(monkeypatch, tmp_path, source):
     from kiln.passes.simplify import Simplify
 
     def boom(rw, n):
         raise RuntimeError("simulated bug")
 
+    # A typed rule: it fails in stage 1, after stage 0 removed the Identity. A session
+    # optimizing its own copy in place must run the model as read, Identity included.
     monkeypatch.setattr(Simplify, "rules", lambda self: [Rule("boom", None, boom, apply_plan)])
     proto = _mlp_proto()
+    proto.graph.node[-1].output[0] = "y0"
+    proto.graph.node.append(helper.make_node("Identity", ["y0"], ["y"]))
+    arg = {"proto": lambda: proto, "model": lambda: kiln.load(proto),
+           "path": lambda: (onnx.save(proto, tmp_path / "m.onnx"), tmp_path / "m.onnx")[1]}
+    arg = arg[source]()
     with pytest.warns(RuntimeWarning, match="simulated bug"):
-        sess = kiln.InferenceSession(proto)
+        sess = kiln.InferenceSession(arg)
+    assert [n.op_type for n in sess.model.graph.nodes] == [n.op_type for n in proto.graph.node]
     x = rand(2, 4)
     (want,) = ort_run(proto, {"x": x})
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 import time
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import onnx
 
@@ -203,17 +203,20 @@ def _supported(p: Pass, backend: str) -> bool:
 
 
 def optimize_for_session(model: Model, enabled: bool | int | str, input_shapes,
-                         backend: str) -> Model:
-    """What ``InferenceSession`` runs: the optimized copy of ``model`` (at the default
-    level when ``enabled`` is True, at that level when it is one, only the fixed shapes
-    when False). A bug in a pass must not stop a model from running: anything but a
-    KilnError (a bad ``input_shapes``, say) warns and keeps the model."""
+                         backend: str, *, fallback: Callable[[], Model] | None = None
+                         ) -> Model:
+    """What ``InferenceSession`` runs: ``model`` optimized (at the default level when
+    ``enabled`` is True, at that level when it is one, only the fixed shapes when False),
+    on a copy unless ``fallback`` is given: then in place, and ``fallback()`` makes the
+    unoptimized model anew. A bug in a pass must not stop a model from running: anything
+    but a KilnError (a bad ``input_shapes``, say) warns and runs the model as given."""
     try:
         return optimize(model, level=DEFAULT_LEVEL if enabled is True else (enabled or 0),
-                        input_shapes=input_shapes, backend=backend)
+                        input_shapes=input_shapes, backend=backend,
+                        inplace=fallback is not None)
     except KilnError:
         raise
     except Exception as e:  # noqa: BLE001 - fall back to the model as given
         warnings.warn(f"kiln.optimize failed ({type(e).__name__}: {e}); the model runs "
                       "unoptimized. Please report this.", RuntimeWarning, stacklevel=3)
-        return model
+        return model if fallback is None else fallback()

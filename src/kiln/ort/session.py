@@ -49,7 +49,7 @@ class InferenceSession(Session):
         super().__init__(path_or_bytes, backend=cfg.backend, optimize=level,
                          input_shapes=input_shapes, dims=cfg.sess_options.free_dims,
                          quiet=cfg.quiet, **cfg.options)
-        self.meta = model_metadata(self.source_model)
+        self.meta = model_metadata(self.source_header)
         if cfg.save_to:
             save(self.model, cfg.save_to)
         self.profiler = None if cfg.profile_prefix is None else \
