@@ -84,6 +84,22 @@ def infer_node(n: Node, model: Model) -> int:
     return changed
 
 
+def settled(n: Node) -> bool:
+    """Whether inference has nothing left to learn about ``n``'s outputs: each has a dtype
+    and int dims, and a shape-sized integer one also has known contents. Rewrites keep
+    what values compute, so such a node's types stay right whatever its inputs become."""
+    for v in n.outputs:
+        if v is None:
+            continue
+        t = v.type
+        if not isinstance(t, TensorType) or t.dtype == DType.UNDEFINED or t.shape is None \
+                or not all(d.__class__ is int for d in t.shape):
+            return False
+        if _small_int(v) and symdim.known_ints(v.meta.get("sym")) is None:
+            return False
+    return True
+
+
 def _small_int(v: Value) -> bool:
     t = v.type
     return isinstance(t, TensorType) and t.dtype in symdim.SYM_TYPES and \

@@ -222,7 +222,10 @@ class Rewriter:
         self._stale.discard(n)
         if not self.infer:
             return
-        from kiln.passes.infer_shapes import infer_node
+        from kiln.passes.infer_shapes import infer_node, settled
+
+        if settled(n):  # static shapes: re-inferring ShuffleNetV2's 1,064 nodes refined none
+            return
 
         before = [(v.type, v.meta.get("sym")) if v is not None else None for v in n.outputs]
         try:
