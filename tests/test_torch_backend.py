@@ -695,6 +695,29 @@ def test_small_max_pools_match_onnxruntime(x_shape, attrs, monkeypatch):
             sess.run(None, {"x": t}, output_type="torch")[0].numpy(), want)
 
 
+@pytest.mark.parametrize("x_shape, attrs", [
+    ((1, 3, 7, 7), dict(kernel_shape=[7, 7], pads=[0, 0, 1, 1])),  # Inception v1's last
+    ((2, 3, 7, 7), dict(kernel_shape=[7, 7], pads=[0, 0, 1, 1], count_include_pad=1)),
+    ((1, 2, 6, 5), dict(kernel_shape=[3, 2], strides=[2, 1], pads=[2, 0, 0, 1])),
+    ((1, 2, 6, 5), dict(kernel_shape=[3, 3], pads=[2, 2, 2, 2], count_include_pad=1)),
+    ((2, 3, 9), dict(kernel_shape=[3], strides=[2], pads=[0, 2])),
+    ((1, 2, 4, 5, 6), dict(kernel_shape=[2, 2, 2], pads=[1, 0, 0, 0, 1, 1]))])
+def test_average_pools_with_padding_torch_lacks_match_onnxruntime(x_shape, attrs):
+    """Uneven pads, or pads over half the window, run on torch too (padded first, divided
+    by each window's share inside the input unless count_include_pad): onnxruntime's
+    results, no NumPy call (which would also cut a training module's gradient)."""
+    rng = np.random.default_rng(len(x_shape) + len(attrs))
+    model = _make_model(
+        [helper.make_node("AveragePool", ["x"], ["y"], **attrs)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    sess = kiln.InferenceSession(model, backend="torch")
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
+                               rtol=1e-5, atol=1e-6)
+    assert sess.backend.last_run_stats().fallback_calls == 0
+
+
 def _random_initializer(rng, scale: float):
     """``w(name, *shape)``: a float32 initializer of normal values times ``scale``."""
     def w(name, *shape):

@@ -306,6 +306,107 @@ def test_dropout_drops_in_train_mode_as_torch_dropout_and_not_in_eval(opset):
     torch.testing.assert_close(module(x), x @ torch.from_numpy(w))
 
 
+def test_lifted_scalar_literals_are_frozen_and_the_weights_train():
+    """0-d initializers (what torch.onnx's dynamo exporter makes of literals) stay as in
+    the module the graph came from: a Pow exponent trained would go NaN in one step."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((4, 3)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w"),
+             numpy_helper.from_array(np.array(3.0, np.float32), "val_3"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "val_half")]
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("Pow", ["h", "val_3"], ["c"]),
+             helper.make_node("Mul", ["c", "val_half"], ["y"])]
+    proto = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 3])], inits)
+    module = kiln.to_torch(proto)
+    params = dict(module.named_parameters())
+    assert params["w"].requires_grad
+    assert not params["val_3"].requires_grad and not params["val_half"].requires_grad
+    x = torch.from_numpy(np.random.default_rng(1).standard_normal((5, 4)).astype(np.float32))
+    wt = torch.from_numpy(w).requires_grad_()
+    (0.5 * (x @ wt) ** 3).square().mean().backward()
+    opt = torch.optim.SGD(module.parameters(), lr=1e-3)
+    module(x).square().mean().backward()
+    torch.testing.assert_close(params["w"].grad, wt.grad)
+    opt.step()
+    assert float(params["val_3"]) == 3.0 and torch.isfinite(module(x)).all()
+    # opted in, a literal trains as a torch tensor would (positive bases: a finite log)
+    params["val_3"].requires_grad_()
+    module.zero_grad()
+    xp, wp = x.abs(), params["w"].detach().abs()
+    with torch.no_grad():
+        params["w"].copy_(wp)
+    module(xp).square().mean().backward()
+    e = torch.tensor(3.0, requires_grad=True)
+    (0.5 * (xp @ wp) ** e).square().mean().backward()
+    torch.testing.assert_close(params["val_3"].grad, e.grad)
+
+
+@pytest.mark.parametrize("opset", [9, 11])
+def test_dropout_with_its_mask_output_trains_and_masks_consistently(opset):
+    """Dropout nodes that also return the mask (Caffe2-era models; opset < 10 gives it the
+    input's type): in eval mode the identity (onnxruntime's output) and a mask of all kept
+    (ONNX's reference evaluator: onnxruntime returns all dropped); in train mode
+    y = x * mask / (1 - ratio), gradients through it."""
+    from onnx import TensorProto, helper, numpy_helper
+    from onnx.reference import ReferenceEvaluator
+
+    w = np.random.default_rng(0).standard_normal((6, 6)).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["h"]),
+             helper.make_node("Dropout", ["h"], ["y", "mask"], ratio=0.3)]
+    mask_type = TensorProto.FLOAT if opset < 10 else TensorProto.BOOL
+    proto = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [5, 6])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [5, 6]),
+                        helper.make_tensor_value_info("mask", mask_type, [5, 6])],
+                       [numpy_helper.from_array(w, "w")], opset=opset)
+    x = np.random.default_rng(1).standard_normal((5, 6)).astype(np.float32)
+    module = kiln.to_torch(proto).eval()
+    (want_y, ort_mask) = ort_run(proto, {"x": x})
+    (_, want_mask) = ReferenceEvaluator(proto).run(None, {"x": x})
+    with torch.no_grad():
+        y, mask = (t.numpy() for t in module(torch.from_numpy(x)))
+    np.testing.assert_allclose(y, want_y, rtol=1e-5, atol=1e-6)
+    assert mask.dtype == ort_mask.dtype
+    np.testing.assert_array_equal(mask.astype(bool), want_mask.astype(bool))
+    module.train()
+    y, mask = module(torch.from_numpy(x))
+    h = torch.from_numpy(x @ w)
+    assert mask.dtype == (torch.float32 if opset < 10 else torch.bool)
+    keep = mask.bool()
+    assert 0 < int(keep.sum()) < keep.numel()
+    torch.testing.assert_close(y, torch.where(keep, h / 0.7, 0.0))
+    y.sum().backward()
+    want_grad = torch.from_numpy(x).T @ (keep.float() / 0.7)
+    torch.testing.assert_close(module.get_parameter("w").grad, want_grad)
+
+
+def test_lrn_trains_like_torch_local_response_norm():
+    """LRN (AlexNet, Inception v1) on a gradient path: torch's local_response_norm, so the
+    module builds and its gradients are torch's; onnxruntime checks the forward."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).standard_normal((6, 3, 3, 3)).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w"], ["h"], pads=[1, 1, 1, 1]),
+             helper.make_node("LRN", ["h"], ["y"], size=5, alpha=2e-3, beta=0.75, bias=2.0)]
+    proto = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                             [2, 3, 7, 7])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 6, 7, 7])],
+                       [numpy_helper.from_array(w, "w")])
+    x = np.random.default_rng(1).standard_normal((2, 3, 7, 7)).astype(np.float32)
+    module = kiln.to_torch(proto)
+    out = module(torch.from_numpy(x))
+    np.testing.assert_allclose(out.detach().numpy(), ort_run(proto, {"x": x})[0],
+                               rtol=1e-5, atol=1e-5)
+    out.square().sum().backward()
+    wt = torch.from_numpy(w).requires_grad_()
+    ref = nn.functional.local_response_norm(
+        nn.functional.conv2d(torch.from_numpy(x), wt, padding=1), 5, 2e-3, 0.75, 2.0)
+    ref.square().sum().backward()
+    torch.testing.assert_close(module.get_parameter("w").grad, wt.grad)
+
+
 class _Block(nn.Module):
     """Attention with an additive mask, LayerNorm and an erf GELU written as primitives, as
     exporters decompose them."""

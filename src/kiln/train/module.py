@@ -40,11 +40,13 @@ class NonDifferentiableWarning(UserWarning):
 class KilnModule(nn.Module):
     """An imported ONNX graph as a torch module. Build it with :func:`kiln.to_torch`.
 
-    Float initializers are ``nn.Parameter``s, running statistics and other non-float
-    initializers buffers, registered under their initializer names made into attribute
-    paths (``layer1.0.conv1.weight`` stays that; ``onnx::Conv_193`` becomes
-    ``onnx__Conv_193``): :meth:`initializer_name` maps back. ``forward`` takes the graph's
-    inputs positionally (or by name) and returns its output, or a tuple of outputs.
+    Float initializers are ``nn.Parameter``s (0-d ones, literals an exporter lifted out of
+    the code, with ``requires_grad`` off: ``requires_grad_()`` opts one in), running
+    statistics and other non-float initializers buffers, registered under their
+    initializer names made into attribute paths (``layer1.0.conv1.weight`` stays that;
+    ``onnx::Conv_193`` becomes ``onnx__Conv_193``): :meth:`initializer_name` maps back.
+    ``forward`` takes the graph's inputs positionally (or by name) and returns its output,
+    or a tuple of outputs.
     """
 
     def __init__(self, model: Model, device: str = "cpu"):
@@ -68,8 +70,13 @@ class KilnModule(nn.Module):
             is_param = v not in stats and t.is_floating_point()
             owner, attr = self._place(name)
             if is_param:
-                owner.register_parameter(attr, nn.Parameter(t))
-                trainable.add(v)
+                # A 0-d one is a literal the exporter lifted (GELU's 0.044715, a Pow's
+                # exponent 3, a mask's fill value): frozen, as in the module it came from.
+                # Trained, the exponent's gradient x^y ln x makes it NaN in one step.
+                literal = t.dim() == 0
+                owner.register_parameter(attr, nn.Parameter(t, requires_grad=not literal))
+                if not literal:
+                    trainable.add(v)
             else:
                 owner.register_buffer(attr, t)
             self._slots.append((v, owner, attr))

@@ -380,9 +380,20 @@ def average_pool(site):
         if x.dtype not in FLOATS or n not in _AVGPOOL:
             return NI
         strides, dil, begins, ends = _window(site, x, ks)
-        if any(d != 1 for d in dil) or begins != ends \
-                or any(b > k // 2 for b, k in zip(begins, ks)):
+        if any(d != 1 for d in dil):
             return NI
+        if begins != ends or any(b > k // 2 for b, k in zip(begins, ks)):
+            # padding torch's pooling cannot take (uneven, or over half the window), as
+            # Inception v1's last pool has: pad first, and without count_include_pad
+            # divide by how much of each window lies inside the input
+            if ceil or any(p >= k for p, k in zip(begins + ends, ks * 2)):
+                return NI
+            pad = _torch_pad(begins, ends)
+            y = _AVGPOOL[n](F.pad(x, pad), ks, strides)
+            if not include:
+                inside = F.pad(x.new_ones((1, 1, *x.shape[2:])), pad)
+                y = y / _AVGPOOL[n](inside, ks, strides)
+            return y
         want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
         y = _AVGPOOL[n](x, ks, strides, begins, ceil_mode=ceil, count_include_pad=include)
         return y if list(y.shape[2:]) == want else NI
@@ -506,32 +517,62 @@ kernel("Softmax", 1, prepare=True)(_softmax_kernel(torch.softmax))
 kernel("LogSoftmax", 1, prepare=True)(_softmax_kernel(torch.log_softmax))
 
 
-# -- dropout (inference) ------------------------------------------------------------------
+# -- dropout ------------------------------------------------------------------------------
 
 @kernel("Dropout", 7, prepare=True)
 def dropout(site):
-    if site.num_outputs > 1 and site.opset < 10:
-        return None  # the old mask type
+    """Identity in inference; in a training module (:func:`kiln.to_torch`) torch's dropout,
+    with the mask output too when the node has one (in the input's type before opset 10)."""
     be = site.backend
+    masked = site.num_outputs > 1
+    mask_dtype = None if site.opset >= 10 else "input"
+
+    def ones(x):
+        return torch.ones(x.shape, dtype=x.dtype if mask_dtype else torch.bool,
+                          device=x.device)
+
+    def drop(x, p: float):
+        if not masked:
+            return F.dropout(x, p, True)
+        keep = torch.rand(x.shape, device=x.device) >= p
+        y = x * keep / (1.0 - p) if p < 1 else torch.zeros_like(x)
+        return y, keep.to(x.dtype) if mask_dtype else keep
+
     if site.opset >= 12:
         def run12(x, ratio=None, training_mode=None):
-            if be.training and site.num_outputs == 1:
-                return F.dropout(x, 0.5 if ratio is None else floats(ratio)[0], True)
+            if be.training:
+                return drop(x, 0.5 if ratio is None else floats(ratio)[0])
             if training_mode is not None and bool(training_mode.reshape(-1)[0]):
-                return NI
-            if site.num_outputs > 1:
-                return x, torch.ones(x.shape, dtype=torch.bool, device=x.device)
-            return x
+                return NI  # asked for by the graph: the NumPy kernel's seeded masks
+            return (x, ones(x)) if masked else x
         return run12
 
     ratio = float(site.attr("ratio", 0.5))
 
     def run(x):
-        if be.training and site.num_outputs == 1:
-            return F.dropout(x, ratio, True)
-        if site.num_outputs > 1:
-            return x, torch.ones(x.shape, dtype=torch.bool, device=x.device)
-        return x
+        if be.training:
+            return drop(x, ratio)
+        return (x, ones(x)) if masked else x
+    return run
+
+
+# -- local response normalization ---------------------------------------------------------
+
+@kernel("LRN", 1, prepare=True)
+def lrn(site):
+    """torch's local_response_norm: differentiable, where the NumPy kernel is not (so
+    kiln.to_torch trains through it). Its channel window leans the other way from ONNX's
+    for an even ``size``: those run the NumPy kernel."""
+    size = int(site.attr("size"))
+    if size % 2 == 0:
+        return None
+    alpha, beta = float(site.attr("alpha", 1e-4)), float(site.attr("beta", 0.75))
+    bias = float(site.attr("bias", 1.0))
+
+    def run(x):
+        if x.dtype not in FLOATS or x.dim() < 3:
+            return NI
+        return F.local_response_norm(x, size, alpha, beta, bias)
     return run
 
 
