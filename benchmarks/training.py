@@ -6,8 +6,7 @@ Per model: step time (best of --reps alternating steps; the machine is shared, s
 and the memory autograd keeps for backward (bytes of the tensors saved by the forward,
 counted with torch.autograd.graph.saved_tensors_hooks: the part of a training step's peak
 that depends on how the forward is run; parameters and gradients are the same in both).
-Prints ratios Kiln / PyTorch. onnx2torch is not compared: it needs torchvision, and no
-torchvision on PyPI loads with torch 2.13.0+cpu (docs/training.md says why).
+Prints ratios Kiln / PyTorch. onnx2torch is compared by benchmarks/onnx2torch_compare.py.
 
     python benchmarks/training.py [--reps 5] [--threads 2]
 """
