@@ -226,12 +226,28 @@ def environment(args) -> dict:
            "cpu": _cpu_model(), "threads": args.threads, "seq": args.seq,
            "python": platform.python_version(), "numpy": np.__version__,
            "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__,
-           "torch": torch.__version__, "kiln": getattr(kiln, "__version__", "?")}
+           "torch": torch.__version__, "kiln": getattr(kiln, "__version__", "?"),
+           "numpy BLAS": _numpy_blas()}
     for anchor in OPTIONAL:
         mod = _anchor(anchor)
         if mod is not None:
             env[anchor] = mod.version() if anchor == "tract" else mod.__version__
     return env
+
+
+def _numpy_blas() -> str:
+    """NumPy's BLAS and the kernel family it runs, which sets the NumPy backend's speed
+    (an OPENBLAS_CORETYPE in the environment overrides OpenBLAS's own choice: Haswell
+    kernels on an AVX-512 CPU made Kiln's NumPy backend up to 1.6x slower)."""
+    from threadpoolctl import threadpool_info
+
+    libs = [i for i in threadpool_info() if i.get("user_api") == "blas"]
+    if not libs:
+        return "unknown"
+    lib = libs[0]
+    forced = os.environ.get("OPENBLAS_CORETYPE")
+    return (f"{lib.get('internal_api')} {lib.get('version')} ({lib.get('architecture')} "
+            f"kernels{', set by OPENBLAS_CORETYPE' if forced else ''})")
 
 
 def _cpu_model() -> str:
@@ -265,8 +281,9 @@ def markdown(env: dict, records: list[dict], engines: list[str]) -> str:
     head += [f"samples/s ({' · '.join(engines)})", f"peak MB ({' · '.join(engines)})"]
     lines = [f"Run {env['date']} on {env['cpu']} ({env['machine']}), {env['threads']} "
              f"threads per engine, text models at sequence length {env['seq']}; "
-             + ", ".join(f"{k} {env[k]}" for k in ("python", "numpy", "onnx", "onnxruntime",
-                                                   "torch", "openvino", "tract") if k in env) + ".",
+             + ", ".join(f"{k} {env[k]}" for k in ("python", "numpy", "numpy BLAS", "onnx",
+                                                   "onnxruntime", "torch", "openvino", "tract")
+                         if k in env) + ".",
              "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for r in records:
         row = [r["model"], str(r["batch"]),
