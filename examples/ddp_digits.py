@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> None:
         kiln.save(model, args.out)
         if args.weights:
             torch.save(model.state_dict(), args.weights)
+    # Leave together: a rank tearing gloo down while rank 0 still evaluates and saves
+    # aborted now and then ("terminate called without an active exception").
+    dist.barrier()
     dist.destroy_process_group()
 
 
