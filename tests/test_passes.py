@@ -438,3 +438,9 @@ def test_a_failing_pass_warns_and_the_session_runs_unoptimized(monkeypatch, tmp_
     x = rand(2, 4)
     (want,) = ort_run(proto, {"x": x})
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
+    # an intermediate output's plan falls back the same way, keeping the output it adds
+    with pytest.warns(RuntimeWarning, match="simulated bug"):
+        hb, y = sess.run(["hb", "y"], {"x": x})
+    np.testing.assert_allclose(y, want, rtol=1e-5, atol=1e-6)
+    w1, b1 = (onnx.numpy_helper.to_array(t) for t in proto.graph.initializer[:2])
+    np.testing.assert_allclose(hb, x @ w1 + b1, rtol=1e-5, atol=1e-6)

@@ -274,7 +274,8 @@ class Session:
                                     f"; the model's outputs are {list(self._outputs)}"))
             model.graph.outputs.append(values[n])
         with _silenced(self._quiet):
-            model = self._optimized(model, owned=True)
+            # on a copy: should optimizing fail, the fallback must keep the outputs added
+            model = self._optimized(model, owned=False)
             plan = compile_model(model.graph, model.opset_imports, model.functions,
                                  self.backend)
         if [v.name for v in plan.graph.inputs] != [v.name for v in self._inputs]:
