@@ -50,7 +50,8 @@ def _node_arg(v: Value) -> NodeArg:
 
 
 def _header(model: Model) -> Model:
-    """``model`` without its graph's contents (what describing it needs, kept for little)."""
+    """``model`` with an empty graph: its producer, version, doc strings, metadata and
+    opsets, which describe it after the graph itself was optimized in place."""
     return replace(model, graph=Graph(name=model.graph.name, doc=model.graph.doc),
                    opset_imports=dict(model.opset_imports), functions={},
                    metadata=dict(model.metadata))
