@@ -66,6 +66,45 @@ def test_custom_op_registration():
     np.testing.assert_allclose(y, 2.5 * np.tanh(x) + x, rtol=1e-6)
 
 
+def _affine_kernels():
+    """One custom kernel, y = alpha * x + beta, in each shape a kernel's signature can
+    take: what the registry reads from it decides which attributes (and context) it gets."""
+    import functools
+
+    def plain(x, *, alpha=1.0, beta=0.0):
+        return (alpha * x + beta).astype(x.dtype)
+
+    def with_ctx(ctx, x, *, alpha=1.0, beta=0.0):
+        assert ctx.num_outputs == 1
+        return plain(x, alpha=alpha, beta=beta)
+
+    def star_args(x, *rest, alpha=1.0, beta=0.0):
+        return plain(x, alpha=alpha, beta=beta)
+
+    def any_attrs(x, **attrs):
+        return plain(x, alpha=attrs["alpha"], beta=attrs["beta"])
+
+    @functools.wraps(plain)
+    def wrapped(*args, **kwargs):
+        return plain(*args, **kwargs)
+
+    return [plain, with_ctx, star_args, any_attrs, wrapped]
+
+
+@pytest.mark.parametrize("kernel", _affine_kernels(), ids=lambda k: k.__name__)
+def test_custom_kernels_get_their_attributes_whatever_their_signature(kernel):
+    domain = f"com.example.{kernel.__name__}"
+    kiln.register_op(domain, "Affine", kernel)
+    nodes = [helper.make_node("Affine", ["x"], ["y"], domain=domain, alpha=2.5, beta=-1.0,
+                              unused_hint=7)]
+    m = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    m.opset_import.append(helper.make_opsetid(domain, 1))
+    x = np.array([-1.0, 0.5, 2.0], np.float32)
+    (y,) = kiln.InferenceSession(m).run(None, {"x": x})
+    np.testing.assert_allclose(y, 2.5 * x - 1.0, rtol=1e-6)
+
+
 def test_overridable_initializer(mlp_model):
     mlp_model.graph.input.append(helper.make_tensor_value_info("b1", TensorProto.FLOAT, [8]))
     sess = kiln.InferenceSession(mlp_model)
