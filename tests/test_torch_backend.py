@@ -663,6 +663,16 @@ def test_prelu_matches_onnxruntime_for_every_slope_shape(x_shape, slope_shape):
                                    rtol=1e-6, atol=1e-6)
 
 
+def _pool_case(op: str, x_shape: tuple, attrs: dict):
+    """A one-node pooling model ``x -> y`` and a random input for it."""
+    model = _make_model(
+        [helper.make_node(op, ["x"], ["y"], **attrs)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    rng = np.random.default_rng(len(x_shape) + len(attrs))
+    return model, rng.standard_normal(x_shape).astype(np.float32)
+
+
 @pytest.mark.parametrize("x_shape, attrs", [
     ((2, 3, 8, 8), dict(kernel_shape=[2, 2], strides=[2, 2])),
     ((2, 3, 7, 9), dict(kernel_shape=[2, 2], strides=[2, 2], ceil_mode=1)),
@@ -679,12 +689,7 @@ def test_small_max_pools_match_onnxruntime(x_shape, attrs, monkeypatch):
     from kiln.ops.torch import nn as torch_nn
 
     monkeypatch.setattr(torch_nn, "_VIEW_POOL_MIN", 0)
-    rng = np.random.default_rng(len(x_shape) + len(attrs))
-    model = _make_model(
-        [helper.make_node("MaxPool", ["x"], ["y"], **attrs)],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    x = rng.standard_normal(x_shape).astype(np.float32)
+    model, x = _pool_case("MaxPool", x_shape, attrs)
     want = ort_run(model, {"x": x})[0]
     sess = kiln.InferenceSession(model, backend="torch")
     assert not sess.placement().fallbacks
@@ -706,12 +711,7 @@ def test_average_pools_with_padding_torch_lacks_match_onnxruntime(x_shape, attrs
     """Uneven pads, or pads over half the window, run on torch too (padded first, divided
     by each window's share inside the input unless count_include_pad): onnxruntime's
     results, no NumPy call (which would also cut a training module's gradient)."""
-    rng = np.random.default_rng(len(x_shape) + len(attrs))
-    model = _make_model(
-        [helper.make_node("AveragePool", ["x"], ["y"], **attrs)],
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
-    x = rng.standard_normal(x_shape).astype(np.float32)
+    model, x = _pool_case("AveragePool", x_shape, attrs)
     sess = kiln.InferenceSession(model, backend="torch")
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
                                rtol=1e-5, atol=1e-6)
