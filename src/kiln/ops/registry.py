@@ -85,12 +85,12 @@ def _parameters(fn: Callable) -> tuple[str | None, frozenset[str], bool]:
     """(first parameter's name, keyword-only names, whether it takes ``**kwargs``). Read
     from a plain function's code object: ``inspect.signature`` costs ~20 us a kernel, a
     noticeable part of a first session's creation with 100-odd kernels."""
-    code = getattr(fn, "__code__", None)
-    if not isinstance(fn, types.FunctionType) or hasattr(fn, "__wrapped__") or code is None:
+    if not isinstance(fn, types.FunctionType) or hasattr(fn, "__wrapped__"):
         params = list(inspect.signature(fn).parameters.values())
         return (params[0].name if params else None,
                 frozenset(p.name for p in params if p.kind == p.KEYWORD_ONLY),
                 any(p.kind == p.VAR_KEYWORD for p in params))
+    code = fn.__code__
     n, k = code.co_argcount, code.co_kwonlyargcount
     names = code.co_varnames
     order = list(names[:n])

@@ -525,10 +525,10 @@ def dropout(site):
     with the mask output too when the node has one (in the input's type before opset 10)."""
     be = site.backend
     masked = site.num_outputs > 1
-    mask_dtype = None if site.opset >= 10 else "input"
+    input_typed_mask = site.opset < 10
 
     def ones(x):
-        return torch.ones(x.shape, dtype=x.dtype if mask_dtype else torch.bool,
+        return torch.ones(x.shape, dtype=x.dtype if input_typed_mask else torch.bool,
                           device=x.device)
 
     def drop(x, p: float):
@@ -536,7 +536,7 @@ def dropout(site):
             return F.dropout(x, p, True)
         keep = torch.rand(x.shape, device=x.device) >= p
         y = x * keep / (1.0 - p) if p < 1 else torch.zeros_like(x)
-        return y, keep.to(x.dtype) if mask_dtype else keep
+        return y, keep.to(x.dtype) if input_typed_mask else keep
 
     if site.opset >= 12:
         def run12(x, ratio=None, training_mode=None):
