@@ -17,6 +17,7 @@ from onnx import numpy_helper
 
 import kiln
 from conftest import ort_run
+from kiln.errors import OptionError
 from kiln.onnxio import to_proto
 from kiln.quantize.calibrate import Range, calibrate
 
@@ -351,6 +352,39 @@ def test_accuracy_budget_reverts_sensitive_layers(digits):
         assert node.inputs[1].producer is None
 
 
+def test_budget_measured_on_onnxruntime(digits, monkeypatch):
+    """backend="onnxruntime": calibration, the budget and the report are measured by
+    onnxruntime itself (every session Kiln opens is one of its), so the report's error is
+    the one onnxruntime gives the file."""
+    ort = pytest.importorskip("onnxruntime")
+    path, feeds, images, _ = digits
+    val = {"image": images}
+    full = kiln.quantize(path, "static", feeds[:3], validation=val, measure_latency=False)
+    budget = full.report.worst_rel() * 0.7
+    opened = []
+
+    class Counted(ort.InferenceSession):
+        def __init__(self, *args, **kw):
+            opened.append(args[0])
+            super().__init__(*args, **kw)
+
+    monkeypatch.setattr(ort, "InferenceSession", Counted)
+    q = kiln.quantize(path, "static", feeds[:3], validation=val, budget=f"rel={budget}",
+                      backend="onnxruntime")
+    monkeypatch.undo()
+    # calibration, the first build and one trial per layer, the reverts, report, latency
+    assert len(opened) >= 2 + 2 * len(full.report.quantized)
+    assert q.report.backend == "onnxruntime" and q.report.latency_after_ms > 0
+    assert any("accuracy budget" in why for why in q.report.kept.values())
+    (fp32,) = ort_run(path, val)
+    (got,) = ort_run(to_proto(q.model), val)
+    rel = np.abs(got - fp32).max() / np.abs(fp32).max()
+    assert rel <= budget
+    np.testing.assert_allclose(q.report.worst_rel(), rel, rtol=1e-6)
+    with pytest.raises(OptionError, match="choose one of numpy, torch, onnxruntime"):
+        kiln.quantize(path, "static", feeds[:1], backend="openvino")
+
+
 def test_cli_quantize(tmp_path, digits, capsys):
     from kiln.cli.main import main
 
@@ -369,14 +403,16 @@ def test_cli_quantize(tmp_path, digits, capsys):
 
 
 @pytest.mark.slow
-# About 100 s on 2 cores (one trial build per layer). Only resnet18 keeps some layers
+# About 30 s on 2 cores (one trial build per layer). Only resnet18 keeps some layers
 # quantized within this budget; bert and mobilenetv2 revert every layer (their near-tie
 # logits flip on any 8-bit layer), where the check below would pass on a float model.
 @pytest.mark.parametrize("name", ["resnet18"])
 def test_zoo_static_within_top1_budget(zoo_model, name):
     """Plain static INT8 of the zoo's seeded random-weight models keeps only 25-75% top-1
     agreement (their logits are near-ties: median top-1/top-2 margin 0.16 on resnet18);
-    the accuracy-aware mode is what reaches 99%. Checked in onnxruntime on the file."""
+    the accuracy-aware mode is what reaches 99%. Measured on onnxruntime and checked there:
+    near ties flip with any engine's rounding, so a budget measured on Kiln's torch
+    backend held on 13 of these 16 rows in onnxruntime."""
     from kiln.zoo.registry import make_inputs
 
     path = str(zoo_model(name))
@@ -385,7 +421,7 @@ def test_zoo_static_within_top1_budget(zoo_model, name):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         q = kiln.quantize(path, "static", cal, validation=val, budget="top1=0.99",
-                          backend="torch", measure_latency=False)
+                          backend="onnxruntime", measure_latency=False)
     proto = to_proto(q.model)
     agree = rows = 0
     for f in val:

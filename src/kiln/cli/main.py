@@ -357,8 +357,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="revert the most sensitive layers to float until the error holds: "
                         "rel=0.01 (max relative output error), top1=0.995 (top-1 agreement "
                         "with the float model)")
-    p.add_argument("--backend", choices=["numpy", "torch"], default="numpy",
-                   help="backend that calibrates and whose latency the report measures")
+    p.add_argument("--backend", choices=["numpy", "torch", "onnxruntime"], default="numpy",
+                   help="engine that calibrates and on which the report, the accuracy budget "
+                        "and --speed-aware measure (the one the file will run on)")
     p.add_argument("--speed-aware", action="store_true",
                    help="time each quantized layer alone, float and quantized, on --backend "
                         "and keep in float those not measured faster")

@@ -15,6 +15,7 @@ from kiln.passes import FoldConstants
 from kiln.passes.infer_shapes import infer_model
 from kiln.quantize import qdq, weight_only
 from kiln.quantize.calibrate import calibrate, load_feeds
+from kiln.quantize.engines import BACKENDS
 from kiln.quantize.fp16 import as_model
 from kiln.quantize.report import QuantizeReport, compare, latency_ms, model_bytes
 from kiln.quantize.speed import LayerTiming, time_layers
@@ -64,7 +65,10 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     up to 3.5 logits uint8, 13 int8 in onnxruntime 1.32).
     ``op_types``/``exclude``: which op types to consider / layer names or op types to keep
     in float. ``validation`` (default: the calibration data) is what the report's error
-    and top-1 agreement are measured on; latency is measured on ``backend``.
+    and top-1 agreement are measured on. ``backend`` (``numpy``, ``torch`` or
+    ``onnxruntime``) runs calibration and every measurement: error, top-1, the budget,
+    latency. Engines round quantized layers differently, so a budget holds where it was
+    measured: measure on the engine the file will run on.
     ``budget`` (a :class:`Budget` or ``"rel=0.01"``/``"top1=0.995"``): accuracy-aware
     mode; layers go back to float, most sensitive first, until the quantized model is
     within the budget on the validation data (the report says which, and why).
@@ -75,6 +79,9 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     """
     if isinstance(budget, str):
         budget = Budget.parse(budget)
+    if backend not in BACKENDS:
+        raise OptionError(f"unknown backend {backend!r} to measure on; choose one of "
+                          f"{', '.join(BACKENDS)}")
     if mode not in MODES:
         raise OptionError(f"unknown quantization mode {mode!r}; choose one of "
                           f"{', '.join(MODES)}")

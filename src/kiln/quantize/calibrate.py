@@ -23,8 +23,8 @@ import numpy as np
 
 from kiln.errors import InputError, OptionError
 from kiln.ir import Model
-from kiln.ort import InferenceSession
 from kiln.passes.base import clone_model
+from kiln.quantize.engines import open_session
 
 __all__ = ["METHODS", "Range", "calibrate", "load_feeds"]
 
@@ -132,7 +132,7 @@ def _session(model: Model, tensors: list[str], backend: str):
             known.add(t)
     # Unoptimized: the optimizer may fuse a Conv with its Relu, and the tensor between
     # them is what is being measured.
-    return InferenceSession(m, backend=backend, optimize=False), names
+    return open_session(m, backend, optimize=False), names
 
 
 def _outputs(sess, names: list[str], feeds: Iterable[dict]):

@@ -11,7 +11,7 @@ import numpy as np
 
 from kiln.ir import Model
 from kiln.onnxio import to_proto
-from kiln.ort import InferenceSession
+from kiln.quantize.engines import open_session
 
 __all__ = ["OutputError", "QuantizeReport", "compare", "latency_ms", "model_bytes"]
 
@@ -92,8 +92,8 @@ def model_bytes(m: Model) -> int:
 def compare(ref: Model, quant: Model, feeds: list[dict], backend: str = "numpy"
             ) -> dict[str, OutputError]:
     """Per-output error of ``quant`` against ``ref`` over ``feeds``."""
-    s_ref = InferenceSession(ref, backend=backend)
-    s_q = InferenceSession(quant, backend=backend)
+    s_ref = open_session(ref, backend)
+    s_q = open_session(quant, backend)
     names = [o.name for o in s_ref.get_outputs()]
     refs: dict[str, list[np.ndarray]] = {n: [] for n in names}
     gots: dict[str, list[np.ndarray]] = {n: [] for n in names}
@@ -120,7 +120,7 @@ def compare(ref: Model, quant: Model, feeds: list[dict], backend: str = "numpy"
 
 def latency_ms(m: Model, feed: dict, backend: str = "numpy", runs: int = 5) -> float:
     """Best-of-``runs`` wall time of one run of ``m`` on ``feed`` (after a warm-up)."""
-    sess = InferenceSession(m, backend=backend)
+    sess = open_session(m, backend)
     sess.run(None, feed)
     best = float("inf")
     for _ in range(runs):

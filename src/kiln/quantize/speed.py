@@ -5,9 +5,9 @@ Each quantized Conv/ConvTranspose/MatMul/Gemm is cut out twice with ``kiln.edit.
 from the float model (the layer, and the bias Add / Relu / Clip sharing its grid) and
 from the quantized one (the same span with its Q/DQ nodes: quantizing its input,
 dequantizing its output, which is what reverting it saves). Both run on the layer's real
-input (the float model run on the first feed), on ``backend`` through a Kiln session, so
-the quantized cut is fused into the integer kernel exactly as in the whole model; the
-times are best-of ``runs``, the two versions taking turns.
+input (the float model run on the first feed), on ``backend`` (a Kiln backend or
+onnxruntime), so the quantized cut is fused into the integer kernel exactly as in the
+whole model; the times are best-of ``runs``, the two versions taking turns.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from kiln.edit import cut
 from kiln.ir import Model, Node
-from kiln.ort import InferenceSession
+from kiln.quantize.engines import open_session
 
 __all__ = ["LayerTiming", "time_layers"]
 
@@ -83,15 +83,15 @@ def time_layers(base: Model, quant: Model, layers: list[Node], feed: dict, backe
     xs = sorted({x for x, _, _ in spans.values()})
     inputs = {v.name for v in base.graph.inputs}
     need = [x for x in xs if x not in inputs]
-    acts = dict(zip(need, InferenceSession(base, backend=backend).run(need, feed))) \
+    acts = dict(zip(need, open_session(base, backend).run(need, feed))) \
         if need else {}
     acts.update({k: v for k, v in feed.items() if k in xs})
     out = {}
     for name, (x, end, q_end) in spans.items():
         fm = cut(base, inputs=[x], outputs=[end])
         qm = cut(quant, inputs=[x], outputs=[q_end])
-        f_s = InferenceSession(fm, backend=backend)
-        q_s = InferenceSession(qm, backend=backend)
+        f_s = open_session(fm, backend)
+        q_s = open_session(qm, backend)
         arr = np.asarray(acts[x])
         fd, qd = {fm.graph.inputs[0].name: arr}, {qm.graph.inputs[0].name: arr}
         f_ms, q_ms = _best_pair(lambda s=f_s, d=fd: s.run(None, d),
