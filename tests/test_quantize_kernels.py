@@ -124,15 +124,22 @@ def test_saved_optimized_model_runs_in_onnxruntime(digits, tmp_path):
 def _deep_tolerance(proto: onnx.ModelProto, feed: dict) -> float:
     """One step, or, in deep networks where roundings compound over tens of layers, how
     far onnxruntime's two executions of the file (integer kernels, and every node as
-    written) are apart, with a quarter more: measured on mobilenetv2, onnxruntime is 2
-    steps from itself and Kiln 1.5 steps from onnxruntime."""
+    written) are apart, with half more.
+
+    The zoo's random weights amplify a single near-tie: on mobilenetv2 (onnxruntime's
+    file, 8 rows) Kiln's NumPy and torch backends differ in 1-2 of 800,000 elements by one
+    step after the first layer, in 22% of layer 9's by up to 74 steps. The logits of
+    onnxruntime's two executions are then 7 steps apart, NumPy's 7 and fbgemm's 9 steps
+    from onnxruntime's integer kernels (0.9-1.5x onnxruntime's own spread over four
+    feeds). Checked to catch real faults: every fused layer's output zero point off by one
+    on the torch backend fails four of the six cases by 3.4-9x this tolerance."""
     ort = pytest.importorskip("onnxruntime")
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_DISABLE_ALL
     plain = ort.InferenceSession(proto.SerializeToString(), so,
                                  providers=["CPUExecutionProvider"]).run(None, feed)
     spread = max(float(np.abs(a - b).max()) for a, b in zip(plain, ort_run(proto, feed)))
-    return max(_one_step(proto), 1.25 * spread)
+    return max(_one_step(proto), 1.5 * spread)
 
 
 # resnet18 with Kiln's file in the default run (about 40 s on 2 cores); the rest is slow
@@ -149,7 +156,7 @@ def test_zoo_cnn_static_files(zoo_model, name, tool, tmp_path):
 
     path = str(zoo_model(name))
     cal = [make_inputs(name, batch=4, seed=s) for s in range(2)]
-    feed = make_inputs(name, batch=2, seed=50)
+    feed = make_inputs(name, batch=8, seed=50)
     if tool == "kiln":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
