@@ -4,6 +4,7 @@ pattern ``DQ(x), DQ(w) -> Conv/MatMul/Gemm [+ bias] [-> Relu/Clip] -> Q``
 
     QConv(x, x_scale, x_zero_point, w, w_scale, w_zero_point, B, y_scale, y_zero_point)
     QMatMul(x, x_scale, x_zero_point, w, w_scale, w_zero_point, B, y_scale, y_zero_point)
+    QAdd(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
 
 ``x`` is 8-bit (uint8 or int8) with a per-tensor scale and zero point, ``w`` an int8
 constant with a per-tensor or per-output-channel scale (QConv: axis 0 of an OIHW weight;
@@ -14,7 +15,9 @@ by ``x_scale * w_scale``, the bias added, the activation (``Relu``, or ``Clip`` 
 ``y_zero_point``. Without ``y_scale`` the output is that float result (a layer whose
 output stays float: a model's logits, dynamic quantization), computed as the QDQ file
 computes it (float32 on the dequantized operands): the next DynamicQuantizeLinear then
-sees the same values in every engine that sums in the same order.
+sees the same values in every engine that sums in the same order. ``QAdd`` is the
+residual ``DQ(a), DQ(b) -> Add [-> Relu] -> Q`` of 8-bit tensors with per-tensor grids
+(``activation`` = ``Relu`` or empty), computed exactly as those nodes compute it.
 
 The NumPy kernels here are the reference; the torch backend runs fbgemm's integer
 kernels (``kiln/ops/torch/quant.py``).
@@ -28,7 +31,7 @@ from kiln.ir import DType, Node, TensorType, Value
 from kiln.ops import cost
 from kiln.ops.conv import CONV_ATTRS, convolve
 from kiln.ops.function_body import function_body
-from kiln.ops.quant import _int_conv, dequantize_linear, saturate_cast
+from kiln.ops.quant import _int_conv, dequantize_linear, quantize_linear, saturate_cast
 from kiln.ops.registry import KILN_DOMAIN, op
 
 ACTIVATIONS = ("", "Relu", "Clip")
@@ -163,6 +166,30 @@ def qmatmul(x, x_scale, x_zero_point, w, w_scale, w_zero_point=None, b=None, y_s
                    activation_params, (-1,))
 
 
+def _infer_qadd(ctx):
+    from kiln.onnxio.infer import onnx_infer
+
+    a, b = ctx.node.inputs[0], ctx.node.inputs[3]
+    probe = Node("Add", [Value("a", TensorType(DType.FLOAT, a.shape if a is not None else None)),
+                         Value("b", TensorType(DType.FLOAT, b.shape if b is not None else None))],
+                 [None])
+    out = onnx_infer(probe, 14, {"": 14})[0]
+    zp = ctx.tensor_type(7)
+    return [TensorType(zp.dtype if zp is not None else DType.UINT8,
+                       out.shape if isinstance(out, TensorType) else None)]
+
+
+@op("QAdd", 1, domain=KILN_DOMAIN, infer=_infer_qadd, differentiable=False,
+    cost=cost.elementwise)
+def qadd(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point=None, *,
+         activation=""):
+    """Quantize(activation(DQ(a) + DQ(b))): a residual Add between 8-bit tensors (and
+    its Relu), computed as the QDQ nodes it replaces compute it."""
+    y = dequantize_linear(a, a_scale, a_zero_point) + dequantize_linear(b, b_scale,
+                                                                        b_zero_point)
+    return quantize_linear(_clamped(y, activation, None), y_scale, y_zero_point)
+
+
 # ---------------------------------------------------------------- function bodies
 # The same layers in standard ONNX ops (DequantizeLinear, Conv/MatMul, Add, Clip,
 # QuantizeLinear), so that a saved optimized model runs in other runtimes.
@@ -198,3 +225,12 @@ def _qconv_body(b):
 @function_body("QMatMul")
 def _qmatmul_body(b):
     _body(b, lambda x, w: b.op("MatMul", x, w))
+
+
+@function_body("QAdd")
+def _qadd_body(b):
+    y = b.op("Add", b.op("DequantizeLinear", b.input(0), b.input(1), b.input(2)),
+             b.op("DequantizeLinear", b.input(3), b.input(4), b.input(5)))
+    if b.attrs.get("activation", ""):
+        y = b.op("Relu", y)
+    b.finish(b.op("QuantizeLinear", y, b.input(6), b.input(7)))

@@ -3,6 +3,12 @@
     DQ(x), DQ(w) [, DQ(b) or b] -> Conv            [-> act] [-> Q]  -> ai.kiln.QConv
     DQ(x), DQ(w) [, DQ(b) or b] -> Gemm            [-> act] [-> Q]  -> ai.kiln.QMatMul
     DQ(x), DQ(w)                -> MatMul [+ Add(b)] [-> act] [-> Q]  -> ai.kiln.QMatMul
+    DQ(a), DQ(b)                -> Add               [-> Relu] -> Q   -> ai.kiln.QAdd
+    DQ(x)                       -> MaxPool                     -> Q   -> MaxPool(x)
+
+The last is exact when the Q has the DQ's grid (a maximum commutes with a monotone map,
+and Q(DQ(v)) = v), and onnxruntime makes the same rewrite; MaxPool takes 8-bit tensors
+from opset 12. The residual Add is what remains between the integer layers of a ResNet.
 
 ``act`` is Relu or Clip with constant bounds directly on the layer's output (onnxruntime's
 ``quantize_static`` often drops it into the Q's range instead; ``kiln.quantize`` writes
@@ -35,15 +41,19 @@ _EIGHT_BIT = (DType.UINT8, DType.INT8)
 
 
 class FuseQuant(RulePass):
-    """DQ -> Conv/MatMul/Gemm [-> Relu/Clip] -> Q  ->  one integer QConv/QMatMul."""
+    """DQ -> Conv/MatMul/Gemm [-> Relu/Clip] -> Q  ->  one integer QConv/QMatMul; the
+    residual DQ, DQ -> Add [-> Relu] -> Q  ->  QAdd; DQ -> MaxPool -> Q on one grid  ->
+    MaxPool on the 8-bit tensor."""
 
     name = "fuse_quant"
     level = 2
     stage = 2
-    creates = ("QConv", "QMatMul")
+    creates = ("QConv", "QMatMul", "QAdd")
 
     def rules(self) -> list[Rule]:
-        return [Rule("qdq_layer", ops("Conv", "MatMul", "Gemm"), _match, _apply, _check)]
+        return [Rule("qdq_layer", ops("Conv", "MatMul", "Gemm"), _match, _apply, _check),
+                Rule("qdq_add", ops("Add"), _match_add, _apply_add, _check_add),
+                Rule("qdq_maxpool", ops("MaxPool"), _match_pool, _apply_pool, _check_pool)]
 
 
 @dataclass
@@ -270,3 +280,104 @@ def _apply(rw: Rewriter, layer: _Layer) -> str | None:
     rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
     chain = " -> ".join(m.op_type for m in layer.taken)
     return f"DQ -> {n.op_type}" + (f" -> {chain}" if chain else "") + f" -> {op_type}"
+
+
+# ---------------------------------------------------------------- residual Add, MaxPool
+
+def _grid(dq: Node) -> list | None:
+    """[q, scale, zero point] of a DequantizeLinear of an 8-bit tensor on one constant
+    per-tensor grid."""
+    parts = _dq_parts(dq)
+    if parts is None or dtype_of(parts[0]) not in _EIGHT_BIT:
+        return None
+    s = const_value(parts[1])
+    z = const_value(parts[2]) if parts[2] is not None else None
+    if s is None or s.size != 1 or s.dtype != np.float32 or \
+            (parts[2] is not None and (z is None or z.size != 1)):
+        return None
+    return parts
+
+
+@dataclass
+class _Add:
+    root: Node
+    a: list
+    b: list
+    relu: Node | None
+    q: Node
+
+
+def _match_add(rw: Rewriter, n: Node) -> _Add | None:
+    if len(n.inputs) != 2 or n.inputs[0] is n.inputs[1]:
+        return None
+    dqs = [producer(v, n, "DequantizeLinear") for v in n.inputs]
+    if None in dqs:
+        return None
+    a, b = (_grid(d) for d in dqs)
+    if a is None or b is None:
+        return None
+    m = _sole_reader(n.outputs[0], n.graph)
+    relu = None
+    if m is not None and m.op_type == "Relu":
+        relu, m = m, _sole_reader(m.outputs[0], n.graph)
+    if m is None or m.op_type != "QuantizeLinear" or not _output_q(m):
+        return None
+    return _Add(n, a, b, relu, m)
+
+
+def _check_add(rw: Rewriter, m: _Add) -> str | None:
+    sa, sb = m.root.inputs[0].shape, m.root.inputs[1].shape
+    if sa is None or sa != sb:
+        return "the two inputs' shapes are not known to be equal (no broadcasting)"
+    return None
+
+
+def _apply_add(rw: Rewriter, m: _Add) -> str:
+    q = m.q
+    inputs = list(m.a) + list(m.b) + [q.inputs[1], q.inputs[2] if len(q.inputs) > 2 else None]
+    while inputs[-1] is None:
+        inputs.pop()
+    fused = Node("QAdd", inputs, [None], {"activation": "Relu"} if m.relu else {},
+                 domain=KILN_DOMAIN, name=m.root.name or q.name)
+    fused.outputs = [q.outputs[0]]
+    taken = [m.root] + ([m.relu] if m.relu else []) + [q]
+    rw.replace(taken, [fused])
+    rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
+    return "DQ, DQ -> Add" + (" -> Relu" if m.relu else "") + " -> Q -> QAdd"
+
+
+@dataclass
+class _Pool:
+    root: Node
+    x: list
+    q: Node
+
+
+def _match_pool(rw: Rewriter, n: Node) -> _Pool | None:
+    if any(v is not None and (v._uses or v._returned_by) for v in n.outputs[1:]):
+        return None
+    dq = producer(n.inputs[0], n, "DequantizeLinear")
+    x = _grid(dq) if dq is not None else None
+    q = _sole_reader(n.outputs[0], n.graph)
+    if x is None or q is None or q.op_type != "QuantizeLinear" or not _output_q(q):
+        return None
+    return _Pool(n, x, q)
+
+
+def _check_pool(rw: Rewriter, m: _Pool) -> str | None:
+    """The maximum commutes with a dequantize-quantize pair on the same grid."""
+    if rw.opset(m.root) < 12:
+        return "MaxPool takes 8-bit tensors from opset 12"
+    qin = list(m.q.inputs) + [None]
+    same = [np.array_equal(const_value(a), const_value(b)) if a is not None and b is not None
+            else a is b for a, b in zip(m.x[1:], qin[1:3])]
+    if not all(same) or dtype_of(m.q.outputs[0]) != dtype_of(m.x[0]):
+        return "the Q after the pool is on another grid than the DQ before it"
+    return None
+
+
+def _apply_pool(rw: Rewriter, m: _Pool) -> str:
+    pool = Node("MaxPool", [m.x[0]], [None], dict(m.root.attrs), name=m.root.name)
+    pool.outputs = [m.q.outputs[0]]
+    rw.replace([m.root, m.q], [pool])
+    return "DQ -> MaxPool -> Q -> MaxPool on 8 bits"

@@ -1,4 +1,4 @@
-"""Torch kernels for quantized models: Kiln's fused integer layers (QConv, QMatMul, made by
+"""Torch kernels for quantized models: Kiln's fused integer layers (QConv, QMatMul, QAdd, made by
 ``kiln.passes.fuse_quant``) on fbgemm's x86 integer kernels, and per-tensor
 QuantizeLinear / DequantizeLinear / DynamicQuantizeLinear as torch elementwise ops (the
 NumPy fallback costs two transfers and a NumPy pass per call).
@@ -66,10 +66,11 @@ class _Grid:
         return y.bitwise_xor_(0x80).view(torch.int8) if self.signed else y
 
 
-def _static_input(site) -> tuple[float, int, bool] | None:
-    """(scale, zero point in uint8 terms, signed) of a per-tensor constant input grid."""
-    xs, xz = site.const(1), site.const(2)
-    if xs is None or (site.has_input(2) and xz is None):
+def _static_grid(site, i: int = 1) -> tuple[float, int, bool] | None:
+    """(scale, zero point in uint8 terms, signed) of the per-tensor constant grid whose
+    scale is input ``i`` and zero point input ``i + 1``."""
+    xs, xz = site.const(i), site.const(i + 1)
+    if xs is None or (site.has_input(i + 1) and xz is None):
         return None
     signed = xz is not None and xz.dtype == np.int8
     return float(_scalar(xs)), int(_scalar(xz) or 0) + (128 if signed else 0), signed
@@ -159,7 +160,7 @@ def qconv(site):
     if grid.float_out:
         return _float_layer(site, 0, lambda x, wf, b: F.conv2d(
             x, wf, b, strides, pads[:2], dil, group))
-    xin = _static_input(site)
+    xin = _static_grid(site)
     qw = _qweight(w, site.const(4), site.const(5), 0)
     if xin is None or qw is None or (site.has_input(6) and site.const(6) is None):
         return None
@@ -188,7 +189,7 @@ def qmatmul(site):
     grid = _Grid(site)
     if grid.float_out:
         return _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
-    xin = _static_input(site)
+    xin = _static_grid(site)
     qw = _qweight(w.T, site.const(4), site.const(5), 0)
     if xin is None or qw is None or (site.has_input(6) and site.const(6) is None):
         return None
@@ -205,6 +206,32 @@ def qmatmul(site):
         return grid.finish(linear(qx, packed, grid.scale, grid.zp))
     site.notes.append("fbgemm int8 linear, weights packed once")
     return run
+
+
+@kernel("QAdd", 1, domain=KILN_DOMAIN, prepare=True)
+def qadd(site):
+    grids = [_static_grid(site, i) for i in (1, 4, 6)]
+    if not _cpu(site) or None in grids:
+        return None
+    (sa, za, _), (sb, zb, _), (sy, zy, signed) = grids
+    add = torch.ops.quantized.add_relu if site.attr("activation", "") else \
+        torch.ops.quantized.add
+
+    def run(a, a_scale, a_zero_point, b, *rest):
+        qa, qb = _as_quint8(a, sa, za), _as_quint8(b, sb, zb)
+        if qa is None or qb is None or a.shape != b.shape:
+            return NI
+        if qb.stride() != qa.stride():
+            qb = qb.contiguous(memory_format=_layout(qa))
+        y = add(qa, qb, sy, zy).int_repr()
+        return y.bitwise_xor_(0x80).view(torch.int8) if signed else y
+    site.notes.append("fbgemm quantized add")
+    return run
+
+
+def _layout(t: torch.Tensor) -> torch.memory_format:
+    cl = t.dim() == 4 and t.is_contiguous(memory_format=torch.channels_last)
+    return torch.channels_last if cl else torch.contiguous_format
 
 
 # ---------------------------------------------------------------- Q / DQ, per tensor
