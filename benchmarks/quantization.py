@@ -4,8 +4,10 @@ own quantization tool on the same models as the anchor.
 
 For every file: size, error and top-1 agreement against fp32 on held-out inputs drawn
 like the calibration inputs (zoo.make_inputs, other seeds), and latency of Kiln's torch
-backend, Kiln's NumPy backend and onnxruntime on that same file, batch 1 and 8, best of
-``--runs`` (the machine is shared: best-of, in one process, alternating).
+backend, Kiln's NumPy backend and onnxruntime on that same file, batch 1 and 8: the
+median of at least ``--runs`` runs, in one process, the engines and files taking turns in
+blocks that each start after a rest and an untimed run (zoo_suite's ``measure``), so that
+one engine's spinning worker threads do not slow the next.
 
     python benchmarks/quantization.py [--models resnet18 mobilenetv2 bert] [--runs 5]
         [--variants fp32 int8-static ort-int8-static] [--no-numpy] [--json FILE]
@@ -21,6 +23,8 @@ import argparse
 import json
 import os
 import platform
+import statistics
+import sys
 import tempfile
 import time
 import warnings
@@ -33,6 +37,9 @@ import kiln
 from kiln.onnxio import save
 from kiln.zoo import path as zoo_path
 from kiln.zoo.registry import make_inputs
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from zoo_suite import measure  # noqa: E402
 
 
 def _ort_session(path: str):
@@ -131,8 +138,9 @@ def run(models: list[str], runs: int, variants: list[str] | None = None,
 
 def _side_by_side(name: str, files: dict[str, str], batch: int, runs: int,
                   numpy_backend: bool) -> dict[str, dict[str, float]]:
-    """Best-of-``runs`` ms per file and engine, the engines and files taking turns within
-    each round (so a burst of load on the shared machine hits them all alike)."""
+    """Median ms per file and engine over at least ``runs`` runs, the engines and files
+    taking turns in rested blocks (so a burst of load hits them all alike, and no engine
+    runs while another's threads still spin)."""
     feed = make_inputs(name, batch=batch, seed=7)
     calls: dict[tuple[str, str], object] = {}
     with warnings.catch_warnings():
@@ -145,17 +153,11 @@ def _side_by_side(name: str, files: dict[str, str], batch: int, runs: int,
                 calls[label, "kiln_numpy_ms"] = lambda s=kn: s.run(None, feed)
             o = _ort_session(path)
             calls[label, "onnxruntime_ms"] = lambda s=o: s.run(None, feed)
-    for fn in calls.values():
-        fn()  # warm-up
-    best = dict.fromkeys(calls, float("inf"))
-    for _ in range(runs):
-        for key, fn in calls.items():
-            t0 = time.perf_counter()
-            fn()
-            best[key] = min(best[key], time.perf_counter() - t0)
+    times = measure({k: (lambda _feed, fn=fn: fn()) for k, fn in calls.items()}, feed,
+                    budget_s=2.0, min_runs=runs, max_runs=max(runs, 40), rest_s=0.2)
     out: dict[str, dict[str, float]] = {}
-    for (label, engine), t in best.items():
-        out.setdefault(label, {"kiln_numpy_ms": float("nan")})[engine] = t * 1e3
+    for (label, engine), t in times.items():
+        out.setdefault(label, {"kiln_numpy_ms": float("nan")})[engine] = statistics.median(t)
     return out
 
 
