@@ -80,3 +80,30 @@ def test_entries_of_another_format_are_derived_again(tmp_path):
     os.chmod(cache, 0o600)
     run = _child(str(cache))
     assert run["refused"] and "Relu" in run["schema_calls"]
+
+
+def test_caches_share_one_root_that_follows_xdg(tmp_path, monkeypatch):
+    """The schema file, the compile cache and the zoo live under one root, which honours
+    $XDG_CACHE_HOME; each variable moves its cache, and the two that can be turned off
+    take the same words for it."""
+    from kiln import zoo
+    from kiln.onnxio import schema_file
+    from kiln.runtime import compile_cache
+
+    for var in ("KILN_SCHEMA_CACHE", "KILN_COMPILE_CACHE", "KILN_ZOO_DIR"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    root = tmp_path / "xdg" / "kiln"
+    assert schema_file.path().parent == root
+    assert compile_cache.folder() == root / "compiled"
+    assert zoo.cache_dir() == root / "zoo"
+    monkeypatch.setenv("XDG_CACHE_HOME", "relative/dir")  # not absolute: ignored, per XDG
+    assert zoo.cache_dir() == root.home() / ".cache" / "kiln" / "zoo"
+    for word in ("0", "off", "OFF"):
+        monkeypatch.setenv("KILN_SCHEMA_CACHE", word)
+        monkeypatch.setenv("KILN_COMPILE_CACHE", word)
+        assert schema_file.path() is None and compile_cache.folder() is None
+    monkeypatch.setenv("KILN_SCHEMA_CACHE", str(tmp_path / "s.json"))
+    monkeypatch.setenv("KILN_ZOO_DIR", "~/zoo-here")
+    assert schema_file.path() == tmp_path / "s.json"
+    assert zoo.cache_dir() == root.home() / "zoo-here"

@@ -3,8 +3,9 @@
 The first ``onnx.defs.get_schema`` call in a process builds every schema of every domain:
 11 ms here, as long as the rest of loading a small model. The facts the importer checks
 (input and output counts, attribute names and types) are derived from those schemas once
-and kept in ``~/.cache/kiln/onnx-<version>-schemas-v1.json`` (``$KILN_SCHEMA_CACHE`` names
-another file; ``0`` turns it off), so later processes read a few kilobytes of JSON instead.
+and kept in ``onnx-<version>-schemas-v1.json`` under Kiln's cache root (``kiln.cache``;
+``$KILN_SCHEMA_CACHE`` names another file, ``0`` or ``off`` turns it off), so later
+processes read a few kilobytes of JSON instead.
 It is data, never code, and read only when the user owns it and nobody else can write it:
 a loosened entry would let a malformed model through validation.
 """
@@ -18,15 +19,12 @@ from pathlib import Path
 
 import onnx
 
+from kiln.cache import location
+
 
 def path() -> Path | None:
     """The file for the installed onnx, or None when the cache is turned off."""
-    env = os.environ.get("KILN_SCHEMA_CACHE")
-    if env == "0":
-        return None
-    if env:
-        return Path(env)
-    return Path.home() / ".cache" / "kiln" / f"onnx-{onnx.__version__}-schemas-v1.json"
+    return location("KILN_SCHEMA_CACHE", f"onnx-{onnx.__version__}-schemas-v1.json")
 
 
 def read(file: Path | None) -> dict:

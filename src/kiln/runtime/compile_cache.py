@@ -2,8 +2,9 @@
 
 The torch backend's program for one input signature is exported (``torch.export``) and
 compiled ahead of time by AOTInductor into a package (a shared library and the frozen
-weights) in the cache folder: ``$KILN_COMPILE_CACHE``, else ``~/.cache/kiln/compiled``
-(``KILN_COMPILE_CACHE=0`` turns the cache off and compiles in memory with torch.compile).
+weights) in the cache folder: ``$KILN_COMPILE_CACHE``, else ``compiled`` under Kiln's cache
+root (``kiln.cache``; ``KILN_COMPILE_CACHE=0`` or ``off`` turns the cache off and compiles
+in memory with torch.compile).
 A process that builds the same program loads the package instead of compiling it.
 
 The key covers everything the program's results depend on: the generated source, each
@@ -28,17 +29,15 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from kiln.cache import location
 from kiln.runtime.specialize import CompileFailed, CompileWarning
-
-OFF = ("0", "off", "false", "no")
 
 
 def folder() -> Path | None:
     """The cache folder (created), or None when the cache is turned off."""
-    env = os.environ.get("KILN_COMPILE_CACHE")
-    if env is not None and env.strip().lower() in OFF + ("",):
+    path = location("KILN_COMPILE_CACHE", "compiled")
+    if path is None:
         return None
-    path = Path(env) if env else Path.home() / ".cache" / "kiln" / "compiled"
     path.mkdir(parents=True, exist_ok=True)
     if path.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH):
         warnings.warn(f"the compile cache {path} is writable by other users, so it is not "

@@ -21,6 +21,7 @@ from typing import Any
 
 import numpy as np
 
+from kiln.cache import location
 from kiln.errors import MissingDependencyError
 from kiln.zoo.registry import ZooEntry, get_entry, make_inputs
 
@@ -35,9 +36,11 @@ BUILD_STEPS = 5  # the on_step calls build_entry makes
 
 
 def cache_dir() -> Path:
-    """The zoo cache: ``$KILN_ZOO_DIR`` if set, else ``~/.cache/kiln/zoo``."""
-    env = os.environ.get("KILN_ZOO_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "kiln" / "zoo"
+    """The zoo cache: ``$KILN_ZOO_DIR`` if set, else ``zoo`` under Kiln's cache root
+    (``~/.cache/kiln/zoo`` unless ``$XDG_CACHE_HOME`` is set)."""
+    path = location("KILN_ZOO_DIR", "zoo", can_turn_off=False)
+    assert path is not None
+    return path
 
 
 def entry_dir(name: str) -> Path:
