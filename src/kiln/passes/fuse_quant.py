@@ -74,9 +74,10 @@ class _Layer:
 
 def _sole_reader(v: Value, g) -> Node | None:
     """The one standard-op node of ``g`` reading ``v`` once, when nothing returns ``v``."""
-    if v._returned_by or len(v._uses) != 1:
+    uses = v.uses
+    if v.output_of() or len(uses) != 1:
         return None
-    r = next(iter(v._uses))[0]
+    r = uses[0][0]
     return r if r.graph is g and r.domain == "" else None
 
 
@@ -354,7 +355,7 @@ class _Pool:
 
 
 def _match_pool(rw: Rewriter, n: Node) -> _Pool | None:
-    if any(v is not None and (v._uses or v._returned_by) for v in n.outputs[1:]):
+    if any(v is not None and v.is_used() for v in n.outputs[1:]):
         return None
     dq = producer(n.inputs[0], n, "DequantizeLinear")
     x = _grid(dq) if dq is not None else None
