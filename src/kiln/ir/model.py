@@ -82,6 +82,20 @@ class Value:
         """Every ``(node, input index)`` reading this value, in the order they were made."""
         return [Use(n, i) for n, i in self._uses]
 
+    def readers(self) -> Iterator[Node]:
+        """The node of every read of this value (a node reading it twice comes twice)."""
+        return (n for n, _ in self._uses)
+
+    @property
+    def num_reads(self) -> int:
+        """Reads by nodes (graph outputs not counted)."""
+        return len(self._uses)
+
+    @property
+    def is_returned(self) -> bool:
+        """Whether some graph returns this value as an output."""
+        return bool(self._returned_by)
+
     def consumers(self) -> list[Node]:
         """The nodes reading this value (each once), nested subgraphs' nodes included."""
         return list(dict.fromkeys(n for n, _ in self._uses))

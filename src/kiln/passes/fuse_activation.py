@@ -120,9 +120,9 @@ class _Fuser:
 
     def _next(self, v: Value) -> Node | None:
         """The one node of this graph reading ``v``, if exactly one node reads it once."""
-        if v._returned_by or len(v._uses) != 1:
+        if v.is_returned or v.num_reads != 1:
             return None
-        r = next(iter(v._uses))[0]
+        r = next(v.readers())
         return r if r.graph is self.g and r not in self.taken else None
 
     def gather(self) -> _Chain:
@@ -215,16 +215,16 @@ class _Fuser:
             return
         v = ch.out
         readers = v.consumers()
-        if v._returned_by or any(r.graph is not self.g or r in self.taken for r in readers):
+        if v.is_returned or any(r.graph is not self.g or r in self.taken for r in readers):
             return
-        if len(readers) == 1 and len(v._uses) == 1:
+        if len(readers) == 1 and v.num_reads == 1:
             m = readers[0]
             act = single_activation(m, self.rw.opset(m))
             if act is not None:
                 ch.activation, ch.params = act
                 self._take(ch, m)
             return
-        if len(readers) == 2 and len(v._uses) == 2:
+        if len(readers) == 2 and v.num_reads == 2:
             self._gated(ch, readers)
 
     def _gated(self, ch: _Chain, readers: list[Node]) -> None:

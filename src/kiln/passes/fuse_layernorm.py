@@ -68,13 +68,13 @@ class _LayerNormFuser:
             lookup("", "LayerNormalization", model.opset) is not None
 
     def _readers(self, v: Value) -> list[Node]:
-        if v._returned_by:
+        if v.is_returned:
             return []
-        return [r for r, _ in v._uses if r.graph is self.g]
+        return [r for r in v.readers() if r.graph is self.g]
 
     def _one(self, v: Value, *ops: str) -> Node | None:
         r = self._readers(v)
-        if len(r) != 1 or len(v._uses) != 1:
+        if len(r) != 1 or v.num_reads != 1:
             return None
         return r[0] if r[0].domain == "" and r[0].op_type in ops else None
 
@@ -106,7 +106,7 @@ class _LayerNormFuser:
             return None
         d = sub.outputs[0]
         readers = list(dict.fromkeys(self._readers(d)))  # Mul(d, d) reads d twice
-        if len(readers) != 2 or {r for r, _ in d._uses} != set(readers):
+        if len(readers) != 2 or set(d.readers()) != set(readers):
             return None
         sq = next((r for r in readers if r.op_type in ("Pow", "Mul") and r.domain == ""
                    and r.inputs[0] is d), None)

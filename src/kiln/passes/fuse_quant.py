@@ -74,10 +74,9 @@ class _Layer:
 
 def _sole_reader(v: Value, g) -> Node | None:
     """The one standard-op node of ``g`` reading ``v`` once, when nothing returns ``v``."""
-    uses = v.uses
-    if v.output_of() or len(uses) != 1:
+    if v.is_returned or v.num_reads != 1:
         return None
-    r = uses[0][0]
+    r = next(v.readers())
     return r if r.graph is g and r.domain == "" else None
 
 

@@ -204,7 +204,7 @@ class Rewriter:
                 around = [v.producer for v in n.inputs if v is not None and v.producer]
                 for v in n.outputs:
                     if v is not None:
-                        around += [m for m, _ in v._uses]
+                        around += v.readers()
                 for m in around:
                     if left.get(m, -1) < r:
                         left[m] = r
@@ -373,11 +373,11 @@ def single_reader(v: Value | None, reader: Node, *op_types: str) -> Node | None:
 def only_consumer(v: Value, *op_types: str) -> Node | None:
     """The one node reading ``v`` (in ``v``'s producer's graph), if exactly one node does,
     nothing returns ``v``, and it is a standard op of ``op_types``."""
-    if v._returned_by or not v._uses:
+    if v.is_returned or not v.num_reads:
         return None
-    it = iter(v._uses)
-    r = next(it)[0]
-    if any(n is not r for n, _ in it):
+    it = v.readers()
+    r = next(it)
+    if any(n is not r for n in it):
         return None
     if v.producer is not None and r.graph is not v.producer.graph:
         return None

@@ -239,7 +239,7 @@ def _can_bypass(src: Value, n: Node) -> bool:
 def _only_reader(v: Value, n: Node) -> Node | None:
     """The one node of ``n``'s graph reading ``v``, when nothing else uses it."""
     readers = v.consumers()
-    if len(readers) != 1 or v._returned_by or readers[0].graph is not n.graph:
+    if len(readers) != 1 or v.is_returned or readers[0].graph is not n.graph:
         return None
     return readers[0]
 
