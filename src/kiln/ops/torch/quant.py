@@ -181,6 +181,44 @@ def qconv(site):
     return run
 
 
+_ONEDNN_QLINEAR = hasattr(torch.ops.onednn, "qlinear_pointwise") and \
+    torch.backends.mkldnn.is_available()
+
+
+def _int_float_linear(site, w: np.ndarray):
+    """run() for a QMatMul with a float output (dynamic quantization's layers, logits) as
+    oneDNN's int8 product with a float32 result: uint8 x (its scale and zero point read
+    at run time, as DynamicQuantizeLinear makes them) times the int8 weight packed once,
+    accumulated exactly, scaled and biased in float32. 27-69 us against 33-548 us for
+    float32 on the dequantized input (16-128 rows, 256<->1024 wide); None where it does
+    not apply (a weight zero point, no oneDNN)."""
+    ws, wz, bc = site.const(4), site.const(5), site.const(6)
+    if not _ONEDNN_QLINEAR or w.dtype != np.int8 or ws is None or \
+            (site.has_input(5) and (wz is None or np.any(wz))) or \
+            (site.has_input(6) and bc is None):
+        return None
+    packed = torch.ops.onednn.qlinear_prepack(torch.from_numpy(np.ascontiguousarray(w.T)),
+                                              None)
+    scales = torch.from_numpy(np.asarray(ws, np.float32).reshape(-1).copy())
+    zeros = torch.zeros(scales.numel(), dtype=torch.int32)
+    bias = None if bc is None else torch.from_numpy(bc.astype(np.float32))
+    lo, hi = activation_bounds(site.attr("activation", ""), site.attr("activation_params"))
+    clamp = (None if lo == -np.inf else lo, None if hi == np.inf else hi)
+
+    def run(x, x_scale, x_zero_point=None, *rest):
+        if x.dtype not in _EIGHT or x.dim() < 2:
+            return NI
+        zp = 0 if x_zero_point is None else int(x_zero_point.reshape(()))
+        if x.dtype == torch.int8:
+            x, zp = x.view(torch.uint8).bitwise_xor(0x80), zp + 128
+        y = torch.ops.onednn.qlinear_pointwise(
+            x.contiguous(), float(x_scale.reshape(())), zp, packed, scales, zeros, bias,
+            1.0, 0, torch.float32, "none", [], "")
+        return y.clamp_(*clamp) if clamp != (None, None) else y
+    site.notes.append("oneDNN int8 linear with a float32 result, weights packed once")
+    return run
+
+
 @kernel("QMatMul", 1, domain=KILN_DOMAIN, prepare=True)
 def qmatmul(site):
     w = site.const(3)
@@ -188,7 +226,8 @@ def qmatmul(site):
         return None
     grid = _Grid(site)
     if grid.float_out:
-        return _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
+        return _int_float_linear(site, w) or \
+            _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
     xin = _static_grid(site)
     qw = _qweight(w.T, site.const(4), site.const(5), 0)
     if xin is None or qw is None or (site.has_input(6) and site.const(6) is None):
