@@ -179,6 +179,29 @@ def test_residual_add_and_pool_on_8_bits(dtype):
     _check_against_ort(proto, feed, 0.04 * 1.001, fused=("QAdd",))
 
 
+def test_onnxruntime_dynamic_file_fuses(zoo_model, tmp_path):
+    """onnxruntime's quantize_dynamic writes MatMulInteger -> Cast -> Mul(scales) -> Add
+    for every product of BERT; each becomes one QMatMul with a float output (oneDNN's
+    int8 product on torch). Bound as for the digits' dynamic file: 0.2% of the largest
+    output, since a float sum in another order may move a value across the next
+    DynamicQuantizeLinear's rounding boundary."""
+    q = pytest.importorskip("onnxruntime.quantization")
+    from kiln.zoo.registry import make_inputs
+
+    out = tmp_path / "bert_dynamic.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q.quantize_dynamic(str(zoo_model("bert")), str(out), weight_type=q.QuantType.QInt8)
+    proto = onnx.load(str(out))
+    for backend in ("numpy", "torch"):
+        counts = _fused_ops(proto, backend)
+        assert counts["QMatMul"] == 25 and counts["MatMulInteger"] == 0, counts
+    feed = make_inputs("bert", batch=2, seq=16, seed=1)
+    refs = ort_run(proto, feed)
+    _check_against_ort(proto, feed, 2e-3 * max(float(np.abs(r).max()) for r in refs),
+                       fused=("QMatMul",))
+
+
 def _deep_tolerance(proto: onnx.ModelProto, feed: dict) -> float:
     """One step, or, in deep networks where roundings compound over tens of layers, how
     far onnxruntime's two executions of the file (integer kernels, and every node as
