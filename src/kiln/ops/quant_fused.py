@@ -19,8 +19,8 @@ sees the same values in every engine that sums in the same order. ``QAdd`` is th
 residual ``DQ(a), DQ(b) -> Add [-> Relu] -> Q`` of 8-bit tensors with per-tensor grids
 (``activation`` = ``Relu`` or empty), computed exactly as those nodes compute it.
 
-The NumPy kernels here are the reference; the torch backend runs fbgemm's integer
-kernels (``kiln/ops/torch/quant.py``).
+The NumPy kernels here are the reference; the torch backend runs oneDNN's and fbgemm's
+integer kernels (``kiln/ops/torch/quant.py``).
 """
 
 from __future__ import annotations

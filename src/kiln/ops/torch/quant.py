@@ -1,17 +1,18 @@
-"""Torch kernels for quantized models: Kiln's fused integer layers (QConv, QMatMul, QAdd, made by
-``kiln.passes.fuse_quant``) on fbgemm's x86 integer kernels, and per-tensor
-QuantizeLinear / DequantizeLinear / DynamicQuantizeLinear as torch elementwise ops (the
-NumPy fallback costs two transfers and a NumPy pass per call).
+"""Torch kernels for quantized models: Kiln's fused integer layers (QConv, QMatMul, QAdd,
+made by ``kiln.passes.fuse_quant``) on oneDNN's and fbgemm's x86 integer kernels, and
+per-tensor QuantizeLinear / DequantizeLinear / DynamicQuantizeLinear as torch
+elementwise ops (the NumPy fallback costs two transfers and a NumPy pass per call).
 
-The integer weights are packed once when the session is prepared
-(``torch.ops.quantized.conv2d_prepack`` / ``linear_prepack``). Activations travel between
-layers as plain uint8/int8 tensors, as ONNX has them; a layer wraps its input as a
-quantized tensor (``_make_per_tensor_quantized_tensor``) and returns the integer
-representation of fbgemm's output. int8 activations are shifted to uint8 by flipping the
-sign bit (``x ^ 0x80`` is ``x + 128``), which leaves ``x - zero_point`` unchanged.
-A layer whose output stays float (logits, dynamic quantization) computes in float32 on
-the dequantized input with the weight dequantized once: integer accumulation would need a
-float output fbgemm does not offer, and it is what the QDQ file computes.
+The integer weights are packed once when the session is prepared. Activations travel
+between layers as plain uint8/int8 tensors, as ONNX has them. Static convolutions run on
+oneDNN (``onednn.qconv2d_pointwise``), which takes those tensors as they are; linear
+layers and residual Adds on fbgemm, which takes its input wrapped as a quantized tensor
+(``_make_per_tensor_quantized_tensor``) and gives back the integer representation of its
+output. int8 activations are shifted to uint8 by flipping the sign bit (``x ^ 0x80`` is
+``x + 128``), which leaves ``x - zero_point`` unchanged. A linear layer whose output stays
+float (logits, dynamic quantization) runs on oneDNN's int8 product with a float32 result
+(``onednn.qlinear_pointwise``); without oneDNN, and for such convolutions, it computes in
+float32 on the dequantized input, which is what the QDQ file computes.
 """
 
 from __future__ import annotations
