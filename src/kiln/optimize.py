@@ -42,6 +42,7 @@ from kiln.passes import (
     FuseAttention,
     FuseBatchNorm,
     FuseGelu,
+    FuseIntegerOps,
     FuseLayerNorm,
     FuseQuant,
     InferShapes,
@@ -66,7 +67,8 @@ def _rule_passes() -> list[RulePass]:
     """The rewriting passes, in the order their rules are tried on a node."""
     return [FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
-            FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseActivation()]
+            FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseIntegerOps(),
+            FuseActivation()]
 
 
 PASS_NAMES: tuple[str, ...] = tuple(dict.fromkeys(

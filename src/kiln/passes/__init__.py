@@ -17,6 +17,7 @@ from kiln.passes.fuse_activation import FuseActivation
 from kiln.passes.fuse_attention import FuseAttention
 from kiln.passes.fuse_batchnorm import FuseBatchNorm
 from kiln.passes.fuse_gelu import FuseGelu
+from kiln.passes.fuse_integer_ops import FuseIntegerOps
 from kiln.passes.fuse_layernorm import FuseLayerNorm
 from kiln.passes.fuse_quant import FuseQuant
 from kiln.passes.infer_shapes import InferShapes
@@ -26,6 +27,6 @@ from kiln.passes.simplify import Simplify
 
 __all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputShapes",
            "FoldConstants", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
-           "FuseGelu", "FuseLayerNorm", "FuseQuant", "InferShapes", "OptimizeReport", "Pass",
-           "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass", "Simplify", "clone_model",
-           "run_rules"]
+           "FuseGelu", "FuseIntegerOps", "FuseLayerNorm", "FuseQuant", "InferShapes",
+           "OptimizeReport", "Pass", "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass",
+           "Simplify", "clone_model", "run_rules"]

@@ -5,10 +5,6 @@
     DQ(x), DQ(w)                -> MatMul [+ Add(b)] [-> act] [-> Q]  -> ai.kiln.QMatMul
     DQ(a), DQ(b)                -> Add               [-> Relu] -> Q   -> ai.kiln.QAdd
     DQ(x)                       -> MaxPool                     -> Q   -> MaxPool(x)
-    MatMulInteger(x, w, x_zp) -> Cast(float) -> Mul(x_scale * w_scale) [+ b]
-                                                       -> ai.kiln.QMatMul (float output)
-
-The last is onnxruntime's ``quantize_dynamic`` format (x from DynamicQuantizeLinear).
 
 The last is exact when the Q has the DQ's grid (a maximum commutes with a monotone map,
 and Q(DQ(v)) = v), and onnxruntime makes the same rewrite; MaxPool takes 8-bit tensors
@@ -57,9 +53,7 @@ class FuseQuant(RulePass):
     def rules(self) -> list[Rule]:
         return [Rule("qdq_layer", ops("Conv", "MatMul", "Gemm"), _match, _apply, _check),
                 Rule("qdq_add", ops("Add"), _match_add, _apply_add, _check_add),
-                Rule("qdq_maxpool", ops("MaxPool"), _match_pool, _apply_pool, _check_pool),
-                Rule("integer_matmul", ops("MatMulInteger"), _match_int, _apply_int,
-                     _check_int)]
+                Rule("qdq_maxpool", ops("MaxPool"), _match_pool, _apply_pool, _check_pool)]
 
 
 @dataclass
@@ -387,79 +381,3 @@ def _apply_pool(rw: Rewriter, m: _Pool) -> str:
     pool.outputs = [m.q.outputs[0]]
     rw.replace([m.root, m.q], [pool])
     return "DQ -> MaxPool -> Q -> MaxPool on 8 bits"
-
-
-# ---------------------------------------------------------------- onnxruntime's dynamic form
-
-@dataclass
-class _IntMatMul:
-    root: Node
-    x: list  # [q, scale, zero point]
-    w: np.ndarray
-    w_scale: np.ndarray
-    bias: np.ndarray | None
-    taken: list[Node]
-
-
-def _match_int(rw: Rewriter, n: Node) -> _IntMatMul | None:
-    """MatMulInteger(x, w, x_zp[, w_zp = 0]) -> Cast(float) -> Mul(x_scale * w_scale)
-    [-> Add(b)], as onnxruntime's quantize_dynamic writes every product."""
-    ins = list(n.inputs) + [None] * (4 - len(n.inputs))
-    x, wv, xz, wz = ins[:4]
-    w = const_value(wv)
-    if w is None or w.ndim != 2 or w.dtype not in (np.int8, np.uint8) or \
-            not _scalar_param(xz) or x is None:
-        return None
-    if wz is not None and (const_value(wz) is None or np.any(const_value(wz))):
-        return None
-    cast = _sole_reader(n.outputs[0], n.graph)
-    if cast is None or cast.op_type != "Cast" or cast.attrs.get("to") != DType.FLOAT.value:
-        return None
-    mul = _sole_reader(cast.outputs[0], n.graph)
-    if mul is None or mul.op_type != "Mul":
-        return None
-    scales = producer(mul.inputs[1] if mul.inputs[0] is cast.outputs[0] else mul.inputs[0],
-                      mul, "Mul")
-    if scales is None:
-        return None
-    a, b = scales.inputs
-    if const_value(a) is not None:
-        a, b = b, a
-    ws = const_value(b)
-    k = w.shape[1]
-    if ws is None or ws.dtype != np.float32 or ws.size not in (1, k) or not _scalar_param(a):
-        return None
-    layer = _IntMatMul(n, [x, a, xz], w, ws.reshape(-1) if ws.size > 1 else ws.reshape(()),
-                       None, [cast, mul])
-    add = _sole_reader(mul.outputs[0], n.graph)
-    if add is not None and add.op_type == "Add" and "axis" not in add.attrs:
-        c = const_value(add.inputs[1] if add.inputs[0] is mul.outputs[0] else add.inputs[0])
-        if c is not None and c.dtype == np.float32 and c.size == k and c.shape[-1] == k:
-            layer.bias = c.reshape(-1).copy()
-            layer.taken.append(add)
-    return layer
-
-
-def _check_int(rw: Rewriter, m: _IntMatMul) -> str | None:
-    r = rank_of(m.x[0])
-    if dtype_of(m.x[0]) not in _EIGHT_BIT or r is None or r < 2:
-        return "x is not an 8-bit matrix of known rank"
-    return None
-
-
-def _apply_int(rw: Rewriter, m: _IntMatMul) -> str:
-    n, g = m.root, m.root.graph
-    base = n.name or n.outputs[0].name
-    inputs = list(m.x) + [n.inputs[1], rw.add_const(g, f"{base}_qweight_scale", m.w_scale),
-                          None]
-    if m.bias is not None:
-        inputs.append(rw.add_const(g, f"{base}_qbias", m.bias))
-    while inputs[-1] is None:
-        inputs.pop()
-    last = m.taken[-1]
-    fused = Node("QMatMul", inputs, [None], {}, domain=KILN_DOMAIN, name=n.name or last.name)
-    fused.outputs = [last.outputs[0]]
-    rw.replace([n] + m.taken, [fused])
-    rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
-    chain = " -> ".join(t.op_type for t in m.taken)
-    return f"MatMulInteger -> {chain} -> QMatMul"
