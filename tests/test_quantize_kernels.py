@@ -89,6 +89,21 @@ def test_digits_kiln_static_file(digits, symmetric):
     _check_against_ort(proto, {"image": images}, _one_step(proto))
 
 
+def test_fbgemm_and_float_paths_without_onednn(digits, monkeypatch):
+    """Where torch has no oneDNN int8 ops, convolutions and linear layers run on fbgemm and
+    float-output layers in float32 on the dequantized input: the same bounds hold."""
+    import kiln.ops.torch.quant as torch_quant
+
+    monkeypatch.setattr(torch_quant, "_ONEDNN_QCONV", False)
+    monkeypatch.setattr(torch_quant, "_ONEDNN_QLINEAR", False)
+    path, feeds, images = digits
+    static = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False).model)
+    _check_against_ort(static, {"image": images}, _one_step(static))
+    dynamic = to_proto(kiln.quantize(path, "dynamic", measure_latency=False).model)
+    (ref,) = ort_run(dynamic, {"image": images})
+    _check_against_ort(dynamic, {"image": images}, 2e-3 * np.abs(ref).max())
+
+
 def test_digits_onnxruntime_static_file(digits, tmp_path):
     path, feeds, images = digits
     proto = _ort_static_file(path, feeds, tmp_path)

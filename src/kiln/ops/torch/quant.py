@@ -18,6 +18,7 @@ float32 on the dequantized input, which is what the QDQ file computes.
 
 from __future__ import annotations
 
+import contextlib
 import warnings
 
 import numpy as np
@@ -205,7 +206,8 @@ def qconv(site):
     b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
     xs, xz, _ = xin
     if _ONEDNN_QCONV:
-        return _onednn_qconv(site, w, xs, xz, b, strides, pads[:2], dil, group, grid)
+        with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
+            return _onednn_qconv(site, w, xs, xz, b, strides, pads[:2], dil, group, grid)
     packed = _prepack(torch.ops.quantized.conv2d_prepack, qw, b, strides, pads[:2], dil,
                       group)
     conv = torch.ops.quantized.conv2d_relu if grid.relu else torch.ops.quantized.conv2d
@@ -236,8 +238,11 @@ def _int_float_linear(site, w: np.ndarray):
             (site.has_input(5) and (wz is None or np.any(wz))) or \
             (site.has_input(6) and bc is None):
         return None
-    packed = torch.ops.onednn.qlinear_prepack(torch.from_numpy(np.ascontiguousarray(w.T)),
-                                              None)
+    try:
+        packed = torch.ops.onednn.qlinear_prepack(
+            torch.from_numpy(np.ascontiguousarray(w.T)), None)
+    except RuntimeError:  # a CPU oneDNN's int8 kernels skip: the float32 path
+        return None
     scales = torch.from_numpy(np.asarray(ws, np.float32).reshape(-1).copy())
     zeros = torch.zeros(scales.numel(), dtype=torch.int32)
     bias = None if bc is None else torch.from_numpy(bc.astype(np.float32))
@@ -298,7 +303,8 @@ def qmatmul(site):
     b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
     xs, xz, _ = xin
     if _ONEDNN_QLINEAR:
-        return _onednn_qlinear(site, w, xs, xz, b, grid)
+        with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
+            return _onednn_qlinear(site, w, xs, xz, b, grid)
     packed = _prepack(torch.ops.quantized.linear_prepack, qw, b)
     linear = torch.ops.quantized.linear_relu if grid.relu else torch.ops.quantized.linear
 
