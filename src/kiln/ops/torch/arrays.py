@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import numpy as np
 import torch
 
@@ -94,3 +96,25 @@ def const_tensor(site, i: int, dtype: torch.dtype | None = None):
     if not isinstance(t, torch.Tensor):
         return None
     return t.to(dtype) if dtype is not None else t
+
+
+# -- 8-bit activations: uint8, with int8 ones shifted by their sign bit (x ^ 0x80 is x + 128,
+# so x - zero_point is unchanged when the zero point moves by 128 too) ----------------------
+
+def as_uint8(x: torch.Tensor) -> torch.Tensor | None:
+    """An 8-bit activation as uint8 (int8 shifted by its sign bit), or None."""
+    if x.dtype == torch.int8:
+        return x.view(torch.uint8).bitwise_xor(0x80)
+    return x if x.dtype == torch.uint8 else None
+
+
+def from_uint8(y: torch.Tensor, signed: bool) -> torch.Tensor:
+    """A uint8 result back as int8 when ``signed`` (in place), else as it is."""
+    return y.bitwise_xor_(0x80).view(torch.int8) if signed else y
+
+
+def quantized(u: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
+    """uint8 ``u`` as torch's quint8 tensor on that grid (no copy), for its quantized ops."""
+    with warnings.catch_warnings():  # quantized tensors' deprecation notice
+        warnings.simplefilter("ignore", UserWarning)
+        return torch._make_per_tensor_quantized_tensor(u, scale, zero_point)

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import itertools
 import math
-import warnings
 from collections.abc import Callable
 
 import torch
@@ -20,7 +19,16 @@ import torch.nn.functional as F
 
 from kiln.ops.conv import conv_pads, out_size
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import FLOATS, axis, const_tensor, floats, ints
+from kiln.ops.torch.arrays import (
+    FLOATS,
+    as_uint8,
+    axis,
+    const_tensor,
+    floats,
+    from_uint8,
+    ints,
+    quantized,
+)
 
 NI = NotImplemented
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
@@ -336,17 +344,12 @@ def _max_pool_8bit(site, x, ks, ceil: bool):
     strides, dil, begins, ends = _window(site, x, ks)
     if begins != ends:
         return NI
-    signed = x.dtype == torch.int8
-    u = x.view(torch.uint8).bitwise_xor(0x80) if signed else x
-    with warnings.catch_warnings():  # quantized tensors' deprecation notice
-        warnings.simplefilter("ignore", UserWarning)
-        q = torch._make_per_tensor_quantized_tensor(
-            u.contiguous(memory_format=torch.channels_last), 1.0, 0)
+    q = quantized(as_uint8(x).contiguous(memory_format=torch.channels_last), 1.0, 0)
     y = F.max_pool2d(q, ks, strides, begins, dil, ceil_mode=ceil).int_repr()
     want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
     if list(y.shape[2:]) != want:
         return NI
-    return y.bitwise_xor_(0x80).view(torch.int8) if signed else y
+    return from_uint8(y, x.dtype == torch.int8)
 
 
 _VIEW_POOL_MIN = 2**19

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.quant_fused import EXACT_F32, activation_bounds
-from kiln.ops.registry import KILN_DOMAIN
+from kiln.ops.registry import KILN_DOMAIN, Kernel
 from kiln.ops.torch import kernel
+from kiln.ops.torch.arrays import as_uint8, from_uint8, quantized
 
 NI = NotImplemented
 _EIGHT = (torch.uint8, torch.int8)
@@ -42,9 +43,9 @@ class _Grid:
     """The output grid of a fused layer: scale, zero point (in uint8 terms), the integer
     clamp its activation makes, and whether the result is int8 (shifted back at the end)."""
 
-    def __init__(self, site):
-        ys, yz = site.const(7), site.const(8)
-        self.float_out = not site.has_input(7)
+    def __init__(self, site, scale_input: int = 7):
+        ys, yz = site.const(scale_input), site.const(scale_input + 1)
+        self.float_out = not site.has_input(scale_input)
         if self.float_out:
             return
         zdt = yz.dtype if yz is not None else np.dtype(np.uint8)
@@ -68,14 +69,7 @@ class _Grid:
             y = y.int_repr()
         if self.lo > 0 or self.hi < 255:
             y = y.clamp_(self.lo, self.hi)
-        return y.bitwise_xor_(0x80).view(torch.int8) if self.signed else y
-
-
-def _as_uint8(x: torch.Tensor) -> torch.Tensor | None:
-    """An 8-bit activation as uint8 (int8 shifted by its sign bit), or None."""
-    if x.dtype == torch.int8:
-        return x.view(torch.uint8).bitwise_xor(0x80)
-    return x if x.dtype == torch.uint8 else None
+        return from_uint8(y, self.signed)
 
 
 def _static_grid(site, i: int = 1) -> tuple[float, int, bool] | None:
@@ -89,8 +83,15 @@ def _static_grid(site, i: int = 1) -> tuple[float, int, bool] | None:
 
 
 def _as_quint8(x: torch.Tensor, scale: float, zp: int) -> torch.Tensor | None:
-    u = _as_uint8(x)
-    return None if u is None else torch._make_per_tensor_quantized_tensor(u, scale, zp)
+    u = as_uint8(x)
+    return None if u is None else quantized(u, scale, zp)
+
+
+def _weight_scales(site, channels: int) -> torch.Tensor:
+    """The weight's float32 scales (input 4), one per output channel (a per-tensor scale
+    repeated), as oneDNN's int8 kernels take them."""
+    ws = np.asarray(site.const(4), np.float32).reshape(-1)
+    return torch.from_numpy(np.broadcast_to(ws, (channels,)).copy())
 
 
 def _qweight(w: np.ndarray, ws: np.ndarray, wz: np.ndarray | None, axis: int):
@@ -165,15 +166,14 @@ def _onednn_qconv(site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil
     wrapping the input as a quantized tensor or copying out its integer representation;
     3-21% faster on ResNet-18's 3x3 layers, 2x on a stride-2 depthwise one (96@112x112:
     0.061 against 0.127 ms)."""
-    ws = np.asarray(site.const(4), np.float32).reshape(-1)
-    scales = torch.from_numpy(np.broadcast_to(ws, (w.shape[0],)).copy())
+    scales = _weight_scales(site, w.shape[0])
     zeros = torch.zeros(w.shape[0], dtype=torch.int64)
     packed = torch.ops.onednn.qconv_prepack(torch.from_numpy(np.ascontiguousarray(w)), scales,
                                             xs, xz, strides, pads, dil, group, None)
     post = "relu" if grid.relu else "none"
 
     def run(x, *rest):
-        u = _as_uint8(x)
+        u = as_uint8(x)
         if u is None:
             return NI
         return grid.finish(torch.ops.onednn.qconv2d_pointwise(
@@ -243,20 +243,20 @@ def _int_float_linear(site, w: np.ndarray):
             torch.from_numpy(np.ascontiguousarray(w.T)), None)
     except RuntimeError:  # a CPU oneDNN's int8 kernels skip: the float32 path
         return None
-    scales = torch.from_numpy(np.asarray(ws, np.float32).reshape(-1).copy())
-    zeros = torch.zeros(scales.numel(), dtype=torch.int32)
+    scales = _weight_scales(site, w.shape[1])
+    zeros = torch.zeros(w.shape[1], dtype=torch.int32)
     bias = None if bc is None else torch.from_numpy(bc.astype(np.float32))
     lo, hi = activation_bounds(site.attr("activation", ""), site.attr("activation_params"))
     clamp = (None if lo == -np.inf else lo, None if hi == np.inf else hi)
 
     def run(x, x_scale, x_zero_point=None, *rest):
-        if x.dtype not in _EIGHT or x.dim() < 2:
+        u = as_uint8(x)
+        if u is None or x.dim() < 2:
             return NI
         zp = 0 if x_zero_point is None else int(x_zero_point.reshape(()))
-        if x.dtype == torch.int8:
-            zp += 128
+        zp += 128 if x.dtype == torch.int8 else 0
         y = torch.ops.onednn.qlinear_pointwise(
-            _as_uint8(x).contiguous(), float(x_scale.reshape(())), zp, packed, scales, zeros, bias,
+            u.contiguous(), float(x_scale.reshape(())), zp, packed, scales, zeros, bias,
             1.0, 0, torch.float32, "none", [], "")
         return y.clamp_(*clamp) if clamp != (None, None) else y
     site.notes.append("oneDNN int8 linear with a float32 result, weights packed once")
@@ -268,15 +268,14 @@ def _onednn_qlinear(site, w: np.ndarray, xs: float, xz: int, b, grid: _Grid):
     tensors. Against fbgemm's ``quantized.linear``: 1.3-1.9x faster from 128 rows (BERT at
     batch 8, sequence 128: its 25 layers 9.2 -> 5.6 ms), 3-6 us slower a call at 16 rows;
     the integers agree but for ties in requantizing (1 in 100,000 outputs, one step)."""
-    scales = torch.from_numpy(np.broadcast_to(
-        np.asarray(site.const(4), np.float32).reshape(-1), (w.shape[1],)).copy())
+    scales = _weight_scales(site, w.shape[1])
     zeros = torch.zeros(w.shape[1], dtype=torch.int32)
     packed = torch.ops.onednn.qlinear_prepack(torch.from_numpy(np.ascontiguousarray(w.T)),
                                               None)
     post = "relu" if grid.relu else "none"
 
     def run(x, *rest):
-        u = _as_uint8(x)
+        u = as_uint8(x)
         if u is None or x.dim() < 2:
             return NI
         return grid.finish(torch.ops.onednn.qlinear_pointwise(
@@ -322,9 +321,9 @@ def qadd(site):
     grids = [_static_grid(site, i) for i in (1, 4, 6)]
     if not _cpu(site) or None in grids:
         return None
-    (sa, za, _), (sb, zb, _), (sy, zy, signed) = grids
-    add = torch.ops.quantized.add_relu if site.attr("activation", "") else \
-        torch.ops.quantized.add
+    (sa, za, _), (sb, zb, _), _ = grids
+    grid = _Grid(site, 6)
+    add = torch.ops.quantized.add_relu if grid.relu else torch.ops.quantized.add
 
     def run(a, a_scale, a_zero_point, b, *rest):
         qa, qb = _as_quint8(a, sa, za), _as_quint8(b, sb, zb)
@@ -332,8 +331,7 @@ def qadd(site):
             return NI
         if qb.stride() != qa.stride():
             qb = qb.contiguous(memory_format=_layout(qa))
-        y = add(qa, qb, sy, zy).int_repr()
-        return y.bitwise_xor_(0x80).view(torch.int8) if signed else y
+        return grid.finish(add(qa, qb, grid.scale, grid.zp))
     site.notes.append("fbgemm quantized add")
     return run
 
@@ -384,9 +382,9 @@ def _const_grid(site) -> tuple[torch.Tensor, float, np.dtype] | None:
     return torch.tensor(float(s.reshape(-1)[0])), float(_scalar(z) or 0), zdt
 
 
-def _plain(site, fn):
-    attrs = dict(site.attrs)
-    return lambda *args: fn(*args, **attrs)
+# A grid that is not one constant takes the general kernels, bound to the node's attributes
+# as the registry binds any plain kernel.
+_QUANTIZE, _DEQUANTIZE = Kernel(_quantize), Kernel(_dequantize)
 
 
 # A constant grid is read once, when the node is prepared: a Q of a (1, 16, 256) tensor
@@ -399,7 +397,7 @@ def quantize_linear(site):
     out_attr = site.attr("output_dtype", 0)
     if grid is None or site.attr("block_size", 0) or site.attr("precision", 0) or \
             (not site.has_input(2) and out_attr) or grid[2] not in (np.uint8, np.int8):
-        return _plain(site, _quantize)
+        return _QUANTIZE.bind(site)[0]
     scale, zp, zdt = grid
     out = torch.uint8 if zdt == np.uint8 else torch.int8
     lo, hi = (0, 255) if out == torch.uint8 else (-128, 127)
@@ -415,7 +413,7 @@ def quantize_linear(site):
 def dequantize_linear(site):
     grid = _const_grid(site)
     if grid is None or site.attr("block_size", 0) or site.attr("output_dtype", 0):
-        return _plain(site, _dequantize)
+        return _DEQUANTIZE.bind(site)[0]
     scale, zp, _ = grid
 
     def run(x, *rest):
