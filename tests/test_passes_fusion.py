@@ -411,3 +411,23 @@ def test_fused_ops_keep_narrow_float_dtypes(dtype):
     q = rand(1, 2, 3, 4).astype(dtype)
     assert att(q, q, q, scale=0.5).dtype == dtype
     assert _kernel("LayerNorm", "ai.kiln", 1)(x).dtype == dtype
+
+
+def test_fusion_pass_run_alone_imports_kilns_domain():
+    """A fusion pass applied on its own (not through kiln.optimize) leaves a model whose
+    ai.kiln node is imported: the saved file passes onnx's full check, and onnxruntime
+    runs it (through the op's function body) to the original model's outputs."""
+    import onnx
+
+    from conftest import ort_run
+    from kiln.onnxio import load, to_proto
+    from kiln.passes import FuseGelu
+
+    proto = make_model(_gelu_erf("x_then_half"), [vi("x", [4, 7])], [vi("y", [4, 7])],
+                       _gelu_consts())
+    model, record = FuseGelu()(load(proto))
+    assert record.changes and model.opset_imports.get("ai.kiln") == 1
+    fused = to_proto(model)
+    onnx.checker.check_model(fused, full_check=True)
+    feed = {"x": rand(4, 7) * 3}
+    np.testing.assert_allclose(ort_run(fused, feed)[0], ort_run(proto, feed)[0], atol=1e-5)

@@ -123,8 +123,6 @@ def optimize_with_report(model, level: int | str = DEFAULT_LEVEL, disable: Itera
         if "pin_host" not in disable:
             _analysis(PinHost(), model, report)
         report.seconds = time.perf_counter() - t0
-        if any(n.domain == KILN_DOMAIN for _, n in model.graph.walk()):
-            model.opset_imports.setdefault(KILN_DOMAIN, 1)
         model.metadata[MARK] = str(max(lvl, done))
         if model.ir_version < 4 and any(not v.meta.get("overridable")
                                         for v in model.graph.initializers.values()):

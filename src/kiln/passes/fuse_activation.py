@@ -106,8 +106,6 @@ def _apply(rw: Rewriter, n: Node) -> str | None:
     fused = _build(ch)
     fused.outputs = [ch.out]
     rw.replace([n] + ch.absorbed, [fused])
-    if fused.domain == KILN_DOMAIN:
-        rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
     return f"{n.op_type} + " + " + ".join(x.op_type for x in ch.absorbed) + \
         f" -> {fused.op_type}"
 

@@ -49,7 +49,6 @@ def _apply(rw: Rewriter, m) -> str:
                name=mm2.name or sm.name)
     att.outputs = [mm2.outputs[0]]
     rw.replace(nodes, [att])
-    rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
     return "attention fused"
 
 

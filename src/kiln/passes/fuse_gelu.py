@@ -54,8 +54,6 @@ def _apply(rw: Rewriter, m) -> str:
                 domain="" if onnx_gelu else KILN_DOMAIN, name=core.name)
     gelu.outputs = [out]
     rw.replace(nodes, [gelu])
-    if not onnx_gelu:
-        model.opset_imports.setdefault(KILN_DOMAIN, 1)
     return f"GELU ({'erf' if approximate == 'none' else 'tanh'} form) fused"
 
 

@@ -105,6 +105,5 @@ def _apply_int(rw: Rewriter, m: _IntMatMul) -> str:
     fused = Node("QMatMul", inputs, [None], {}, domain=KILN_DOMAIN, name=n.name or last.name)
     fused.outputs = [last.outputs[0]]
     rw.replace([n] + m.taken, [fused])
-    rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
     chain = " -> ".join(t.op_type for t in m.taken)
     return f"MatMulInteger -> {chain} -> QMatMul"

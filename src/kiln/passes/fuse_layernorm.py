@@ -56,8 +56,6 @@ def _apply(rw: Rewriter, m) -> str:
     node = _LayerNormFuser(nodes[0].graph, rw.model).emit(x, gamma, beta, y, axis, eps)
     node.name = nodes[0].name
     rw.replace(nodes, [node])
-    if node.domain == KILN_DOMAIN:
-        rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
     return "LayerNorm pattern fused"
 
 

@@ -277,7 +277,6 @@ def _apply(rw: Rewriter, layer: _Layer) -> str | None:
     fused = Node(op_type, inputs, [None], attrs, domain=KILN_DOMAIN, name=n.name or last.name)
     fused.outputs = [last.outputs[0]]
     rw.replace([n] + layer.taken, [fused])
-    rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
     chain = " -> ".join(m.op_type for m in layer.taken)
     return f"DQ -> {n.op_type}" + (f" -> {chain}" if chain else "") + f" -> {op_type}"
 
@@ -342,7 +341,6 @@ def _apply_add(rw: Rewriter, m: _Add) -> str:
     fused.outputs = [q.outputs[0]]
     taken = [m.root] + ([m.relu] if m.relu else []) + [q]
     rw.replace(taken, [fused])
-    rw.model.opset_imports.setdefault(KILN_DOMAIN, 1)
     return "DQ, DQ -> Add" + (" -> Relu" if m.relu else "") + " -> Q -> QAdd"
 
 

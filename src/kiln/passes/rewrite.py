@@ -252,11 +252,15 @@ class Rewriter:
         return self.model.opset_of(n.domain)
 
     def insert_before(self, anchor: Node, nodes: list[Node]) -> None:
-        """Add ``nodes`` to ``anchor``'s graph just before it (it may be removed next)."""
+        """Add ``nodes`` to ``anchor``'s graph just before it (it may be removed next). A
+        node of a domain the model does not import yet (a fusion's ``ai.kiln`` op) adds
+        that domain's import, at version 1."""
         anchor.graph.insert_before(anchor, nodes)
         for m in nodes:
             self._number(m, anchor)
             self._stale.add(m)
+            if m.domain:
+                self.model.opset_imports.setdefault(m.domain, 1)
         self.touch(*nodes)
 
     def remove(self, *nodes: Node) -> None:
