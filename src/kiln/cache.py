@@ -18,11 +18,14 @@ def root() -> Path:
     return (Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache") / "kiln"
 
 
-def location(env: str, name: str, can_turn_off: bool = True) -> Path | None:
+def location(env: str, name: str) -> Path:
     """The path the environment variable ``env`` names (``~`` expanded), else ``name``
-    under :func:`root`; None when ``can_turn_off`` and ``env`` is one of :data:`OFF`. An
-    empty variable counts as unset."""
+    under :func:`root`. An empty variable counts as unset."""
     value = os.environ.get(env, "").strip()
-    if can_turn_off and value.lower() in OFF:
-        return None
     return Path(value).expanduser() if value else root() / name
+
+
+def optional_location(env: str, name: str) -> Path | None:
+    """:func:`location` for a cache that can be turned off: None when ``env`` is one of
+    :data:`OFF`."""
+    return None if os.environ.get(env, "").strip().lower() in OFF else location(env, name)

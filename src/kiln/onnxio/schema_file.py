@@ -19,12 +19,12 @@ from pathlib import Path
 
 import onnx
 
-from kiln.cache import location
+from kiln.cache import optional_location
 
 
 def path() -> Path | None:
     """The file for the installed onnx, or None when the cache is turned off."""
-    return location("KILN_SCHEMA_CACHE", f"onnx-{onnx.__version__}-schemas-v1.json")
+    return optional_location("KILN_SCHEMA_CACHE", f"onnx-{onnx.__version__}-schemas-v1.json")
 
 
 def read(file: Path | None) -> dict:

@@ -29,13 +29,13 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kiln.cache import location
+from kiln.cache import optional_location
 from kiln.runtime.specialize import CompileFailed, CompileWarning
 
 
 def folder() -> Path | None:
     """The cache folder (created), or None when the cache is turned off."""
-    path = location("KILN_COMPILE_CACHE", "compiled")
+    path = optional_location("KILN_COMPILE_CACHE", "compiled")
     if path is None:
         return None
     path.mkdir(parents=True, exist_ok=True)

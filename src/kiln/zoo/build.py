@@ -38,9 +38,7 @@ BUILD_STEPS = 5  # the on_step calls build_entry makes
 def cache_dir() -> Path:
     """The zoo cache: ``$KILN_ZOO_DIR`` if set, else ``zoo`` under Kiln's cache root
     (``~/.cache/kiln/zoo`` unless ``$XDG_CACHE_HOME`` is set)."""
-    path = location("KILN_ZOO_DIR", "zoo", can_turn_off=False)
-    assert path is not None
-    return path
+    return location("KILN_ZOO_DIR", "zoo")
 
 
 def entry_dir(name: str) -> Path:
