@@ -19,7 +19,7 @@ import numpy as np
 from kiln.ir import DType, Node
 from kiln.ops.registry import KILN_DOMAIN
 from kiln.passes.base import RulePass, const_value, dtype_of, rank_of
-from kiln.passes.fuse_quant import _EIGHT_BIT, _scalar_param, _sole_reader
+from kiln.passes.fuse_quant import _EIGHT_BIT, _bias_add, _scalar_param, _sole_reader
 from kiln.passes.rewrite import Rewriter, Rule, ops, producer
 
 
@@ -76,12 +76,10 @@ def _match_int(rw: Rewriter, n: Node) -> _IntMatMul | None:
         return None
     layer = _IntMatMul(n, [x, a, xz], w, ws.reshape(-1) if ws.size > 1 else ws.reshape(()),
                        None, [cast, mul])
-    add = _sole_reader(mul.outputs[0], n.graph)
-    if add is not None and add.op_type == "Add" and "axis" not in add.attrs:
-        c = const_value(add.inputs[1] if add.inputs[0] is mul.outputs[0] else add.inputs[0])
-        if c is not None and c.dtype == np.float32 and c.size == k and c.shape[-1] == k:
-            layer.bias = c.reshape(-1).copy()
-            layer.taken.append(add)
+    found = _bias_add(mul.outputs[0], k, n.graph)
+    if found is not None:
+        add, layer.bias = found
+        layer.taken.append(add)
     return layer
 
 

@@ -196,22 +196,29 @@ def _bias(layer: _Layer, rw: Rewriter) -> bool:
     return True
 
 
+def _bias_add(out: Value, k: int, g) -> tuple[Node, np.ndarray] | None:
+    """The Add of ``g`` that alone reads ``out`` and adds a constant float32 bias of ``k``
+    values over its last axis, and that bias (a product's bias, written as an Add)."""
+    m = _sole_reader(out, g)
+    if m is None or m.op_type != "Add" or "axis" in m.attrs:
+        return None
+    c = const_value(m.inputs[1] if m.inputs[0] is out else m.inputs[0])
+    if c is None or c.dtype != np.float32 or c.size != k or c.shape[-1] != k:
+        return None
+    return m, c.reshape(-1).copy()
+
+
 def _output_chain(layer: _Layer, rw: Rewriter) -> None:
     """Absorb [Add(bias)] [act] [Q] after the layer."""
     g = layer.root.graph
     out = layer.root.outputs[0]
+    if layer.root.op_type == "MatMul" and layer.bias is None:
+        found = _bias_add(out, _channels(layer), g)
+        if found is not None:
+            add, layer.bias = found
+            layer.taken.append(add)
+            out = add.outputs[0]
     m = _sole_reader(out, g)
-    if m is not None and m.op_type == "Add" and layer.root.op_type == "MatMul" and \
-            layer.bias is None and "axis" not in m.attrs:
-        other = m.inputs[1] if m.inputs[0] is out else m.inputs[0]
-        c = const_value(other)
-        k = _channels(layer)
-        if c is not None and other is not out and c.dtype == np.float32 and \
-                c.size == k and c.shape[-1] == k:
-            layer.bias = c.reshape(-1).copy()
-            layer.taken.append(m)
-            out = m.outputs[0]
-            m = _sole_reader(out, g)
     if m is not None and (act := _activation(m, rw)) is not None:
         layer.activation, layer.params = act
         layer.taken.append(m)
