@@ -101,18 +101,23 @@ def _out_type(ctx, float_shape):
     return [TensorType(dtype, float_shape)]
 
 
-def _infer_qconv(ctx):
+def _float_op_shape(op_type: str, inputs: list, attrs: dict | None = None):
+    """The output shape the standard op ``op_type`` infers on float stand-ins of the same
+    shapes as ``inputs`` (a fused quantized op's shape is its float op's)."""
     from kiln.onnxio.infer import onnx_infer
 
-    node = ctx.node
-    x, w = node.inputs[0], node.inputs[3]
-    # The shape is Conv's on float stand-ins of the same shapes.
-    xs = TensorType(DType.FLOAT, x.shape if x is not None else None)
-    ws = TensorType(DType.FLOAT, w.shape if w is not None else None)
-    probe = Node("Conv", [Value("x", xs), Value("w", ws)], [None],
-                 {k: v for k, v in node.attrs.items() if k in CONV_ATTRS})
+    probe = Node(op_type, [Value(f"i{k}", TensorType(DType.FLOAT, v.shape if v is not None
+                                                     else None))
+                           for k, v in enumerate(inputs)], [None], attrs or {})
     out = onnx_infer(probe, 21, {"": 21})[0]
-    return _out_type(ctx, out.shape if isinstance(out, TensorType) else None)
+    return out.shape if isinstance(out, TensorType) else None
+
+
+def _infer_qconv(ctx):
+    node = ctx.node
+    return _out_type(ctx, _float_op_shape(
+        "Conv", [node.inputs[0], node.inputs[3]],
+        {k: v for k, v in node.attrs.items() if k in CONV_ATTRS}))
 
 
 @op("QConv", 1, domain=KILN_DOMAIN, infer=_infer_qconv, differentiable=False,
@@ -167,16 +172,9 @@ def qmatmul(x, x_scale, x_zero_point, w, w_scale, w_zero_point=None, b=None, y_s
 
 
 def _infer_qadd(ctx):
-    from kiln.onnxio.infer import onnx_infer
-
-    a, b = ctx.node.inputs[0], ctx.node.inputs[3]
-    probe = Node("Add", [Value("a", TensorType(DType.FLOAT, a.shape if a is not None else None)),
-                         Value("b", TensorType(DType.FLOAT, b.shape if b is not None else None))],
-                 [None])
-    out = onnx_infer(probe, 14, {"": 14})[0]
     zp = ctx.tensor_type(7)
     return [TensorType(zp.dtype if zp is not None else DType.UINT8,
-                       out.shape if isinstance(out, TensorType) else None)]
+                       _float_op_shape("Add", [ctx.node.inputs[0], ctx.node.inputs[3]]))]
 
 
 @op("QAdd", 1, domain=KILN_DOMAIN, infer=_infer_qadd, differentiable=False,
