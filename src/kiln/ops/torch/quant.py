@@ -94,11 +94,14 @@ def _weight_scales(site, channels: int) -> torch.Tensor:
     return torch.from_numpy(np.broadcast_to(ws, (channels,)).copy())
 
 
-def _qweight(w: np.ndarray, ws: np.ndarray, wz: np.ndarray | None, axis: int):
-    """The int8 weight as torch's quantized tensor (per channel along ``axis``, or per
-    tensor), or None where fbgemm cannot take it (uint8 or nonzero zero points)."""
-    if w.dtype != np.int8 or (wz is not None and np.any(wz)):
-        return None
+def _symmetric_int8(w: np.ndarray, wz: np.ndarray | None) -> bool:
+    """Whether the integer kernels take weight ``w``: int8 with no zero point but 0."""
+    return w.dtype == np.int8 and (wz is None or not np.any(wz))
+
+
+def _qweight(w: np.ndarray, ws: np.ndarray, axis: int):
+    """The int8 weight as torch's quantized tensor for fbgemm (per channel along ``axis``,
+    or per tensor)."""
     t = torch.from_numpy(np.ascontiguousarray(w))
     if ws.size == 1:
         return torch._make_per_tensor_quantized_tensor(t, float(ws.reshape(-1)[0]), 0)
@@ -199,8 +202,8 @@ def qconv(site):
         return _float_layer(site, 0, lambda x, wf, b: F.conv2d(
             x, wf, b, strides, pads[:2], dil, group))
     xin = _static_grid(site)
-    qw = _qweight(w, site.const(4), site.const(5), 0)
-    if xin is None or qw is None or (site.has_input(6) and site.const(6) is None):
+    if xin is None or not _symmetric_int8(w, site.const(5)) or \
+            (site.has_input(6) and site.const(6) is None):
         return None
     bc = site.const(6)
     b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
@@ -208,8 +211,8 @@ def qconv(site):
     if _ONEDNN_QCONV:
         with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
             return _onednn_qconv(site, w, xs, xz, b, strides, pads[:2], dil, group, grid)
-    packed = _prepack(torch.ops.quantized.conv2d_prepack, qw, b, strides, pads[:2], dil,
-                      group)
+    packed = _prepack(torch.ops.quantized.conv2d_prepack, _qweight(w, site.const(4), 0), b,
+                      strides, pads[:2], dil, group)
     conv = torch.ops.quantized.conv2d_relu if grid.relu else torch.ops.quantized.conv2d
 
     def run(x, *rest):
@@ -295,8 +298,8 @@ def qmatmul(site):
         return _int_float_linear(site, w) or \
             _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
     xin = _static_grid(site)
-    qw = _qweight(w.T, site.const(4), site.const(5), 0)
-    if xin is None or qw is None or (site.has_input(6) and site.const(6) is None):
+    if xin is None or not _symmetric_int8(w, site.const(5)) or \
+            (site.has_input(6) and site.const(6) is None):
         return None
     bc = site.const(6)
     b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
@@ -304,7 +307,7 @@ def qmatmul(site):
     if _ONEDNN_QLINEAR:
         with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
             return _onednn_qlinear(site, w, xs, xz, b, grid)
-    packed = _prepack(torch.ops.quantized.linear_prepack, qw, b)
+    packed = _prepack(torch.ops.quantized.linear_prepack, _qweight(w.T, site.const(4), 0), b)
     linear = torch.ops.quantized.linear_relu if grid.relu else torch.ops.quantized.linear
 
     def run(x, *rest):
