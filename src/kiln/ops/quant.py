@@ -89,7 +89,9 @@ def dynamic_quantize_linear(x):
     """uint8 quantization with a scale and zero point covering [min(x, 0), max(x, 0)]."""
     lo = min(float(x.min(initial=0.0)), 0.0)
     hi = max(float(x.max(initial=0.0)), 0.0)
-    scale = np.float32((hi - lo) / 255)
+    # in float32, as the spec's reference and onnxruntime compute it (float64 differs by
+    # one ulp now and then, enough to move a rounding in the next layer)
+    scale = np.float32(np.float32(hi) - np.float32(lo)) / np.float32(255)
     if scale == 0:
         return (np.zeros(x.shape, np.uint8), np.array(scale, np.float32),
                 np.array(0, np.uint8))

@@ -431,13 +431,13 @@ def dequantize_linear(site):
 def dynamic_quantize_linear(x):
     if x.dtype != torch.float32:
         return NI
-    # The scale and zero point computed as the reference kernel does (float64 range,
-    # float32 scale), so both backends pick the same grid.
+    # The scale and zero point computed as the reference kernel does (in float32), so
+    # both backends pick the same grid.
     lo = hi = 0.0
     if x.numel():
         lo_t, hi_t = torch.aminmax(x)  # one pass; each torch call costs ~10 us here
         lo, hi = min(float(lo_t), 0.0), max(float(hi_t), 0.0)
-    scale = np.float32((hi - lo) / 255)
+    scale = np.float32(np.float32(hi) - np.float32(lo)) / np.float32(255)
     if scale == 0:
         return (torch.zeros(x.shape, dtype=torch.uint8), torch.tensor(scale),
                 torch.tensor(0, dtype=torch.uint8))
