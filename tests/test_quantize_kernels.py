@@ -194,27 +194,63 @@ def test_residual_add_and_pool_on_8_bits(dtype):
     _check_against_ort(proto, feed, 0.04 * 1.001, fused=("QAdd",))
 
 
+def _ort_dynamic_file(zoo_model, name: str, tmp_path, weight_type: str = "QInt8"):
+    q = pytest.importorskip("onnxruntime.quantization")
+    out = tmp_path / f"{name}_dynamic_{weight_type}.onnx"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q.quantize_dynamic(str(zoo_model(name)), str(out),
+                           weight_type=getattr(q.QuantType, weight_type),
+                           op_types_to_quantize=["Conv", "MatMul", "Gemm"])
+    return onnx.load(str(out))
+
+
+def _check_integer_file(proto: onnx.ModelProto, feed: dict, fused: dict) -> None:
+    """Kiln's fused layers give onnxruntime's float32 values on its integer file
+    (float32(sum) * float32(x_scale * w_scale) + bias, the sum exact), so every next
+    DynamicQuantizeLinear picks the same grid: agreement to float rounding elsewhere
+    (1e-6 of the largest output), on both backends and in the saved optimized file."""
+    refs = ort_run(proto, feed)
+    atol = 1e-6 * max(float(np.abs(r).max()) for r in refs)
+    for backend in ("numpy", "torch"):
+        m = kiln.optimize(proto, backend=backend)
+        counts = Counter(n.op_type for n in m.graph.nodes)
+        assert {k: counts[k] for k in fused} == fused, counts
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got = kiln.InferenceSession(proto.SerializeToString(), backend=backend).run(
+                None, feed)
+        for g, r in zip(got, refs):
+            np.testing.assert_allclose(g, r, atol=atol, rtol=0, err_msg=backend)
+    saved = to_proto(m)  # the fused layers' function bodies in onnxruntime's integer ops
+    onnx.checker.check_model(saved, full_check=True)
+    for g, r in zip(ort_run(saved, feed), refs):
+        np.testing.assert_allclose(g, r, atol=atol, rtol=0, err_msg="saved")
+
+
 def test_onnxruntime_dynamic_file_fuses(zoo_model, tmp_path):
     """onnxruntime's quantize_dynamic writes MatMulInteger -> Cast -> Mul(scales) -> Add
     for every product of BERT; each becomes one QMatMul with a float output (oneDNN's
-    int8 product on torch). Bound as for the digits' dynamic file: 0.2% of the largest
-    output, since a float sum in another order may move a value across the next
-    DynamicQuantizeLinear's rounding boundary."""
-    q = pytest.importorskip("onnxruntime.quantization")
+    int8 product on torch)."""
     from kiln.zoo.registry import make_inputs
 
-    out = tmp_path / "bert_dynamic.onnx"
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        q.quantize_dynamic(str(zoo_model("bert")), str(out), weight_type=q.QuantType.QInt8)
-    proto = onnx.load(str(out))
-    for backend in ("numpy", "torch"):
-        counts = _fused_ops(proto, backend)
-        assert counts["QMatMul"] == 25 and counts["MatMulInteger"] == 0, counts
-    feed = make_inputs("bert", batch=2, seq=16, seed=1)
-    refs = ort_run(proto, feed)
-    _check_against_ort(proto, feed, 2e-3 * max(float(np.abs(r).max()) for r in refs),
-                       fused=("QMatMul",))
+    proto = _ort_dynamic_file(zoo_model, "bert", tmp_path)
+    _check_integer_file(proto, make_inputs("bert", batch=2, seq=16, seed=1),
+                        {"QMatMul": 25, "MatMulInteger": 0})
+
+
+@pytest.mark.parametrize("name, weight_type, convs", [
+    ("resnet18", "QInt8", 20), ("resnet18", "QUInt8", 20), ("mobilenetv2", "QInt8", 52)])
+def test_onnxruntime_dynamic_conv_file_fuses(zoo_model, tmp_path, name, weight_type, convs):
+    """Its ConvInteger -> Cast -> Mul(scales) -> Add(bias) [-> Relu/Clip] chains become
+    QConvs with a float output (oneDNN's int8 convolution on torch for int8 weights,
+    depthwise ones included; uint8 weights with a zero point take the exact float64
+    path)."""
+    from kiln.zoo.registry import make_inputs
+
+    proto = _ort_dynamic_file(zoo_model, name, tmp_path, weight_type)
+    _check_integer_file(proto, make_inputs(name, batch=2, seed=3),
+                        {"QConv": convs, "ConvInteger": 0, "QMatMul": 1})
 
 
 def _deep_tolerance(proto: onnx.ModelProto, feed: dict) -> float:

@@ -13,9 +13,11 @@ channel. The integer product ``(x - x_zp) * (w - w_zp)`` is accumulated exactly,
 by ``x_scale * w_scale``, the bias added, the activation (``Relu``, or ``Clip`` with
 ``activation_params`` = [min, max]) applied, and the result quantized with ``y_scale`` /
 ``y_zero_point``. Without ``y_scale`` the output is that float result (a layer whose
-output stays float: a model's logits, dynamic quantization), computed as the QDQ file
-computes it (float32 on the dequantized operands): the next DynamicQuantizeLinear then
-sees the same values in every engine that sums in the same order. ``QAdd`` is the
+output stays float: a model's logits, dynamic quantization), computed as the file it
+came from computes it, so that the next DynamicQuantizeLinear sees the same values and
+rounds the same way: float32 products of the dequantized operands (a QDQ file), or with
+``integer_sum`` = 1 as onnxruntime's ConvInteger/MatMulInteger files do,
+``float32(acc) * float32(x_scale * w_scale) + B``. ``QAdd`` is the
 residual ``DQ(a), DQ(b) -> Add [-> Relu] -> Q`` of 8-bit tensors with per-tensor grids
 (``activation`` = ``Relu`` or empty), computed exactly as those nodes compute it.
 
@@ -76,6 +78,19 @@ def _clamped(y: np.ndarray, activation, params) -> np.ndarray:
     return y
 
 
+def _float_result(acc: np.ndarray, x_scale, w_scale, b, activation, params,
+                  channel_shape) -> np.ndarray:
+    """The float32 output of an exact integer sum, as onnxruntime's integer ops compute
+    it: float32(acc) * float32(x_scale * w_scale) + b, then the activation's clamp."""
+    ws = np.asarray(w_scale, np.float32)
+    scale = np.float32(np.asarray(x_scale).reshape(())) * (
+        ws.reshape(channel_shape) if ws.size > 1 else ws.reshape(()))
+    y = acc.astype(np.float32) * scale
+    if b is not None:
+        y += np.asarray(b, np.float32).reshape(channel_shape)
+    return _clamped(y, activation, params)
+
+
 def _finish(acc: np.ndarray, x_scale, w_scale, b, y_scale, y_zp, activation, params,
             channel_shape) -> np.ndarray:
     """acc * x_scale * w_scale + b, clamped by the activation, then quantized (or float)."""
@@ -125,9 +140,9 @@ def _infer_qconv(ctx):
 def qconv(x, x_scale, x_zero_point, w, w_scale, w_zero_point=None, b=None, y_scale=None,
           y_zero_point=None, *, auto_pad="NOTSET", dilations=None, group=1,
           kernel_shape=None, pads=None, strides=None, activation="",
-          activation_params=None):
+          activation_params=None, integer_sum=0):
     """Quantize(activation(Conv(DQ(x), DQ(w)) + b)), the convolution summed exactly."""
-    if y_scale is None:
+    if y_scale is None and not integer_sum:
         xf = dequantize_linear(x, x_scale, x_zero_point)
         wf = dequantize_linear(w, w_scale, w_zero_point, axis=0)
         y = convolve(xf, wf, b, auto_pad=auto_pad, dilations=dilations, group=group,
@@ -140,6 +155,8 @@ def qconv(x, x_scale, x_zero_point, w, w_scale, w_zero_point=None, b=None, y_sca
     acc = _int_conv(_centred(x, x_zero_point, dt), _centred(w, wz, dt), group, auto_pad,
                     dilations, pads, strides)
     chan = (1, -1) + (1,) * (acc.ndim - 2)
+    if y_scale is None:
+        return _float_result(acc, x_scale, w_scale, b, activation, activation_params, chan)
     return _finish(acc, x_scale, w_scale, b, y_scale, y_zero_point, activation,
                    activation_params, chan)
 
@@ -154,10 +171,10 @@ def _infer_qmatmul(ctx):
 @op("QMatMul", 1, domain=KILN_DOMAIN, infer=_infer_qmatmul, differentiable=False,
     cost=cost.matmul)
 def qmatmul(x, x_scale, x_zero_point, w, w_scale, w_zero_point=None, b=None, y_scale=None,
-            y_zero_point=None, *, activation="", activation_params=None):
+            y_zero_point=None, *, activation="", activation_params=None, integer_sum=0):
     """Quantize(activation(DQ(x) @ DQ(w) + b)) for a 2-D ``[K, N]`` weight, the product
     summed exactly."""
-    if y_scale is None:
+    if y_scale is None and not integer_sum:
         y = np.matmul(dequantize_linear(x, x_scale, x_zero_point),
                       dequantize_linear(w, w_scale, w_zero_point, axis=1))
         if b is not None:
@@ -167,6 +184,8 @@ def qmatmul(x, x_scale, x_zero_point, w, w_scale, w_zero_point=None, b=None, y_s
     xc = _centred(x, x_zero_point, dt)
     acc = np.matmul(xc.reshape(-1, xc.shape[-1]), _centred(w, w_zero_point, dt))
     acc = acc.reshape(x.shape[:-1] + w.shape[-1:])
+    if y_scale is None:
+        return _float_result(acc, x_scale, w_scale, b, activation, activation_params, (-1,))
     return _finish(acc, x_scale, w_scale, b, y_scale, y_zero_point, activation,
                    activation_params, (-1,))
 
@@ -192,18 +211,26 @@ def qadd(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_poi
 # The same layers in standard ONNX ops (DequantizeLinear, Conv/MatMul, Add, Clip,
 # QuantizeLinear), so that a saved optimized model runs in other runtimes.
 
-def _body(b, compute) -> None:
-    axis = {"axis": 0 if b.node.op_type == "QConv" else 1}
+def _body(b, compute, integer) -> None:
+    conv = b.node.op_type == "QConv"
+    channels = [-1] + [1] * (b.need_rank(0) - 2) if conv else [-1]
+    axis = {"axis": 0 if conv else 1}
     ws = b.node.inputs[4]
-    if ws is None or ws.shape is None or len(ws.shape) == 0:
+    per_tensor = ws is None or ws.shape is None or len(ws.shape) == 0
+    if per_tensor:
         axis = {}
-    x = b.op("DequantizeLinear", b.input(0), b.input(1), b.input(2))
-    w = b.op("DequantizeLinear", b.input(3), b.input(4), b.input(5), **axis)
-    y = compute(x, w)
+    if b.attrs.get("integer_sum", 0) and b.input(7) is None:
+        # onnxruntime's integer form, which this layer's float32 values come from
+        acc = b.op("Cast", integer(b.input(0), b.input(3), b.input(2), b.input(5)), to=1)
+        scale = b.op("Mul", b.input(1), b.input(4))
+        y = b.op("Mul", acc, scale if per_tensor else b.op("Reshape", scale, b.ints(channels)))
+    else:
+        x = b.op("DequantizeLinear", b.input(0), b.input(1), b.input(2))
+        y = compute(x, b.op("DequantizeLinear", b.input(3), b.input(4), b.input(5), **axis))
     if b.input(6) is not None:
         bias = b.input(6)
-        if b.node.op_type == "QConv":
-            bias = b.op("Reshape", bias, b.ints([-1] + [1] * (b.need_rank(0) - 2)))
+        if conv:
+            bias = b.op("Reshape", bias, b.ints(channels))
         y = b.op("Add", y, bias)
     lo, hi = activation_bounds(b.attrs.get("activation", ""), b.attrs.get("activation_params"))
     if lo > -np.inf or hi < np.inf:
@@ -217,12 +244,13 @@ def _body(b, compute) -> None:
 @function_body("QConv")
 def _qconv_body(b):
     conv = {k: v for k, v in b.attrs.items() if k in CONV_ATTRS}
-    _body(b, lambda x, w: b.op("Conv", x, w, **conv))
+    _body(b, lambda x, w: b.op("Conv", x, w, **conv),
+          lambda *xw: b.op("ConvInteger", *xw, **conv))
 
 
 @function_body("QMatMul")
 def _qmatmul_body(b):
-    _body(b, lambda x, w: b.op("MatMul", x, w))
+    _body(b, lambda x, w: b.op("MatMul", x, w), lambda *xw: b.op("MatMulInteger", *xw))
 
 
 @function_body("QAdd")

@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kiln.ir import DType, Node, Value
+from kiln.ops.conv import CONV_ATTRS
 from kiln.ops.quant import dequantize_linear
 from kiln.ops.quant_fused import ACTIVATIONS
 from kiln.ops.registry import KILN_DOMAIN
@@ -36,7 +37,6 @@ from kiln.passes.base import RulePass, const_value, dtype_of, rank_of
 from kiln.passes.fuse_activation import single_activation
 from kiln.passes.rewrite import Rewriter, Rule, ops, producer
 
-_CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 _EIGHT_BIT = (DType.UINT8, DType.INT8)
 
 
@@ -196,14 +196,16 @@ def _bias(layer: _Layer, rw: Rewriter) -> bool:
     return True
 
 
-def _bias_add(out: Value, k: int, g) -> tuple[Node, np.ndarray] | None:
+def _bias_add(out: Value, k: int, g, axis: int = -1) -> tuple[Node, np.ndarray] | None:
     """The Add of ``g`` that alone reads ``out`` and adds a constant float32 bias of ``k``
-    values over its last axis, and that bias (a product's bias, written as an Add)."""
+    values along ``axis`` (counted from the end: -1 for a product's columns, 1 - rank for
+    a convolution's channels), and that bias (a layer's bias, written as an Add)."""
     m = _sole_reader(out, g)
     if m is None or m.op_type != "Add" or "axis" in m.attrs:
         return None
     c = const_value(m.inputs[1] if m.inputs[0] is out else m.inputs[0])
-    if c is None or c.dtype != np.float32 or c.size != k or c.shape[-1] != k:
+    if c is None or c.dtype != np.float32 or c.size != k or c.ndim < -axis or \
+            c.shape[axis] != k:
         return None
     return m, c.reshape(-1).copy()
 
@@ -274,7 +276,7 @@ def _apply(rw: Rewriter, layer: _Layer) -> str | None:
         inputs.pop()
     attrs = {}
     if n.op_type == "Conv":
-        attrs = {k: v for k, v in n.attrs.items() if k in _CONV_ATTRS}
+        attrs = {k: v for k, v in n.attrs.items() if k in CONV_ATTRS}
     if layer.activation:
         attrs["activation"] = layer.activation
         if layer.params:

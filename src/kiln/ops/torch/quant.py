@@ -110,22 +110,31 @@ def _qweight(w: np.ndarray, ws: np.ndarray, axis: int):
         torch.zeros(ws.size, dtype=torch.int64), axis)
 
 
-def _dequantized_weight(w, ws, wz, axis: int) -> torch.Tensor:
+def _centred_weight(w, wz, axis: int, dtype) -> np.ndarray:
     shape = [1] * w.ndim
     shape[axis] = -1
-    v = w.astype(np.float32)
+    v = w.astype(dtype)
     if wz is not None:
-        v -= np.asarray(wz, np.float32).reshape(shape if wz.size > 1 else ())
-    return torch.from_numpy(v * np.asarray(ws, np.float32).reshape(shape if ws.size > 1 else ()))
+        v -= np.asarray(wz, dtype).reshape(shape if wz.size > 1 else ())
+    return v
 
 
 def _float_layer(site, weight_axis: int, compute):
-    """run() for a layer with a float output: dequantize x, compute in float32 on the
-    once-dequantized weight, add the bias, clamp for the activation."""
+    """run() for a layer with a float output where oneDNN's int8 kernels do not apply (a
+    weight zero point): float32 on the dequantized input and the once-dequantized weight;
+    with ``integer_sum`` the exact sum in float64, then float32(sum) * float32(x_scale *
+    w_scale), as onnxruntime's integer ops compute it. Then the bias and the clamp."""
     w, ws, wz = site.const(3), site.const(4), site.const(5)
     if w is None or ws is None or (site.has_input(5) and wz is None):
         return None
-    wf = _dequantized_weight(w, ws, wz, weight_axis)
+    integer = bool(site.attr("integer_sum", 0))
+    shape = [1] * w.ndim
+    shape[weight_axis] = -1
+    wsc = torch.from_numpy(np.asarray(ws, np.float32).reshape(shape if ws.size > 1 else ()))
+    wc = torch.from_numpy(_centred_weight(w, wz, weight_axis,
+                                          np.float64 if integer else np.float32))
+    wf = wc if integer else wc * wsc
+    out_scale = wsc.reshape(-1 if ws.size > 1 else ())
     bc = site.const(6)
     b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
     lo, hi = activation_bounds(site.attr("activation", ""), site.attr("activation_params"))
@@ -134,15 +143,23 @@ def _float_layer(site, weight_axis: int, compute):
     def run(x, x_scale, x_zero_point=None, *rest):
         if x.dtype not in _EIGHT:
             return NI
-        v = x.to(torch.float32)
+        v = x.to(wf.dtype)
         if x_zero_point is not None:
-            v -= x_zero_point.to(torch.float32)
-        v *= x_scale.to(torch.float32)
-        y = compute(v, wf, b)
+            v -= x_zero_point.to(wf.dtype)
+        if integer:
+            y = compute(v, wf, None).to(torch.float32)
+            scale = x_scale.reshape(()) * out_scale
+            y *= scale.reshape((-1,) + (1,) * (y.dim() - 2)) if w.ndim > 2 else scale
+            if b is not None:
+                y += b.reshape((-1,) + (1,) * (y.dim() - 2)) if w.ndim > 2 else b
+        else:
+            v *= x_scale.to(torch.float32)
+            y = compute(v, wf, b)
         if clamp != (None, None):
             y = y.clamp_(*clamp)
         return y
-    site.notes.append("float output: float32 on the dequantized input, weight "
+    site.notes.append("float output: float64 exact sum" if integer else
+                      "float output: float32 on the dequantized input, weight "
                       "dequantized once")
     return run
 
@@ -199,8 +216,18 @@ def qconv(site):
         return None
     grid = _Grid(site)
     if grid.float_out:
-        return _float_layer(site, 0, lambda x, wf, b: F.conv2d(
-            x, wf, b, strides, pads[:2], dil, group))
+        def prepack(wt):
+            return torch.ops.onednn.qconv_prepack(wt, _weight_scales(site, w.shape[0]), 1.0,
+                                                  0, strides, pads[:2], dil, group, None)
+
+        def product(u, xs, xz, packed, scales, zeros, b):
+            return torch.ops.onednn.qconv2d_pointwise(
+                u.contiguous(memory_format=torch.channels_last), xs, xz, packed, scales,
+                zeros, b, strides, pads[:2], dil, group, 1.0, 0, torch.float32, "none", [],
+                "")
+        return (_ONEDNN_QCONV and _int_float(site, w, w.shape[0], prepack, product)) or \
+            _float_layer(site, 0, lambda x, wf, b: F.conv2d(
+                x, wf, b, strides, pads[:2], dil, group))
     xin = _static_grid(site)
     if xin is None or not _symmetric_int8(w, site.const(5)) or \
             (site.has_input(6) and site.const(6) is None):
@@ -229,25 +256,24 @@ _ONEDNN_QLINEAR = hasattr(torch.ops.onednn, "qlinear_pointwise") and \
     torch.backends.mkldnn.is_available()
 
 
-def _int_float_linear(site, w: np.ndarray):
-    """run() for a QMatMul with a float output (dynamic quantization's layers, logits) as
-    oneDNN's int8 product with a float32 result: uint8 x (its scale and zero point read
-    at run time, as DynamicQuantizeLinear makes them) times the int8 weight packed once,
-    accumulated exactly, scaled and biased in float32. 27-69 us against 33-548 us for
-    float32 on the dequantized input (16-128 rows, 256<->1024 wide); None where it does
-    not apply (a weight zero point, no oneDNN)."""
+def _int_float(site, w: np.ndarray, channels: int, prepack, product):
+    """run() for a QConv/QMatMul with a float output (dynamic quantization's layers,
+    logits) as oneDNN's int8 kernel with a float32 result: uint8 x (its scale and zero
+    point read at run time, as DynamicQuantizeLinear makes them) times the int8 weight
+    packed once (``prepack(weight)``), accumulated exactly, scaled and biased in float32
+    (``product(u, 1.0, zero_point, packed, x_scale * scales, zeros, bias)``). A linear layer:
+    27-69 us against 33-548 us for float32 on the dequantized input (16-128 rows,
+    256<->1024 wide). None where it does not apply (a weight zero point, no oneDNN)."""
     ws, wz, bc = site.const(4), site.const(5), site.const(6)
-    if not _ONEDNN_QLINEAR or w.dtype != np.int8 or ws is None or \
-            (site.has_input(5) and (wz is None or np.any(wz))) or \
+    if not _symmetric_int8(w, wz) or ws is None or (site.has_input(5) and wz is None) or \
             (site.has_input(6) and bc is None):
         return None
     try:
-        packed = torch.ops.onednn.qlinear_prepack(
-            torch.from_numpy(np.ascontiguousarray(w.T)), None)
+        packed = prepack(torch.from_numpy(np.ascontiguousarray(w)))
     except RuntimeError:  # a CPU oneDNN's int8 kernels skip: the float32 path
         return None
-    scales = _weight_scales(site, w.shape[1])
-    zeros = torch.zeros(w.shape[1], dtype=torch.int32)
+    scales = _weight_scales(site, channels)
+    zeros = torch.zeros(channels, dtype=torch.int64)
     bias = None if bc is None else torch.from_numpy(bc.astype(np.float32))
     lo, hi = activation_bounds(site.attr("activation", ""), site.attr("activation_params"))
     clamp = (None if lo == -np.inf else lo, None if hi == np.inf else hi)
@@ -258,11 +284,11 @@ def _int_float_linear(site, w: np.ndarray):
             return NI
         zp = 0 if x_zero_point is None else int(x_zero_point.reshape(()))
         zp += 128 if x.dtype == torch.int8 else 0
-        y = torch.ops.onednn.qlinear_pointwise(
-            u.contiguous(), float(x_scale.reshape(())), zp, packed, scales, zeros, bias,
-            1.0, 0, torch.float32, "none", [], "")
+        # x_scale * w_scale first, as onnxruntime's integer files multiply: oneDNN then
+        # gives their float32 values bit for bit (with x_scale apart it rounds twice)
+        y = product(u, 1.0, zp, packed, x_scale.reshape(()) * scales, zeros, bias)
         return y.clamp_(*clamp) if clamp != (None, None) else y
-    site.notes.append("oneDNN int8 linear with a float32 result, weights packed once")
+    site.notes.append("oneDNN int8 kernel with a float32 result, weights packed once")
     return run
 
 
@@ -295,7 +321,13 @@ def qmatmul(site):
         return None
     grid = _Grid(site)
     if grid.float_out:
-        return _int_float_linear(site, w) or \
+        def product(u, xs, xz, packed, scales, zeros, b):
+            return torch.ops.onednn.qlinear_pointwise(
+                u.contiguous(), xs, xz, packed, scales, zeros, b, 1.0, 0, torch.float32,
+                "none", [], "")
+        def prepack(wt):
+            return torch.ops.onednn.qlinear_prepack(wt.T.contiguous(), None)
+        return (_ONEDNN_QLINEAR and _int_float(site, w, w.shape[1], prepack, product)) or \
             _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
     xin = _static_grid(site)
     if xin is None or not _symmetric_int8(w, site.const(5)) or \
