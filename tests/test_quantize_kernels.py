@@ -228,6 +228,51 @@ def _check_integer_file(proto: onnx.ModelProto, feed: dict, fused: dict) -> None
         np.testing.assert_allclose(g, r, atol=atol, rtol=0, err_msg="saved")
 
 
+def _moves_model(second_scale: float) -> onnx.ModelProto:
+    """x -> Q -> DQ -> Reshape -> Transpose -> Q -> DQ -> Relu: what a QDQ file writes
+    around the head split of an attention layer (the second Q on ``second_scale``)."""
+    from onnx import TensorProto, helper
+
+    inits = [numpy_helper.from_array(np.array(v, np.float32), n)
+             for n, v in (("s1", 0.03), ("s2", second_scale))]
+    inits += [helper.make_tensor("z", TensorProto.UINT8, [], [131]),
+              numpy_helper.from_array(np.array([2, 8, 4, 16], np.int64), "shape")]
+    nodes = [
+        helper.make_node("QuantizeLinear", ["x", "s1", "z"], ["xq"]),
+        helper.make_node("DequantizeLinear", ["xq", "s1", "z"], ["xd"]),
+        helper.make_node("Reshape", ["xd", "shape"], ["r"]),
+        helper.make_node("Transpose", ["r"], ["t"], perm=[0, 2, 1, 3]),
+        helper.make_node("QuantizeLinear", ["t", "s2", "z"], ["tq"]),
+        helper.make_node("DequantizeLinear", ["tq", "s2", "z"], ["td"]),
+        helper.make_node("Relu", ["td"], ["out"]),
+    ]
+    graph = helper.make_graph(
+        nodes, "moves", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8, 64])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [2, 4, 8, 16])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("same_grid", [True, False])
+def test_data_movement_runs_on_8_bits(same_grid):
+    """A DequantizeLinear moves behind Reshape/Transpose (they only move elements), and a
+    QuantizeLinear on its grid then cancels it: the pair around the head split is gone,
+    and the 8-bit tensor is what gets reshaped. On another grid the Q requantizes and
+    stays. Exact: onnxruntime's outputs bit for bit."""
+    proto = _moves_model(0.03 if same_grid else 0.05)
+    feed = {"x": np.random.default_rng(1).normal(0, 2, (2, 8, 64)).astype(np.float32)}
+    for backend in ("numpy", "torch"):
+        m = kiln.optimize(proto, backend=backend)
+        counts = Counter(n.op_type for n in m.graph.nodes)
+        assert counts["QuantizeLinear"] == (1 if same_grid else 2), counts
+        assert counts["DequantizeLinear"] == (1 if same_grid else 2), counts
+        reshape = next(n for n in m.graph.nodes if n.op_type == "Reshape")
+        assert reshape.inputs[0].name == "xq"
+        (got,) = kiln.InferenceSession(proto.SerializeToString(), backend=backend).run(
+            None, feed)
+        np.testing.assert_array_equal(got, ort_run(proto, feed)[0], err_msg=backend)
+    np.testing.assert_array_equal(ort_run(to_proto(m), feed)[0], ort_run(proto, feed)[0])
+
+
 def test_onnxruntime_dynamic_file_fuses(zoo_model, tmp_path):
     """onnxruntime's quantize_dynamic writes MatMulInteger -> Cast -> Mul(scales) -> Add
     for every product of BERT; each becomes one QMatMul with a float output (oneDNN's

@@ -4,11 +4,14 @@
     DQ(x), DQ(w) [, DQ(b) or b] -> Gemm            [-> act] [-> Q]  -> ai.kiln.QMatMul
     DQ(x), DQ(w)                -> MatMul [+ Add(b)] [-> act] [-> Q]  -> ai.kiln.QMatMul
     DQ(a), DQ(b)                -> Add               [-> Relu] -> Q   -> ai.kiln.QAdd
-    DQ(x)                       -> MaxPool                     -> Q   -> MaxPool(x)
+    DQ(x) -> Reshape/Transpose/Squeeze/Unsqueeze/Flatten/MaxPool -> op(x) -> DQ
+    DQ(x) -> Q on the DQ's grid                                         -> x
 
-The last is exact when the Q has the DQ's grid (a maximum commutes with a monotone map,
-and Q(DQ(v)) = v), and onnxruntime makes the same rewrite; MaxPool takes 8-bit tensors
-from opset 12. The residual Add is what remains between the integer layers of a ResNet.
+The last two are exact (data movement never computes with an element, a maximum commutes
+with an increasing map, and Q(DQ(v)) = v on one grid) and onnxruntime makes the same
+rewrites: together they run a pool or an attention layer's head split on the 8-bit
+tensor and drop the Q/DQ pair around it. The residual Add is what remains between the
+integer layers of a ResNet.
 
 ``act`` is Relu or Clip with constant bounds directly on the layer's output (onnxruntime's
 ``quantize_static`` often drops it into the Q's range instead; ``kiln.quantize`` writes
@@ -33,7 +36,7 @@ from kiln.ops.conv import CONV_ATTRS
 from kiln.ops.quant import dequantize_linear
 from kiln.ops.quant_fused import ACTIVATIONS
 from kiln.ops.registry import KILN_DOMAIN
-from kiln.passes.base import RulePass, const_value, dtype_of, rank_of
+from kiln.passes.base import RulePass, const_value, dtype_of, fresh_value, rank_of
 from kiln.passes.fuse_activation import single_activation
 from kiln.passes.rewrite import Rewriter, Rule, ops, producer
 
@@ -42,8 +45,8 @@ _EIGHT_BIT = (DType.UINT8, DType.INT8)
 
 class FuseQuant(RulePass):
     """DQ -> Conv/MatMul/Gemm [-> Relu/Clip] -> Q  ->  one integer QConv/QMatMul; the
-    residual DQ, DQ -> Add [-> Relu] -> Q  ->  QAdd; DQ -> MaxPool -> Q on one grid  ->
-    MaxPool on the 8-bit tensor."""
+    residual DQ, DQ -> Add [-> Relu] -> Q  ->  QAdd; data movement and max-pools on the
+    8-bit tensor, and Q(DQ(x)) on one grid -> x."""
 
     name = "fuse_quant"
     level = 2
@@ -53,7 +56,9 @@ class FuseQuant(RulePass):
     def rules(self) -> list[Rule]:
         return [Rule("qdq_layer", ops("Conv", "MatMul", "Gemm"), _match, _apply, _check),
                 Rule("qdq_add", ops("Add"), _match_add, _apply_add, _check_add),
-                Rule("qdq_maxpool", ops("MaxPool"), _match_pool, _apply_pool, _check_pool)]
+                Rule("dq_sink", ops(*_MOVES), _match_sink, _apply_sink, _check_sink),
+                Rule("qdq_identity", ops("QuantizeLinear"), _match_identity,
+                     _apply_identity)]
 
 
 @dataclass
@@ -353,38 +358,67 @@ def _apply_add(rw: Rewriter, m: _Add) -> str:
     return "DQ, DQ -> Add" + (" -> Relu" if m.relu else "") + " -> Q -> QAdd"
 
 
+# Data movement commutes with a per-tensor dequantization: it picks or repeats elements
+# and never computes with them. MaxPool takes a maximum, which commutes with any increasing
+# map, as a dequantization with a positive scale is. The opset where each takes 8 bits:
+_MOVES = {"Reshape": 5, "Transpose": 1, "Squeeze": 1, "Unsqueeze": 1, "Flatten": 9,
+          "MaxPool": 12}
+
+
 @dataclass
-class _Pool:
+class _Sink:
+    dq: Node
     root: Node
-    x: list
-    q: Node
+    x: list  # the DQ's [q, scale, zero point]
 
 
-def _match_pool(rw: Rewriter, n: Node) -> _Pool | None:
-    if any(v is not None and v.is_used() for v in n.outputs[1:]):
-        return None
+def _match_sink(rw: Rewriter, n: Node) -> _Sink | None:
+    """DQ(x) on one constant grid, read only by ``n`` (a data-movement op or MaxPool)."""
+    if not n.inputs or any(v is not None and v.is_used() for v in n.outputs[1:]):
+        return None  # MaxPool's indices
     dq = producer(n.inputs[0], n, "DequantizeLinear")
-    x = _grid(dq) if dq is not None else None
-    q = _sole_reader(n.outputs[0], n.graph)
-    if x is None or q is None or q.op_type != "QuantizeLinear" or not _output_q(q):
-        return None
-    return _Pool(n, x, q)
+    x = _grid(dq) if dq is not None and _sole_reader(dq.outputs[0], n.graph) is n else None
+    return None if x is None else _Sink(dq, n, x)
 
 
-def _check_pool(rw: Rewriter, m: _Pool) -> str | None:
-    """The maximum commutes with a dequantize-quantize pair on the same grid."""
-    if rw.opset(m.root) < 12:
-        return "MaxPool takes 8-bit tensors from opset 12"
-    qin = list(m.q.inputs) + [None]
-    same = [np.array_equal(const_value(a), const_value(b)) if a is not None and b is not None
-            else a is b for a, b in zip(m.x[1:], qin[1:3])]
-    if not all(same) or dtype_of(m.q.outputs[0]) != dtype_of(m.x[0]):
-        return "the Q after the pool is on another grid than the DQ before it"
+def _check_sink(rw: Rewriter, m: _Sink) -> str | None:
+    if rw.opset(m.root) < _MOVES[m.root.op_type]:
+        return f"{m.root.op_type} takes 8-bit tensors from opset {_MOVES[m.root.op_type]}"
+    if m.root.op_type == "MaxPool" and float(const_value(m.x[1]).reshape(-1)[0]) <= 0:
+        return "a scale that is not positive reverses the order MaxPool compares by"
     return None
 
 
-def _apply_pool(rw: Rewriter, m: _Pool) -> str:
-    pool = Node("MaxPool", [m.x[0]], [None], dict(m.root.attrs), name=m.root.name)
-    pool.outputs = [m.q.outputs[0]]
-    rw.replace([m.root, m.q], [pool])
-    return "DQ -> MaxPool -> Q -> MaxPool on 8 bits"
+def _apply_sink(rw: Rewriter, m: _Sink) -> str:
+    """n(DQ(x)) -> DQ(n(x)): the op moves the 8-bit elements and the DQ follows it, where
+    a Q on the same grid can cancel it (``qdq_identity``) or a layer fuse with it."""
+    n = m.root
+    moved = Node(n.op_type, [m.x[0]] + list(n.inputs[1:]),
+                 [fresh_value(n.outputs[0], "8bit")], dict(n.attrs), name=n.name)
+    params = m.x[1:] if m.x[2] is not None else m.x[1:2]
+    deq = Node("DequantizeLinear", [moved.outputs[0]] + params, [None], dict(m.dq.attrs),
+               name=m.dq.name)
+    deq.outputs = [n.outputs[0]]
+    rw.replace([m.dq, n], [moved, deq])
+    return f"DQ -> {n.op_type} -> {n.op_type} on 8 bits -> DQ"
+
+
+def _match_identity(rw: Rewriter, q: Node) -> list | None:
+    """Q(DQ(x)) with the Q on the DQ's grid and type: [x, the Q]."""
+    dq = producer(q.inputs[0], q, "DequantizeLinear")
+    x = _grid(dq) if dq is not None and _output_q(q) else None
+    if x is None or dtype_of(q.outputs[0]) != dtype_of(x[0]):
+        return None
+    qin = list(q.inputs) + [None]
+    same = [np.array_equal(const_value(a), const_value(b)) if a is not None and b is not None
+            else a is b for a, b in zip(x[1:], qin[1:3])]
+    return [x[0], q] if all(same) else None
+
+
+def _apply_identity(rw: Rewriter, m: list) -> str | None:
+    """Exact: (q - zp) * s / s rounds back to q - zp for any float32 scale."""
+    x, q = m
+    if not rw.bypass(x, q.outputs[0]):
+        return None
+    rw.remove(q)
+    return "DQ -> Q on the same grid -> nothing"
