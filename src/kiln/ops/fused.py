@@ -131,7 +131,12 @@ def apply_activation(y: np.ndarray, name: str, params=None) -> np.ndarray:
 
 @activation("Relu")
 def _relu(y, p):
-    return np.maximum(y, 0, out=y)
+    if y.size < 4096:
+        return np.maximum(y, 0, out=y)
+    # NumPy 2.4's maximum against a scalar runs a branching loop (356 us for 1M float32
+    # elements of random sign); clip's is vectorized (90 us). Below 4096 elements clip's
+    # fixed cost (2 against 0.6 us) is the larger one.
+    return np.clip(y, y.dtype.type(0), y.dtype.type(np.inf), out=y)
 
 
 @activation("LeakyRelu", alpha=0.01)
