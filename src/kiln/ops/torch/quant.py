@@ -325,6 +325,7 @@ def qmatmul(site):
             return torch.ops.onednn.qlinear_pointwise(
                 u.contiguous(), xs, xz, packed, scales, zeros, b, 1.0, 0, torch.float32,
                 "none", [], "")
+
         def prepack(wt):
             return torch.ops.onednn.qlinear_prepack(wt.T.contiguous(), None)
         return (_ONEDNN_QLINEAR and _int_float(site, w, w.shape[1], prepack, product)) or \
