@@ -16,6 +16,7 @@ from onnx import numpy_helper
 
 import kiln
 from conftest import ort_run
+from kiln.onnxio import to_proto
 
 DIGITS = resources.files("kiln") / "data"
 
@@ -59,3 +60,34 @@ def test_speed_aware_mix_matches_report_and_onnxruntime(tmp_path, capsys):
     for backend in ("numpy", "torch"):
         (got,) = kiln.InferenceSession(proto, backend=backend).run(None, {"image": images})
         np.testing.assert_allclose(got, ref, atol=1.001 * max(steps, default=1e-4), rtol=0)
+
+
+def test_speed_aware_times_a_product_of_two_activations():
+    """Attention multiplies two computed tensors (Q @ K^T). Its span is cut at both
+    inputs and timed like any layer; before, the cut took only the first input and the
+    whole quantization failed ("cannot be computed from the inputs")."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    weights = [numpy_helper.from_array(rng.normal(0, 0.2, (32, 32)).astype(np.float32), n)
+               for n in ("wq", "wk")]
+    nodes = [helper.make_node("MatMul", ["x", "wq"], ["q"], name="query"),
+             helper.make_node("MatMul", ["x", "wk"], ["k"], name="key"),
+             helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 2, 1], name="kt"),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="scores")]
+    graph = helper.make_graph(
+        nodes, "attention", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                            [2, 16, 32])],
+        [helper.make_tensor_value_info("s", TensorProto.FLOAT, [2, 16, 16])], weights)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feeds = [{"x": rng.normal(0, 1, (2, 16, 32)).astype(np.float32)} for _ in range(3)]
+    q = kiln.quantize(proto, "static", feeds, speed_aware=True, measure_latency=False)
+    assert sorted(q.report.layer_times) == ["key", "query", "scores"]
+    out = to_proto(q.model)
+    onnx.checker.check_model(out, full_check=True)
+    (ref,) = ort_run(out, feeds[0])
+    (got,) = kiln.InferenceSession(out).run(None, feeds[0])
+    inits = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}
+    steps = [float(inits[n.input[1]].max()) for n in out.graph.node
+             if n.op_type == "QuantizeLinear"]
+    np.testing.assert_allclose(got, ref, atol=1.001 * max(steps, default=1e-4), rtol=0)

@@ -77,23 +77,24 @@ def time_layers(base: Model, quant: Model, layers: list[Node], feed: dict, backe
     spans = {}
     for n in layers:
         end = _chain_end(n, qnames)
-        x = n.inputs[0].name
+        # every input computed at run time: attention's products read two
+        xs = [v.name for v in n.inputs if v is not None and v.const is None]
         q_end = f"{end.name}_dequantized"
-        spans[n.name] = (x, end.name, q_end if q_end in quant_values else end.name)
-    xs = sorted({x for x, _, _ in spans.values()})
+        spans[n.name] = (xs, end.name, q_end if q_end in quant_values else end.name)
+    xs = sorted({x for span in spans.values() for x in span[0]})
     inputs = {v.name for v in base.graph.inputs}
     need = [x for x in xs if x not in inputs]
     acts = dict(zip(need, open_session(base, backend).run(need, feed))) \
         if need else {}
     acts.update({k: v for k, v in feed.items() if k in xs})
     out = {}
-    for name, (x, end, q_end) in spans.items():
-        fm = cut(base, inputs=[x], outputs=[end])
-        qm = cut(quant, inputs=[x], outputs=[q_end])
+    for name, (xs, end, q_end) in spans.items():
+        fm = cut(base, inputs=xs, outputs=[end])
+        qm = cut(quant, inputs=xs, outputs=[q_end])
         f_s = open_session(fm, backend)
         q_s = open_session(qm, backend)
-        arr = np.asarray(acts[x])
-        fd, qd = {fm.graph.inputs[0].name: arr}, {qm.graph.inputs[0].name: arr}
+        fd = {v.name: np.asarray(acts[x]) for v, x in zip(fm.graph.inputs, xs)}
+        qd = {v.name: np.asarray(acts[x]) for v, x in zip(qm.graph.inputs, xs)}
         f_ms, q_ms = _best_pair(lambda s=f_s, d=fd: s.run(None, d),
                                 lambda s=q_s, d=qd: s.run(None, d), runs)
         out[name] = LayerTiming(f_ms, q_ms)
