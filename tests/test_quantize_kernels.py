@@ -89,6 +89,20 @@ def test_digits_kiln_static_file(digits, symmetric):
     _check_against_ort(proto, {"image": images}, _one_step(proto))
 
 
+def test_one_session_across_batch_sizes(digits):
+    """oneDNN's int8 convolutions keep weights packed per input shape (the last three):
+    one torch session fed batches of 1, 5, 64, 7 and 1 again (the first pack dropped and
+    made anew) agrees with onnxruntime within one step every time."""
+    path, feeds, images = digits
+    proto = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False).model)
+    s = kiln.InferenceSession(proto, backend="torch")
+    for n in (1, 5, 64, 7, 1):
+        feed = {"image": images[:n]}
+        (got,) = s.run(None, feed)
+        np.testing.assert_allclose(got, ort_run(proto, feed)[0], atol=_one_step(proto),
+                                   rtol=0, err_msg=f"batch {n}")
+
+
 def test_fbgemm_and_float_paths_without_onednn(digits, monkeypatch):
     """Where torch has no oneDNN int8 ops, convolutions and linear layers run on fbgemm and
     float-output layers in float32 on the dequantized input: the same bounds hold."""

@@ -21,6 +21,7 @@ from kiln.ops.conv import conv_pads, out_size
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
+    PerShape,
     as_uint8,
     axis,
     const_tensor,
@@ -41,9 +42,6 @@ _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn") 
 # on AVX2 picks a kernel wanting another blocking and re-packs the weights on every call
 # (117 ms instead of 3.2 ms for a 512x512x3x3 kernel on a 7x7 input).
 PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
-# Distinct input shapes a convolution keeps packed weights for, the oldest dropped first (a
-# detector fed many image sizes would otherwise keep one copy of its weights per size).
-_PACKED_SHAPES = 3
 # oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere plain
 # F.conv2d computes in bf16 instead.
 PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
@@ -137,7 +135,6 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     packable = (PREPACK and be.tdevice.type == "cpu" and not be.tracing and wc is not None
                 and post is not None and wc.ndim == 4 and wc.dtype.name == "float32"
                 and (low is None or (low == torch.bfloat16 and PREPACK_BF16 and act is None)))
-    state: dict = {}
     # A 1x1 convolution over NHWC rows is a linear layer, and on the AVX-512 EPYC oneDNN's
     # linear primitive costs about 15 us a call before any arithmetic where its convolution
     # costs 23: the depthwise nets' small pointwise layers take 0.7-0.95x the time that way
@@ -166,21 +163,20 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
             y = torch.ops.mkldnn._linear_pointwise.binary(rows, zr, rows_pack[0], b, "add")
         return y.view(n, h, w_, cout).permute(0, 3, 1, 2)
 
+    def pack(key):
+        pad, strides, dil, shape = key
+        w = torch.from_numpy(wc.copy())
+        b = bc
+        if low is not None:
+            w = w.to(low)
+            b = None if b is None else b.to(low)
+        pw = torch.ops.mkldnn._reorder_convolution_weight(
+            w, list(pad), list(strides), list(dil), group, list(shape))
+        return pw, b
+    packs = PerShape(pack)
+
     def packed(pad, strides, dil, x):
-        key = (tuple(pad), tuple(strides), tuple(dil), tuple(x.shape))
-        got = state.get(key)
-        if got is None:
-            if len(state) >= _PACKED_SHAPES:
-                state.pop(list(state)[0], None)  # list(): a snapshot other runs cannot change
-            w = torch.from_numpy(wc.copy())
-            b = bc
-            if low is not None:
-                w = w.to(low)
-                b = None if b is None else b.to(low)
-            pw = torch.ops.mkldnn._reorder_convolution_weight(
-                w, list(pad), list(strides), list(dil), group, list(x.shape))
-            got = state[key] = (pw, b)
-        return got
+        return packs((tuple(pad), tuple(strides), tuple(dil), tuple(x.shape)))
 
     def onednn(x, b, z, strides, dil, begins):
         """The convolution through the packed weights, or None where it cannot run."""

@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from kiln.ops.quant_fused import EXACT_F32, activation_bounds
 from kiln.ops.registry import KILN_DOMAIN, Kernel
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import as_uint8, from_uint8, quantized
+from kiln.ops.torch.arrays import PerShape, as_uint8, from_uint8, quantized
 
 NI = NotImplemented
 _EIGHT = (torch.uint8, torch.int8)
@@ -188,19 +188,39 @@ def _onednn_qconv(site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil
     0.061 against 0.127 ms)."""
     scales = _weight_scales(site, w.shape[0])
     zeros = torch.zeros(w.shape[0], dtype=torch.int64)
-    packed = torch.ops.onednn.qconv_prepack(torch.from_numpy(np.ascontiguousarray(w)), scales,
-                                            xs, xz, strides, pads, dil, group, None)
+    packs = _qconv_packs(site, w, scales, xs, xz, strides, pads, dil, group)
     post = "relu" if grid.relu else "none"
 
     def run(x, *rest):
         u = as_uint8(x)
         if u is None:
             return NI
+        u = u.contiguous(memory_format=torch.channels_last)
         return grid.finish(torch.ops.onednn.qconv2d_pointwise(
-            u.contiguous(memory_format=torch.channels_last), xs, xz, packed, scales, zeros, b,
-            strides, pads, dil, group, grid.scale, grid.zp, torch.uint8, post, [], ""))
-    site.notes.append("oneDNN int8 convolution, weights packed once")
+            u, xs, xz, packs(tuple(u.shape)), scales, zeros, b, strides, pads, dil, group,
+            grid.scale, grid.zp, torch.uint8, post, [], ""))
+    site.notes.append("oneDNN int8 convolution, weights packed once per input shape")
     return run
+
+
+def _qconv_packs(site, w: np.ndarray, scales, xs: float, xz: int, strides, pads, dil,
+                 group: int) -> PerShape:
+    """oneDNN's int8 weight packs by input shape. One is made now, for the input's shape
+    when the model fixes it: it raises here, not in a run, on a CPU oneDNN's int8
+    kernels skip."""
+    wt = torch.from_numpy(np.ascontiguousarray(w))
+
+    def pack(shape):
+        return torch.ops.onednn.qconv_prepack(wt, scales, xs, xz, strides, pads, dil, group,
+                                              None if shape is None else list(shape))
+    packs = PerShape(pack)
+    v = site.node.inputs[0]
+    shape = v.shape if v is not None else None
+    known = shape is not None and all(isinstance(d, int) for d in shape)
+    first = pack(tuple(shape) if known else None)
+    if known:
+        packs.seed(tuple(shape), first)
+    return packs
 
 
 @kernel("QConv", 1, domain=KILN_DOMAIN, prepare=True)
@@ -217,14 +237,14 @@ def qconv(site):
     grid = _Grid(site)
     if grid.float_out:
         def prepack(wt):
-            return torch.ops.onednn.qconv_prepack(wt, _weight_scales(site, w.shape[0]), 1.0,
-                                                  0, strides, pads[:2], dil, group, None)
+            return _qconv_packs(site, w, _weight_scales(site, w.shape[0]), 1.0, 0, strides,
+                                pads[:2], dil, group)
 
-        def product(u, xs, xz, packed, scales, zeros, b):
+        def product(u, xs, xz, packs, scales, zeros, b):
+            u = u.contiguous(memory_format=torch.channels_last)
             return torch.ops.onednn.qconv2d_pointwise(
-                u.contiguous(memory_format=torch.channels_last), xs, xz, packed, scales,
-                zeros, b, strides, pads[:2], dil, group, 1.0, 0, torch.float32, "none", [],
-                "")
+                u, xs, xz, packs(tuple(u.shape)), scales, zeros, b, strides, pads[:2], dil,
+                group, 1.0, 0, torch.float32, "none", [], "")
         return (_ONEDNN_QCONV and _int_float(site, w, w.shape[0], prepack, product)) or \
             _float_layer(site, 0, lambda x, wf, b: F.conv2d(
                 x, wf, b, strides, pads[:2], dil, group))
