@@ -41,6 +41,7 @@ from kiln.passes import (
     FuseActivation,
     FuseAttention,
     FuseBatchNorm,
+    FuseChannelShuffle,
     FuseGelu,
     FuseIntegerOps,
     FuseLayerNorm,
@@ -68,7 +69,7 @@ def _rule_passes() -> list[RulePass]:
     return [FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
             FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseIntegerOps(),
-            FuseActivation()]
+            FuseChannelShuffle(), FuseActivation()]
 
 
 PASS_NAMES: tuple[str, ...] = tuple(dict.fromkeys(

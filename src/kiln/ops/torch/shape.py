@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.indexing import in_range
+from kiln.ops.registry import KILN_DOMAIN
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS, axis, ints, scalar, to_torch
 
@@ -54,6 +55,13 @@ def reshape(x, shape, *, allowzero=0):
     if -1 in s and x.numel() == 0:
         return NI  # -1 is ambiguous with zero elements
     return x.reshape(s)
+
+
+@kernel("ChannelShuffle", 1, domain=KILN_DOMAIN)  # 4x the three ops; NHWC stays NHWC
+def channel_shuffle(x, *, group=1):
+    if x.dim() < 3 or x.shape[1] % group:
+        return NI
+    return torch.channel_shuffle(x, group)
 
 
 @kernel("Transpose", 1)  # 1.8x the generic kernel (permute)
