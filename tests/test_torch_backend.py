@@ -821,3 +821,31 @@ def test_pointwise_convolutions_run_as_linear_layers_and_match_onnxruntime(monke
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
                                    rtol=1e-4, atol=1e-5)
     assert reorders == [(12, 5), (12, 12), (8, 12)], reorders  # (Cout, Cin): once each
+
+
+@pytest.mark.parametrize("starts, ends, axes, steps", [
+    ([0], [116], [1], None),                        # ShuffleNet's channel split
+    ([-3, 1], [2**63 - 1, -1], [-1, 2], None),       # from the end, to "infinity"
+    ([-100], [100], [0], [2]),                       # clamped both ways, a step
+    ([5, -(2**63)], [2, 3], [1, 3], [1, 1]),         # empty, INT64_MIN clamped
+    ([1], [-1], [1], [-1]),                          # negative step: the general path
+])
+def test_constant_slices_match_onnxruntime(starts, ends, axes, steps):
+    """Slice with constant bounds indexes with a slice made once; onnxruntime decides."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from conftest import ort_run
+
+    inits = [numpy_helper.from_array(np.array(v, np.int64), n)
+             for n, v in (("s", starts), ("e", ends), ("a", axes)) + (
+                 (("p", steps),) if steps else ())]
+    node = helper.make_node("Slice", ["x", "s", "e", "a"] + (["p"] if steps else []), ["y"])
+    graph = helper.make_graph([node], "slice",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                             [4, 232, 5, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              inits)
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    x = np.random.default_rng(0).normal(0, 1, (4, 232, 5, 6)).astype(np.float32)
+    (got,) = kiln.InferenceSession(proto, backend="torch").run(None, {"x": x})
+    np.testing.assert_array_equal(got, ort_run(proto, {"x": x})[0])

@@ -158,10 +158,33 @@ def _slice(x, starts, ends, axes, steps):
     return y
 
 
-@kernel("Slice", 10)  # 1.7x the generic kernel (one indexing)
-def slice10(x, starts, ends, axes=None, steps=None):
+def _slice10(x, starts, ends, axes=None, steps=None):
     return _slice(x, ints(starts), ints(ends), None if axes is None else ints(axes),
                   None if steps is None else ints(steps))
+
+
+@kernel("Slice", 10, prepare=True)  # 1.7x the generic kernel (one indexing)
+def slice10(site):
+    """Constant bounds and positive steps (a channel split, a sequence cut): the index is
+    made once, since Python's slices wrap and clamp as ONNX's do for positive steps; 1.1
+    against 5.8 us a call."""
+    shape = site.node.inputs[0].shape if site.node.inputs[0] is not None else None
+    rank = None if shape is None else len(shape)
+    bounds = [site.const(i) for i in range(1, 5)]
+    if rank is None or any(b is None and site.has_input(i + 1) for i, b in enumerate(bounds)):
+        return _slice10
+    starts, ends = (np.asarray(b).reshape(-1).tolist() for b in bounds[:2])
+    axes = range(len(starts)) if bounds[2] is None else np.asarray(bounds[2]).reshape(-1)
+    steps = [1] * len(starts) if bounds[3] is None else np.asarray(bounds[3]).reshape(-1)
+    big = 2 ** 62  # bounds beyond int64 clamped first: torch warns about INT64_MIN
+    idx = [slice(None)] * rank
+    for a, st, en, step in zip(axes, starts, ends, steps):
+        if step <= 0 or not -rank <= a < rank:
+            return _slice10
+        idx[int(a)] = slice(max(-big, min(big, int(st))), max(-big, min(big, int(en))),
+                                   int(step))
+    index = tuple(idx)
+    return lambda x, *bounds: x[index]
 
 
 @kernel("Slice", 1, until=10)  # 1.5x the generic kernel (one indexing)
