@@ -26,6 +26,7 @@ from kiln.passes.fuse_quant import (
     _EIGHT_BIT,
     _activation,
     _bias_add,
+    _per_channel,
     _scalar_param,
     _sole_reader,
 )
@@ -55,10 +56,6 @@ class _IntLayer:
     bias: np.ndarray | None = None
     activation: tuple[str, list[float]] | None = None
     taken: list[Node] = field(default_factory=list)
-
-
-def _per_channel(c: np.ndarray) -> np.ndarray:
-    return c.reshape(-1) if c.size > 1 else c.reshape(())
 
 
 def _match_int(rw: Rewriter, n: Node) -> _IntLayer | None:

@@ -162,12 +162,18 @@ def _weight_layout(layer: _Layer, wdq: Node) -> bool:
     zp = layer.w_zp
     if zp is not None and zp.size > 1 and zp.size != ws.size:
         return False
-    layer.w_scale = ws.reshape(-1) if ws.size > 1 else ws.reshape(())
+    layer.w_scale = _per_channel(ws)
     if zp is not None:
-        layer.w_zp = zp.reshape(-1) if zp.size > 1 else zp.reshape(())
+        layer.w_zp = _per_channel(zp)
     if n.op_type == "Gemm" and out_axis == 0:
         layer.w = np.ascontiguousarray(w.T)
     return True
+
+
+def _per_channel(c: np.ndarray) -> np.ndarray:
+    """A weight's scale or zero point as the fused ops take it: a vector over the output
+    channels, or a scalar."""
+    return c.reshape(-1) if c.size > 1 else c.reshape(())
 
 
 def _channels(layer: _Layer) -> int:
