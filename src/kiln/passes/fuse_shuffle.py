@@ -40,8 +40,8 @@ def _target(reshape: Node, batch) -> list[int] | None:
     return s if s[0] in (0, -1) or s[0] == batch else None
 
 
-def _match(rw: Rewriter, t: Node) -> tuple[Value, int, Node, Node] | None:
-    """(x, group, first Reshape, last Reshape)."""
+def _match(rw: Rewriter, t: Node) -> tuple[Value, int, list[Node]] | None:
+    """(x, group, [first Reshape, the Transpose, last Reshape])."""
     first = producer(t.inputs[0], t, "Reshape")
     last = only_consumer(t.outputs[0], "Reshape")
     x = first.inputs[0] if first is not None else None
@@ -60,14 +60,14 @@ def _match(rw: Rewriter, t: Node) -> tuple[Value, int, Node, Node] | None:
     g, per = split[1], split[2]
     if g < 1 or per < 1 or g * per != shape[1]:
         return None
-    return x, g, first, last
+    return x, g, [first, t, last]
 
 
 def _apply(rw: Rewriter, m) -> str:
-    x, g, first, last = m
+    x, g, nodes = m
+    first, _, last = nodes
     fused = Node("ChannelShuffle", [x], [None], {"group": g}, domain=KILN_DOMAIN,
                  name=last.name or first.name)
     fused.outputs = [last.outputs[0]]
-    t = only_consumer(first.outputs[0])
-    rw.replace([first, t, last], [fused])
+    rw.replace(nodes, [fused])
     return f"Reshape -> Transpose -> Reshape -> ChannelShuffle (group {g})"
