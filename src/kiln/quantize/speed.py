@@ -88,13 +88,13 @@ def time_layers(base: Model, quant: Model, layers: list[Node], feed: dict, backe
         if need else {}
     acts.update({k: v for k, v in feed.items() if k in xs})
     out = {}
-    for name, (xs, end, q_end) in spans.items():
-        fm = cut(base, inputs=xs, outputs=[end])
-        qm = cut(quant, inputs=xs, outputs=[q_end])
+    for name, (ins, end, q_end) in spans.items():
+        fm = cut(base, inputs=ins, outputs=[end])
+        qm = cut(quant, inputs=ins, outputs=[q_end])
         f_s = open_session(fm, backend)
         q_s = open_session(qm, backend)
-        fd = {v.name: np.asarray(acts[x]) for v, x in zip(fm.graph.inputs, xs)}
-        qd = {v.name: np.asarray(acts[x]) for v, x in zip(qm.graph.inputs, xs)}
+        fd = {v.name: np.asarray(acts[x]) for v, x in zip(fm.graph.inputs, ins)}
+        qd = {v.name: np.asarray(acts[x]) for v, x in zip(qm.graph.inputs, ins)}
         f_ms, q_ms = _best_pair(lambda s=f_s, d=fd: s.run(None, d),
                                 lambda s=q_s, d=qd: s.run(None, d), runs)
         out[name] = LayerTiming(f_ms, q_ms)
