@@ -134,9 +134,11 @@ def _float_layer(site, weight_axis: int, compute):
     wc = torch.from_numpy(_centred_weight(w, wz, weight_axis,
                                           np.float64 if integer else np.float32))
     wf = wc if integer else wc * wsc
-    out_scale = wsc.reshape(-1 if ws.size > 1 else ())
+    chan = (-1,) + (1,) * (w.ndim - 2)  # the output's channel axis, before spatial ones
+    out_scale = wsc.reshape(chan if ws.size > 1 else ())
     bc = site.const(6)
     b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
+    b_out = None if b is None else b.reshape(chan)
     lo, hi = activation_bounds(site.attr("activation", ""), site.attr("activation_params"))
     clamp = (None if lo == -np.inf else lo, None if hi == np.inf else hi)
 
@@ -148,10 +150,9 @@ def _float_layer(site, weight_axis: int, compute):
             v -= x_zero_point.to(wf.dtype)
         if integer:
             y = compute(v, wf, None).to(torch.float32)
-            scale = x_scale.reshape(()) * out_scale
-            y *= scale.reshape((-1,) + (1,) * (y.dim() - 2)) if w.ndim > 2 else scale
-            if b is not None:
-                y += b.reshape((-1,) + (1,) * (y.dim() - 2)) if w.ndim > 2 else b
+            y *= x_scale.reshape(()) * out_scale
+            if b_out is not None:
+                y += b_out
         else:
             v *= x_scale.to(torch.float32)
             y = compute(v, wf, b)
