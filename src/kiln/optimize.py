@@ -15,8 +15,9 @@ The rewrites are rules (:mod:`kiln.passes.rewrite`) pooled into one worklist eng
 stages: 0, before shape inference, the rules that need no types (Identity/Dropout removal,
 Constant nodes, DCE, CSE), so a long chain of no-ops is gone before inference looks at it;
 then shape inference once; then 1 the cleanup rules, 2 plus the pattern fusions, 3 plus the
-activation fusion. Each stage visits every node once and then only the neighbourhoods of
-changes; types of touched nodes are re-inferred on the way.
+activation fusion, 4 plus the merging of products that share an input. Each stage visits
+every node once and then only the neighbourhoods of changes; types of touched nodes are
+re-inferred on the way.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ from kiln.passes import (
     FuseLayerNorm,
     FuseQuant,
     InferShapes,
+    MergeMatMuls,
     OptimizeReport,
     Pass,
     PassRecord,
@@ -61,7 +63,7 @@ LEVELS = {"none": 0, "basic": 1, "extended": 2, "all": 2}
 DEFAULT_LEVEL = 2
 MARK = "kiln.optimized"
 """Metadata key recording the level a saved model was optimized at."""
-STAGES = (1, 2, 3)
+STAGES = (1, 2, 3, 4)
 
 
 def _rule_passes() -> list[RulePass]:
@@ -69,7 +71,7 @@ def _rule_passes() -> list[RulePass]:
     return [FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
             FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseIntegerOps(),
-            FuseChannelShuffle(), FuseActivation()]
+            FuseChannelShuffle(), FuseActivation(), MergeMatMuls()]
 
 
 PASS_NAMES: tuple[str, ...] = tuple(dict.fromkeys(

@@ -22,13 +22,14 @@ from kiln.passes.fuse_layernorm import FuseLayerNorm
 from kiln.passes.fuse_quant import FuseQuant
 from kiln.passes.fuse_shuffle import FuseChannelShuffle
 from kiln.passes.infer_shapes import InferShapes
+from kiln.passes.merge_matmuls import MergeMatMuls
 from kiln.passes.pin_host import PinHost
 from kiln.passes.rewrite import Rewriter, Rule, run_rules
 from kiln.passes.simplify import Simplify
 
 __all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputShapes",
            "FoldConstants", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
-           "FuseChannelShuffle",
-           "FuseGelu", "FuseIntegerOps", "FuseLayerNorm", "FuseQuant", "InferShapes",
+           "FuseChannelShuffle", "FuseGelu", "FuseIntegerOps", "FuseLayerNorm", "FuseQuant",
+           "InferShapes", "MergeMatMuls",
            "OptimizeReport", "Pass", "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass",
            "Simplify", "clone_model", "run_rules"]

@@ -79,7 +79,8 @@ class RulePass(Pass):
 
     stage: ClassVar[int] = 1
     """The first engine stage whose rule set includes this pass's rules: 1 cleanup,
-    2 pattern fusions, 3 activation fusion (later stages keep the earlier rules)."""
+    2 pattern fusions, 3 activation fusion, 4 merging of sibling products (later stages
+    keep the earlier rules)."""
 
     def rules(self) -> list[Rule]:
         """This pass's rules (their ``owner`` is set to the pass's name)."""
