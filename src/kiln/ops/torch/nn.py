@@ -61,9 +61,10 @@ _PACKED_MACS = 1 << 21 if _AVX512 else 32_000_000
 _ROWS_MACS = 24_000_000 if _AVX512 else 0
 
 
-def linear(site, weight):
-    """``(a, bias) -> a @ weight + bias`` for a constant 2-D ``weight`` (K, N; a view will
-    do), ``a`` of the weight's dtype with at least 2 dims, ``bias`` (N,) or None.
+def linear(site, weight, act: Callable | None = None, post: tuple | None = None):
+    """``(a, bias) -> act(a @ weight + bias)`` for a constant 2-D ``weight`` (K, N; a view
+    will do), ``a`` of the weight's dtype with at least 2 dims, ``bias`` (N,) or None;
+    ``post``: oneDNN's (attr, scalars, algorithm) for ``act``, applied inside the product.
 
     A call goes through oneDNN with the weight packed when the weight has at least
     ``_PACKED_WEIGHT`` elements or the product at least ``_PACKED_MACS`` multiply-adds; the
@@ -77,19 +78,25 @@ def linear(site, weight):
     be = site.backend
     k, n = weight.shape
     wt = weight.t()
+
+    def plain(a, bias):
+        y = F.linear(a, wt, bias)
+        return y if act is None else act(y)
     if not (PREPACK and be.tdevice.type == "cpu" and not be.tracing
             and be.compute_dtype is None and weight.dtype == torch.float32):
-        return lambda a, bias: F.linear(a, wt, bias)
+        return plain
     big = k * n >= _PACKED_WEIGHT
     packs: list = []
+    attr, scalars, algo = post if post is not None else ("none", [], "")
 
     def run(a, bias):
         if a.shape[-1] != k or not (big or a.numel() * n >= _PACKED_MACS):
-            return F.linear(a, wt, bias)  # raises on a mismatched k: oneDNN would not
+            return plain(a, bias)  # raises on a mismatched k: oneDNN would not
         if not packs:  # two threads may both pack: the same result, one kept
             packs[:] = [torch.ops.mkldnn._reorder_linear_weight(wt.contiguous())]
-        return torch.ops.mkldnn._linear_pointwise(a.contiguous(), packs[0], bias, "none",
-                                                  [], "")
+        y = torch.ops.mkldnn._linear_pointwise(a.contiguous(), packs[0], bias, attr,
+                                               scalars, algo)
+        return y if act is None or post is not None else act(y)
     return run
 
 
