@@ -13,7 +13,7 @@ import pytest
 import kiln
 from kiln.ir import Node
 from kiln.ops import registry
-from test_passes_helpers import helper, init, make_model, ops, optimized, rand, vi
+from test_passes_helpers import helper, init, make_model, ops, optimized, ort_run, rand, vi
 
 # ---------------------------------------------------------------- BatchNorm folding
 
@@ -290,6 +290,71 @@ def test_attention_with_extra_reader_is_left_alone():
                        [vi("y", None), vi("p", None)])
     om = kiln.optimize(kiln.load(proto))
     assert "ai.kiln.Attention" not in ops(om)
+
+
+def _heads_model(computed_targets: bool, k_perm: list[int]):
+    """q, k, v [b, s, 16] split into 2 heads of 8 (Reshape, Transpose), attention, heads
+    merged back; the Reshape targets constants or computed from the input's shape (as
+    dynamo exports write them)."""
+    nodes = []
+    if computed_targets:
+        nodes += [helper.make_node("Shape", ["q"], ["shp"]),
+                  helper.make_node("Slice", ["shp", "zero", "two"], ["bs"]),
+                  helper.make_node("Concat", ["bs", "heads"], ["split"], axis=0),
+                  helper.make_node("Concat", ["bs", "width"], ["merge"], axis=0)]
+    for x in "qkv":
+        nodes += [helper.make_node("Reshape", [x, "split"], [f"{x}4"]),
+                  helper.make_node("Transpose", [f"{x}4"], [f"{x}h"],
+                                   perm=k_perm if x == "k" else [0, 2, 1, 3])]
+    kt = "kh"
+    if k_perm == [0, 2, 1, 3]:
+        nodes.append(helper.make_node("Transpose", ["kh"], ["kt"], perm=[0, 1, 3, 2]))
+        kt = "kt"
+    nodes += [helper.make_node("MatMul", ["qh", kt], ["s"]),
+              helper.make_node("Mul", ["s", "c"], ["ss"]),
+              helper.make_node("Add", ["ss", "m"], ["sm"]),
+              helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "vh"], ["yh"]),
+              helper.make_node("Transpose", ["yh"], ["y4"], perm=[0, 2, 1, 3]),
+              helper.make_node("Reshape", ["y4", "merge"], ["y"])]
+    i64 = np.int64
+    inits = [init("c", np.float32(0.125))]
+    if computed_targets:
+        inits += [init(n, np.array(v, i64)) for n, v in
+                  (("zero", [0]), ("two", [2]), ("heads", [2, 8]), ("width", [16]))]
+    else:
+        inits += [init("split", np.array([0, 0, 2, 8], i64)),
+                  init("merge", np.array([0, 0, 16], i64))]
+    inputs = [vi(x, ["b", "s", 16]) for x in "qkv"] + [vi("m", ["b", 1, 1, "s"])]
+    return make_model(nodes, inputs, [vi("y", ["b", "s", 16])], inits)
+
+
+@pytest.mark.parametrize("computed_targets", [False, True])
+@pytest.mark.parametrize("k_perm", [[0, 2, 3, 1], [0, 2, 1, 3]])
+def test_attention_takes_in_the_head_split(computed_targets, k_perm):
+    proto = _heads_model(computed_targets, k_perm)
+    m = np.zeros((2, 1, 1, 5), np.float32)
+    m[1, ..., 3:] = -1e4
+    feeds = {"q": rand(2, 5, 16, seed=1), "k": rand(2, 5, 16, seed=2),
+             "v": rand(2, 5, 16, seed=3), "m": m}
+    # the saved model's Attention carries the head split in its function body
+    om, _ = optimized(proto, feeds, rtol=1e-4, atol=1e-5, ort_too=True)
+    assert ops(om) == {"ai.kiln.Attention": 1}
+    (att,) = om.graph.nodes
+    assert att.attrs["num_heads"] == 2 and [v.name for v in att.inputs] == ["q", "k", "v", "m"]
+    pytest.importorskip("torch")
+    (got,) = kiln.InferenceSession(proto, backend="torch").run(None, feeds)
+    np.testing.assert_allclose(got, ort_run(proto, feeds)[0], rtol=1e-4, atol=1e-5)
+
+
+def test_head_split_read_elsewhere_stays():
+    """A split head also read by another node (a present key) keeps its Reshape and
+    Transpose: only the product itself fuses."""
+    proto = _heads_model(False, [0, 2, 3, 1])
+    proto.graph.output.append(vi("kh", None))
+    om = kiln.optimize(kiln.load(proto))
+    assert ops(om) == {"ai.kiln.Attention": 1, "Reshape": 4, "Transpose": 4}
+    assert "num_heads" not in next(n for n in om.graph.nodes if n.op_type == "Attention").attrs
 
 
 # ---------------------------------------------------------------- fused kernels are faster

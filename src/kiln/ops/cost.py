@@ -72,12 +72,17 @@ def gemm(node, ins: Shapes, outs: Shapes) -> int | None:
 
 
 def attention(node, ins: Shapes, outs: Shapes) -> int | None:
-    """Two batched products (scores and weighted values) for 4-D query and key."""
+    """Two batched products (scores and weighted values): 4-D query and key, or 3-D ones
+    whose last axis holds the heads (Kiln's ``num_heads``); Kiln's ``k_transposed`` key is
+    [..., d, s_k]."""
     q, k = _first(ins), ins[1] if len(ins) > 1 else None
-    if q is None or k is None or len(q) != 4 or len(k) != 4:
+    if q is None or k is None or len(q) != len(k) or len(q) not in (3, 4):
         return None
+    if len(q) == 3:
+        b, s, e = q
+        return 4 * b * s * k[1] * e
     b, h, s, d = q
-    return 4 * b * h * s * k[2] * d
+    return 4 * b * h * s * k[3 if node.attrs.get("k_transposed") else 2] * d
 
 
 def pool(node, ins: Shapes, outs: Shapes) -> int | None:

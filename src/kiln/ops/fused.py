@@ -23,7 +23,7 @@ from kiln.ir import TensorType
 from kiln.ir.symbolic import broadcast
 from kiln.ops import cost, registry
 from kiln.ops.conv import CONV_ATTRS, convolve, prepare_winograd
-from kiln.ops.function_body import function_body
+from kiln.ops.function_body import NoBody, function_body
 from kiln.ops.registry import KILN_DOMAIN, op
 
 _SQRT1_2 = 1 / math.sqrt(2)
@@ -406,9 +406,15 @@ def _infer_attention(q, k, v, mask=None, **attrs):
 
 @op("Attention", 1, domain=KILN_DOMAIN, infer=_infer_attention, cost=cost.attention)
 @_in_float32
-def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0):
+def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0, num_heads=0):
     """softmax(scale * Q @ K^T + mask) @ V over the last axis, in one score buffer.
-    ``k_transposed=1``: K is given as [..., d, s_k] (already transposed)."""
+    ``k_transposed=1``: K is given as [..., d, s_k] (already transposed).
+    ``num_heads=h``: Q, K, V are [..., s, h * d] and the output [..., s, h * d_v], each
+    head a slice of the last axis (ONNX Attention-23's 3-D form); the mask broadcasts
+    against the scores [..., h, s, s_k]."""
+    if num_heads:
+        y = attention(*(split_heads(t, num_heads) for t in (q, k, v)), mask, scale=scale)
+        return merge_heads(y)
     kt = k if k_transposed else np.swapaxes(k, -1, -2)
     s = owned(np.matmul(q, kt), q, k, mask)
     if scale != 1:
@@ -418,6 +424,17 @@ def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0):
     np.exp(s, out=s)
     s /= s.sum(axis=-1, keepdims=True)
     return np.matmul(s, v)
+
+
+def split_heads(x, heads: int):
+    """[..., s, h * d] -> [..., h, s, d] (a view where the array allows it)."""
+    return x.reshape(tuple(x.shape[:-1]) + (heads, x.shape[-1] // heads)).swapaxes(-3, -2)
+
+
+def merge_heads(y):
+    """[..., h, s, d] -> [..., s, h * d]."""
+    y = y.swapaxes(-3, -2)
+    return y.reshape(tuple(y.shape[:-2]) + (y.shape[-2] * y.shape[-1],))
 
 
 # ---------------------------------------------------------------- function bodies
@@ -527,15 +544,25 @@ def _gelu_fn_body(b):
 
 @function_body("Attention")
 def _attention_body(b):
-    k = b.input(1)
-    if not b.attrs.get("k_transposed", 0):
+    q, k, v = b.input(0), b.input(1), b.input(2)
+    heads = b.attrs.get("num_heads", 0)
+    if heads:  # 3-D inputs: split the heads off the last axis, merge them back at the end
+        if b.opset < 5 or b.need_rank(0) != 3:
+            raise NoBody("Attention: num_heads needs 3-D inputs and opset 5+")
+        split = b.ints([0, 0, heads, -1])
+        q, k, v = (b.op("Transpose", b.op("Reshape", x, split), perm=perm)
+                   for x, perm in ((q, [0, 2, 1, 3]), (k, [0, 2, 3, 1]), (v, [0, 2, 1, 3])))
+    elif not b.attrs.get("k_transposed", 0):
         perm = list(range(b.need_rank(1)))
         perm[-2:] = perm[-1], perm[-2]
         k = b.op("Transpose", k, perm=perm)
-    s = b.op("MatMul", b.input(0), k)
+    s = b.op("MatMul", q, k)
     scale = b.attrs.get("scale", 1.0)
     if scale != 1:
         s = b.op("Mul", s, b.const(scale))
     s = _add_optional(b, s, 3)
-    axis = -1 if b.opset >= 11 else b.need_rank(0) - 1
-    b.finish(b.op("MatMul", b.op("Softmax", s, axis=axis), b.input(2)))
+    axis = -1 if b.opset >= 11 else (4 if heads else b.need_rank(0)) - 1
+    y = b.op("MatMul", b.op("Softmax", s, axis=axis), v)
+    if heads:
+        y = b.op("Reshape", b.op("Transpose", y, perm=[0, 2, 1, 3]), b.ints([0, 0, -1]))
+    b.finish(y)

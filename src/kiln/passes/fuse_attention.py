@@ -9,13 +9,22 @@
 becomes ``Attention(Q, K^T, V, mask; scale, k_transposed=1)``. The fused kernel keeps one
 score buffer and does the scale, mask add and softmax in place on it, where the unfused
 ops allocate a new array for each step. Every intermediate must have no other reader.
+
+A second rule takes in the head split and merge transformer exporters write around it:
+
+    q, k, v [B, S, H*D] -> Reshape [B, S, H, D] -> Transpose -> Attention -> Transpose
+        -> Reshape [B, S, H*D]      ->  Attention(q, k, v, mask; num_heads=H)
+
+Nine layers become one; the kernels split the heads as views (docs/performance.md: BERT
+at sequence 16 spends 3-5 us a layer on these). Shapes come from shape inference, so
+exporters' constant and computed Reshape targets alike qualify.
 """
 
 from __future__ import annotations
 
 from kiln.ir import Node, Value
 from kiln.ops.registry import KILN_DOMAIN
-from kiln.passes.base import RulePass, dtype_of, rank_of, scalar_value
+from kiln.passes.base import RulePass, dtype_of, rank_of, scalar_value, shape_of
 from kiln.passes.rewrite import Rewriter, Rule, only_consumer, ops, producer
 
 
@@ -28,7 +37,9 @@ class FuseAttention(RulePass):
     creates = ("Attention",)
 
     def rules(self) -> list[Rule]:
-        return [Rule("attention", ops("Softmax"), _match, _apply, _check)]
+        return [Rule("attention", ops("Softmax"), _match, _apply, _check),
+                Rule("heads", ops("Attention", domain=KILN_DOMAIN), _match_heads,
+                     _apply_heads)]
 
 
 def _match(rw: Rewriter, sm: Node):
@@ -50,6 +61,68 @@ def _apply(rw: Rewriter, m) -> str:
     att.outputs = [mm2.outputs[0]]
     rw.replace(nodes, [att])
     return "attention fused"
+
+
+_HEADS = [0, 2, 1, 3]
+"""[B, S, H, D] <-> [B, H, S, D]."""
+
+
+def _known(shape) -> bool:
+    return shape is not None and all(d is not None for d in shape)
+
+
+def _split_heads(att: Node, i: int, perm: list[int]):
+    """(x, heads, head size, [Reshape, Transpose]) when input ``i`` of ``att`` is
+    Transpose(perm) of a Reshape of a 3-D ``x`` splitting its last axis into heads."""
+    v = att.inputs[i]
+    t = producer(v, att, "Transpose")
+    if t is None or not v.only_reader(att) or list(t.attrs.get("perm", ())) != perm:
+        return None
+    r = producer(t.inputs[0], t, "Reshape")
+    if r is None or not t.inputs[0].only_reader(t):
+        return None
+    x = r.inputs[0]
+    xs, ys = shape_of(x), shape_of(r.outputs[0])
+    if not (_known(xs) and _known(ys)) or len(xs) != 3 or len(ys) != 4:
+        return None
+    h, d = ys[2], ys[3]
+    if not (isinstance(h, int) and isinstance(d, int)) or tuple(ys[:2]) != tuple(xs[:2]) \
+            or h * d != xs[2]:
+        return None
+    return x, h, d, [r, t]
+
+
+def _match_heads(rw: Rewriter, att: Node):
+    """(q, k, v, heads, nodes in order, the merged output's Reshape) or None."""
+    if att.attrs.get("num_heads", 0) or len(att.inputs) < 3:
+        return None
+    kperm = [0, 2, 3, 1] if att.attrs.get("k_transposed", 0) else _HEADS
+    parts = [_split_heads(att, i, p) for i, p in ((0, _HEADS), (1, kperm), (2, _HEADS))]
+    if any(p is None for p in parts):
+        return None
+    (q, hq, dq, nq), (k, hk, dk, nk), (v, hv, dv, nv) = parts
+    qs, ks, vs = shape_of(q), shape_of(k), shape_of(v)
+    if not hq == hk == hv or dq != dk or not qs[0] == ks[0] == vs[0] or ks[1] != vs[1]:
+        return None
+    t = only_consumer(att.outputs[0], "Transpose")
+    if t is None or list(t.attrs.get("perm", ())) != _HEADS:
+        return None
+    r = only_consumer(t.outputs[0], "Reshape")
+    ys = shape_of(r.outputs[0]) if r is not None else None
+    if not _known(ys) or tuple(ys) != (qs[0], qs[1], hv * dv):
+        return None
+    return q, k, v, hq, nq + nk + nv + [att, t, r], r
+
+
+def _apply_heads(rw: Rewriter, m) -> str:
+    q, k, v, heads, nodes, last = m
+    att = nodes[6]
+    fused = Node("Attention", [q, k, v] + att.inputs[3:4], [None],
+                 {"scale": float(att.attrs.get("scale", 1.0)), "num_heads": heads},
+                 domain=KILN_DOMAIN, name=att.name)
+    fused.outputs = [last.outputs[0]]
+    rw.replace(nodes, [fused])
+    return "head split and merge taken into attention"
 
 
 class _AttentionMatcher:

@@ -101,9 +101,10 @@ def _apply(rw: Rewriter, m) -> str:
     if rw.model.opset_of("") >= 13:
         sizes = rw.add_const(g, f"{first.name or 'merged'}_split",
                              np.array(widths, np.int64))
-        split = Node("Split", [y, sizes], outs, {"axis": -1})
+        split = Node("Split", [y, sizes], outs, {"axis": -1}, name=f"{first.name}/Split")
     else:
-        split = Node("Split", [y], outs, {"axis": -1, "split": widths})
+        split = Node("Split", [y], outs, {"axis": -1, "split": widths},
+                     name=f"{first.name}/Split")
     # x and the constants are defined before the first product, which precedes every
     # product's readers
     rw.insert_before(first, [wide, split])

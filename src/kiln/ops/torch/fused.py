@@ -178,15 +178,11 @@ kernel("Gelu", 1, domain=KILN_DOMAIN)(elementwise.gelu)
 def attention(site):
     scale = float(site.attr("scale", 1.0))
     kt = int(site.attr("k_transposed", 0))
+    heads = int(site.attr("num_heads", 0))
     low = site.backend.compute_dtype
 
-    def run(q, k, v, mask=None):
-        if q.dtype not in FLOATS or not (q.dtype == k.dtype == v.dtype):
-            return NI
-        if mask is not None and mask.dtype != q.dtype:
-            return NI
-        if kt:
-            k = k.transpose(-1, -2)
+    def attend(q, k, v, mask):
+        """Over [..., h, s, d] operands, K as [..., s_k, d]."""
         dt = q.dtype
         if low is not None and dt == torch.float32:
             q, k, v = q.to(low), k.to(low), v.to(low)
@@ -200,6 +196,16 @@ def attention(site):
                 s = s + mask
             y = torch.matmul(torch.softmax(s, -1), v)
         return y if y.dtype == dt else y.to(dt)
+
+    def run(q, k, v, mask=None):
+        if q.dtype not in FLOATS or not (q.dtype == k.dtype == v.dtype):
+            return NI
+        if mask is not None and mask.dtype != q.dtype:
+            return NI
+        if heads:  # views: [..., s, h * d] -> [..., h, s, d]
+            q, k, v = (t.unflatten(-1, (heads, -1)).transpose(-3, -2) for t in (q, k, v))
+            return attend(q, k, v, mask).transpose(-3, -2).flatten(-2)
+        return attend(q, k.transpose(-1, -2) if kt else k, v, mask)
     if low is not None:
         site.notes.append(f"computes in {low}")
     return run
