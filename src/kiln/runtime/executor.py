@@ -17,6 +17,7 @@ from typing import Any
 
 from kiln.errors import KernelError, KilnError
 from kiln.ops.registry import KernelContext
+from kiln.runtime.shape_memo import MAX_BYTES, MAX_SHAPES, nbytes, shape_steps
 
 _ids = itertools.count()
 
@@ -54,16 +55,32 @@ class controlled:
 class Program:
     """A compiled straight-line function for a plan; call it with the graph's inputs."""
 
-    def __init__(self, plan, module: bool = False, checked: bool = False):
+    def __init__(self, plan, module: bool = False, checked: bool = False,
+                 memo: bool = False):
         self.filename = f"<kiln plan {next(_ids)}>"
+        once, frontier = shape_steps(plan) if memo and not module else (frozenset(), ())
         self.source, self.globals, self.constants, self.line_step = \
-            _generate(plan, module, self.filename, checked)
+            _generate(plan, module, self.filename, checked, once, frontier)
         self.steps = plan.steps
         self.fn: Callable = self.globals["forward" if module else "run"]
+        self.memo: dict | None = {} if frontier else None
+        """Per input shapes, the values of the steps that depend on nothing else
+        (:mod:`kiln.runtime.shape_memo`); None when the plan has none."""
+        self.memo_bytes = 0
 
     def __call__(self, *inputs):
         try:
-            return self.fn(*inputs)
+            if self.memo is None:
+                return self.fn(*inputs)
+            key = tuple((x.shape, x.dtype) for x in inputs)
+            known = self.memo.get(key)
+            outs, values = self.fn(*inputs, known)
+            if known is None and len(self.memo) < MAX_SHAPES:
+                size = nbytes(values)
+                if self.memo_bytes + size <= MAX_BYTES:
+                    self.memo_bytes += size
+                    self.memo[key] = values
+            return outs
         except KilnError:
             raise
         except Exception as e:
@@ -96,12 +113,17 @@ def can_run(plan) -> bool:
                for s in plan.steps)
 
 
-def _generate(plan, module: bool, filename: str, checked: bool = False
+def _generate(plan, module: bool, filename: str, checked: bool = False,
+              once: frozenset[int] = frozenset(), frontier: tuple = ()
               ) -> tuple[str, dict, dict, dict[int, int]]:
     """(source, globals, constants by name, line -> step index). ``module``: a
     ``forward(self, ...)`` reading constants from buffers, results as kernels return them;
     else ``run(...)`` with constants as globals, results normalized by the backend.
-    ``checked``: the run's stop check is called after every step (cancellable runs)."""
+    ``checked``: the run's stop check is called after every step (cancellable runs).
+    ``once``/``frontier``: steps that depend on the inputs' shapes alone and the values of
+    theirs other steps read; ``run`` then takes one more argument, those values from an
+    earlier run with the same shapes (or None: run every step), and returns
+    ``(outputs, those values or None)``."""
     names: dict = {}
     glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize, "_ctl": active_control,
                            "_T": plan.backend.array_type}
@@ -125,6 +147,12 @@ def _generate(plan, module: bool, filename: str, checked: bool = False
     wrap = "{}" if module else "_n({})"
     if checked:
         lines.append("    _chk = _ctl()")
+    kept = set(frontier)
+    if frontier:  # every step's outputs are named v{step}_{output}
+        where = {v: f"v{j}_{k}" for j, s in enumerate(plan.steps)
+                 for k, v in enumerate(s.outputs) if v is not None}
+        known = ", ".join(where[v] for v in frontier)
+        lines.append(f"    if _m is not None: {known}, = _m")
     for j, s in enumerate(plan.steps):
         glb[f"f{j}"] = s.fn
         args = ", ".join("None" if v is None else names[v] for v in s.inputs)
@@ -133,33 +161,44 @@ def _generate(plan, module: bool, filename: str, checked: bool = False
                                          plan.backend)
             args = f"k{j}, {args}" if args else f"k{j}"
         outs = list(s.outputs)
-        line_step[len(lines) + 2] = j  # +1: the def line, +1: lines count from 1
+        body: list[str] = []
         if len(outs) == 1 and not module:
             # Most kernels return the backend's array: one class test inline instead of
             # two calls (unwrap a 1-tuple, normalize) per layer.
             names[outs[0]] = v = f"v{j}_0"
-            lines.append(f"    {v} = f{j}({args})")
-            line_step[len(lines) + 2] = j
-            lines.append(f"    if {v}.__class__ is not _T: {v} = _n(_one({v}))")
+            body.append(f"{v} = f{j}({args})")
+            body.append(f"if {v}.__class__ is not _T: {v} = _n(_one({v}))")
         elif len(outs) == 1:
             names[outs[0]] = f"v{j}_0"
-            lines.append(f"    v{j}_0 = _one(f{j}({args}))")
+            body.append(f"v{j}_0 = _one(f{j}({args}))")
         else:
-            lines.append(f"    r{j} = f{j}({args})")
+            body.append(f"r{j} = f{j}({args})")
             for k, v in enumerate(outs):
                 if v is not None:
                     names[v] = f"v{j}_{k}"
-                    lines.append(f"    v{j}_{k} = " + wrap.format(f"r{j}[{k}]"))
+                    body.append(f"v{j}_{k} = " + wrap.format(f"r{j}[{k}]"))
         if not module:
-            dead = [names[v] for v in s.frees if v in names and v not in plan.consts]
+            dead = [names[v] for v in s.frees
+                    if v in names and v not in plan.consts and v not in kept]
             if dead:
-                lines.append(f"    del {', '.join(dead)}")
+                body.append(f"del {', '.join(dead)}")
+        indent = "    "
+        if j in once:
+            lines.append("    if _m is None:")
+            indent = "        "
+        for text in body:
+            line_step[len(lines) + 2] = j  # +1: the def line, +1: lines count from 1
+            lines.append(indent + text)
         if checked:
             lines.append("    _chk()")
-    ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs])
+    ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs]
+                    + (["_m"] if frontier else []))
     outs = ", ".join(names[v] for v in plan.graph.outputs)
     head = "forward" if module else "run"
-    src = f"def {head}({ins}):\n" + "\n".join(lines) + f"\n    return [{outs}]\n"
+    result = f"[{outs}]"
+    if frontier:
+        result = f"{result}, (None if _m is not None else ({known},))"
+    src = f"def {head}({ins}):\n" + "\n".join(lines) + f"\n    return {result}\n"
     exec(compile(src, filename, "exec"), glb)
     return src, glb, consts, line_step
 

@@ -80,6 +80,9 @@ class Plan:
         self.runs_before_program = 0  # > 0: runs left before a big plan builds its program
         self.specializer: Callable[[list], list | None] | None = None
         self.compile_status = ""
+        self.shape_memo = False
+        """Whether the program computes shape-only values once per input shape
+        (:mod:`kiln.runtime.shape_memo`): for optimized models, whose types Kiln inferred."""
 
     def finish(self) -> None:
         """Once every kernel is prepared: the backend's last word (constants placement),
@@ -87,7 +90,7 @@ class Plan:
         self.backend.finish(self)
         if not self.captures and can_run(self):
             if len(self.steps) <= EAGER_PROGRAM_STEPS:
-                self.program = Program(self)
+                self.program = Program(self, memo=self.shape_memo)
             else:
                 self.runs_before_program = PROGRAM_AFTER_RUNS
 
@@ -162,12 +165,12 @@ class Plan:
         if self.runs_before_program > 0:
             self.runs_before_program -= 1  # concurrent runs may both count: harmless
             if self.runs_before_program == 0:
-                self.program = Program(self)
+                self.program = Program(self, memo=self.shape_memo)
         if self.program is not None and not overrides and observer is None:
             if control is None:
                 return self.program(*inputs)
             if self.checked_program is None:
-                self.checked_program = Program(self, checked=True)
+                self.checked_program = Program(self, checked=True, memo=self.shape_memo)
             return self.checked_program(*inputs)
         env: dict[Value, Any] = dict(self.consts)
         if overrides:
@@ -285,16 +288,18 @@ def plan_graph(graph: Graph, opsets: dict[str, int], functions: dict, backend: B
     return plan, list(compiler.missing)
 
 
-def compile_model(graph: Graph, opsets: dict[str, int], functions: dict, backend: Backend
-                  ) -> Plan:
-    """Compile the main graph; raises UnsupportedOpError naming every op Kiln lacks."""
+def compile_model(graph: Graph, opsets: dict[str, int], functions: dict, backend: Backend,
+                  shape_memo: bool = False) -> Plan:
+    """Compile the main graph; raises UnsupportedOpError naming every op Kiln lacks.
+    ``shape_memo``: see :attr:`Plan.shape_memo`."""
     with collector_paused():
-        return _compile_model(graph, opsets, functions, backend)
+        return _compile_model(graph, opsets, functions, backend, shape_memo)
 
 
-def _compile_model(graph: Graph, opsets: dict[str, int], functions: dict, backend: Backend
-                   ) -> Plan:
+def _compile_model(graph: Graph, opsets: dict[str, int], functions: dict, backend: Backend,
+                   shape_memo: bool) -> Plan:
     plan, missing = plan_graph(graph, opsets, functions, backend)
+    plan.shape_memo = shape_memo
     if missing:
         names = ", ".join(f"{d + '.' if d else ''}{o} (opset {v})" for d, o, v in missing)
         raise UnsupportedOpError(

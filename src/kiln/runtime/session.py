@@ -146,7 +146,8 @@ class Session:
             self.model = self._optimized(loaded, owned=loaded is not self._source)
             g = self.model.graph
             self.plan: Plan = compile_model(g, self.model.opset_imports,
-                                            self.model.functions, self.backend)
+                                            self.model.functions, self.backend,
+                                            shape_memo=_types_inferred(self.model))
         self._inputs = list(g.inputs)
         self._main = _Target.of(self.plan)
         self._overridable = self._main.overridable
@@ -278,7 +279,7 @@ class Session:
             # on a copy: should optimizing fail, the fallback must keep the outputs added
             model = self._optimized(model, owned=False)
             plan = compile_model(model.graph, model.opset_imports, model.functions,
-                                 self.backend)
+                                 self.backend, shape_memo=_types_inferred(model))
         if [v.name for v in plan.graph.inputs] != [v.name for v in self._inputs]:
             raise KilnError("intermediate outputs: the model's inputs changed when it was "
                             "re-read; build a new session")
@@ -372,6 +373,16 @@ def stop_check(run_options: Any):
             raise RunCancelledError(f"the run was cancelled: it took longer than its "
                                     f"time_limit_s of {limit} s")
     return check
+
+
+def _types_inferred(model: Model) -> bool:
+    """Whether Kiln's optimizer ran its rewrites on ``model`` (its value types are then
+    what Kiln's shape inference, not only the file, says)."""
+    from kiln.optimize import MARK
+    try:
+        return int(model.metadata.get(MARK, -1)) >= 1
+    except ValueError:
+        return False
 
 
 def _fixed_shapes(model: Model, given: dict | None, dims: dict[str, int]) -> dict | None:
