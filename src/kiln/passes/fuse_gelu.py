@@ -67,9 +67,6 @@ class _GeluMatcher:
     def _p(self, v: Value | None, op: str) -> Node | None:
         return producer(v, self.core, op)
 
-    def _only(self, v: Value, reader: Node) -> bool:
-        return v.only_reader(reader)
-
     def _reader(self, v: Value, op: str) -> Node | None:
         return only_consumer(v, op)
 
@@ -136,12 +133,12 @@ class _GeluMatcher:
             return None, []
         s = got[0]
         add = self._p(s, "Add")
-        if add is None or not self._only(s, scale):
+        if add is None or not s.only_reader(scale):
             return None, []
         for i in (0, 1):
             x, cubic = add.inputs[i], add.inputs[1 - i]
             mul = self._p(cubic, "Mul")
-            if mul is None or not self._only(cubic, add):
+            if mul is None or not cubic.only_reader(add):
                 continue
             got = self._const_operand(mul)
             if got is None or not _close(got[1], 0.044715):
@@ -154,7 +151,7 @@ class _GeluMatcher:
     def _cube(self, v: Value, x: Value, reader: Node) -> list[Node] | None:
         """Nodes computing ``v = x^3`` (Pow(x, 3), x*(x*x), (x*x)*x), read only by
         ``reader``."""
-        if not self._only(v, reader):
+        if not v.only_reader(reader):
             return None
         pw = self._p(v, "Pow")
         if pw is not None:
@@ -166,7 +163,7 @@ class _GeluMatcher:
         other = self._split(m, x)
         sq = self._p(other, "Mul") if other is not None else None
         if sq is None or sq.inputs[0] is not x or sq.inputs[1] is not x or \
-                not self._only(other, m):
+                not other.only_reader(m):
             return None
         return [m, sq]
 
@@ -188,7 +185,7 @@ class _GeluMatcher:
                 return m2.outputs[0], [m1, m2]
             return None
         half = self._p(other, "Mul")  # (x * 0.5) * (1+e)
-        if half is not None and self._only(other, m1):
+        if half is not None and other.only_reader(m1):
             got = self._const_operand(half)
             if got is not None and got[0] is x and _close(got[1], 0.5):
                 return m1.outputs[0], [half, m1]

@@ -27,7 +27,15 @@ from kiln.passes.base import (
     shape_of,
     tensor_type,
 )
-from kiln.passes.rewrite import Rewriter, Rule, apply_plan, ops, producer, single_reader
+from kiln.passes.rewrite import (
+    Rewriter,
+    Rule,
+    apply_plan,
+    only_consumer,
+    ops,
+    producer,
+    single_reader,
+)
 
 
 class Simplify(RulePass):
@@ -172,10 +180,8 @@ def _gemm(rw: Rewriter, n: Node):
     if n.attrs.get("transA", 0) or len(n.inputs) < 2 or rw.model.opset < 7:
         return None
     r1 = single_reader(n.inputs[0], n, "Reshape")
-    r2 = _only_reader(n.outputs[0], n)
-    if r1 is None or r2 is None:
-        return None
-    if r2.op_type != "Reshape" or r2.domain != "" or r2.inputs[0] is not n.outputs[0]:
+    r2 = only_consumer(n.outputs[0], "Reshape")
+    if r1 is None or r2 is None or r2.inputs[0] is not n.outputs[0]:
         return None
     x = r1.inputs[0]
     xs, ys, flat = shape_of(x), shape_of(r2.outputs[0]), shape_of(r1.outputs[0])
@@ -234,14 +240,6 @@ def _can_bypass(src: Value, n: Node) -> bool:
         return True
     p = src.producer
     return p is not None and p.graph is g and not src.is_output_of(g)
-
-
-def _only_reader(v: Value, n: Node) -> Node | None:
-    """The one node of ``n``'s graph reading ``v``, when nothing else uses it."""
-    readers = v.consumers()
-    if len(readers) != 1 or v.is_returned or readers[0].graph is not n.graph:
-        return None
-    return readers[0]
 
 
 def _same(a, b) -> bool:
