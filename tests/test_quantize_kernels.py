@@ -287,6 +287,56 @@ def test_data_movement_runs_on_8_bits(same_grid):
     np.testing.assert_array_equal(ort_run(to_proto(m), feed)[0], ort_run(proto, feed)[0])
 
 
+def _attention_output_model() -> onnx.ModelProto:
+    """What a QDQ file writes after BERT's attention product: Q/DQ on the product,
+    Transpose and Reshape merging the heads, Q/DQ on the same grid, then the output
+    projection (int8 weight) and its Q/DQ."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    f = lambda n, v: numpy_helper.from_array(np.array(v, np.float32), n)  # noqa: E731
+    inits = [f("s1", 0.03), f("s2", 0.02), f("s3", 0.05), f("ws", 0.01),
+             f("b", rng.normal(0, 1, 32)), helper.make_tensor("z", TensorProto.UINT8, [], [128]),
+             helper.make_tensor("wz", TensorProto.INT8, [], [0]),
+             numpy_helper.from_array(np.array([0, 0, 64], np.int64), "shape"),
+             numpy_helper.from_array(rng.integers(-100, 100, (64, 32)).astype(np.int8), "w")]
+
+    def qdq(x, s):
+        return [helper.make_node("QuantizeLinear", [x, s, "z"], [f"{x}q"]),
+                helper.make_node("DequantizeLinear", [f"{x}q", s, "z"], [f"{x}d"])]
+
+    nodes = qdq("a", "s1") + qdq("v", "s1") + [
+        helper.make_node("MatMul", ["ad", "vd"], ["p"])] + qdq("p", "s2") + [
+        helper.make_node("Transpose", ["pd"], ["t"], perm=[0, 2, 1, 3]),
+        helper.make_node("Reshape", ["t", "shape"], ["r"])] + qdq("r", "s2") + [
+        helper.make_node("DequantizeLinear", ["w", "ws", "wz"], ["wd"]),
+        helper.make_node("MatMul", ["rd", "wd"], ["m"]),
+        helper.make_node("Add", ["m", "b"], ["o"])] + qdq("o", "s3")
+    graph = helper.make_graph(
+        nodes, "attention_output",
+        [helper.make_tensor_value_info("a", TensorProto.FLOAT, ["b", 4, "s", 16]),
+         helper.make_tensor_value_info("v", TensorProto.FLOAT, ["b", 4, 16, 16])],
+        [helper.make_tensor_value_info("od", TensorProto.FLOAT, ["b", "s", 32])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_requantizing_on_the_same_grid_after_moved_data_is_dropped():
+    """The DequantizeLinear after the product moves behind Transpose and Reshape; the Q on
+    its grid after them then cancels it, although the engine reaches that Q before it
+    visits the moved ops again (their 8-bit outputs are typed when made)."""
+    proto = _attention_output_model()
+    rng = np.random.default_rng(2)
+    feed = {"a": rng.normal(0, 1, (2, 4, 5, 16)).astype(np.float32),
+            "v": rng.normal(0, 1, (2, 4, 16, 16)).astype(np.float32)}
+    want = ort_run(proto, feed)[0]
+    for backend in ("numpy", "torch"):
+        m = kiln.optimize(proto, backend=backend)
+        counts = Counter(n.op_type for n in m.graph.nodes)
+        assert counts["QuantizeLinear"] == 3 and counts["DequantizeLinear"] == 3, counts
+        (got,) = kiln.InferenceSession(proto, backend=backend).run(None, feed)
+        np.testing.assert_allclose(got, want, rtol=0, atol=0.05 + 1e-6, err_msg=backend)
+
+
 def test_onnxruntime_dynamic_file_fuses(zoo_model, tmp_path):
     """onnxruntime's quantize_dynamic writes MatMulInteger -> Cast -> Mul(scales) -> Add
     for every product of BERT; each becomes one QMatMul with a float output (oneDNN's
