@@ -142,7 +142,7 @@ def _analysis(p: Pass, model: Model, report: OptimizeReport) -> None:
 
 def _rewrite(model: Model, passes: list[RulePass], report: OptimizeReport, infer: bool,
              max_iterations: int) -> None:
-    """Stage 0 (untyped rules), shape inference, then stages 1-3 through the engine."""
+    """Stage 0 (untyped rules), shape inference, then stages 1-4 through the engine."""
     budget = max(1, max_iterations) * (count_nodes(model.graph) + 16)
     stages = [(0, [r for p in passes for r in p.owned_rules() if not r.needs_types], False)]
     if infer:
