@@ -105,3 +105,33 @@ def test_values_past_the_memory_budget_are_recomputed(monkeypatch):
         (got,) = sess.run(None, {"x": x})
         np.testing.assert_allclose(got, ort_run(proto, {"x": x})[0], rtol=1e-6, atol=1e-6)
     assert sess.plan.program.memo == {}
+
+
+def test_profile_shows_the_shape_only_layers_as_run_once():
+    """``kiln profile`` times what a session's runs do: the shape-only layers ran once
+    (their output shapes are known) and are skipped by the measured runs."""
+    from kiln.tools.profiling import profile
+
+    x = np.random.default_rng(3).normal(0, 1, (2, 5)).astype(np.float32)
+    p = profile(_session(_model(), "numpy"), {"x": x}, runs=3, warmup=1)
+    once = {x.op_type for x in p.layers if x.once}
+    assert {"Range", "ConstantOfShape"} <= once and "NonZero" not in once, once
+    for layer in p.layers:
+        assert layer.shape is not None, layer.name
+        assert (len(layer.times_ms) == 0) == layer.once, layer.name
+
+
+def test_observed_runs_skip_what_the_program_keeps_and_give_the_same_outputs():
+    proto = _model()
+    sess = _session(proto, "numpy")
+    x = np.random.default_rng(4).normal(0, 1, (3, 4)).astype(np.float32)
+    want = ort_run(proto, {"x": x})[0]
+    seen: list = []
+    (got,) = sess.plan.run([x], observer=lambda step, a, b, r: seen.append(step))
+    assert len(seen) == len(sess.plan.steps)  # nothing kept for these shapes yet
+    sess.run(None, {"x": x})
+    seen.clear()
+    (again,) = sess.plan.run([x], observer=lambda step, a, b, r: seen.append(step))
+    assert len(seen) == len(sess.plan.steps) - len(sess.plan.program.once)
+    for out in (got, again):
+        np.testing.assert_allclose(out, want, rtol=1e-6, atol=1e-6)

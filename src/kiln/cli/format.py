@@ -91,14 +91,18 @@ def profile_text(p: Profile, top: int = 0) -> str:
     layers = p.slowest(top) if top else p.layers
     out += ["", f"{'slowest ' + str(top) + ' ' if top else ''}layers"
             + ("" if top else " in run order")]
-    rows = [[x.index, clip(x.name, 40), x.op_type, fmt_dims(x.shape), _ms(x.mean_ms),
-             f"{p.share(x) * 100:.1f}"] for x in layers]
+    rows = [[x.index, clip(x.name, 40), x.op_type, fmt_dims(x.shape),
+             "once" if x.once else _ms(x.mean_ms), f"{p.share(x) * 100:.1f}"] for x in layers]
     out.append(table(["#", "layer", "op", "output shape", "mean ms", "%"], rows,
                      right=(0, 4, 5)))
     out += ["", "by op type"]
     rows = [[o.op_type, o.count, _ms(o.ms), f"{o.share * 100:.1f}"] for o in p.by_op()]
     rows.append(["total", len(p.layers), _ms(total), "100.0"])
     out.append(table(["op", "layers", "mean ms", "%"], rows, right=(1, 2, 3)))
+    once = sum(x.once for x in p.layers)
+    if once:
+        out.append(f"{once} layer(s) depend only on the input shapes: they ran once for "
+                   "these shapes and are skipped by every later run (\"once\")")
     return "\n".join(out)
 
 

@@ -67,12 +67,18 @@ class Program:
         """Per input shapes, the values of the steps that depend on nothing else
         (:mod:`kiln.runtime.shape_memo`); None when the plan has none."""
         self.memo_bytes = 0
+        self.once, self.frontier = once, frontier
+
+    def known_values(self, inputs) -> tuple | None:
+        """The kept values of the steps in ``once`` for these inputs' shapes, if a run
+        with these shapes kept them (in ``frontier`` order)."""
+        return None if self.memo is None else self.memo.get(_memo_key(inputs))
 
     def __call__(self, *inputs):
         try:
             if self.memo is None:
                 return self.fn(*inputs)
-            key = tuple((x.shape, x.dtype) for x in inputs)
+            key = _memo_key(inputs)
             known = self.memo.get(key)
             outs, values = self.fn(*inputs, known)
             if known is None and len(self.memo) < MAX_SHAPES:
@@ -201,6 +207,10 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
     src = f"def {head}({ins}):\n" + "\n".join(lines) + f"\n    return {result}\n"
     exec(compile(src, filename, "exec"), glb)
     return src, glb, consts, line_step
+
+
+def _memo_key(inputs) -> tuple:
+    return tuple((x.shape, x.dtype) for x in inputs)
 
 
 def _one(r):

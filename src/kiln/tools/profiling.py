@@ -24,6 +24,8 @@ class LayerTime:
     shape: list[int] | None  # shape of its first output, as run
     placement: str
     times_ms: list[float] = field(default_factory=list)
+    once: bool = False
+    """Runs once per input shape, not in every run (kiln.runtime.shape_memo)."""
 
     @property
     def mean_ms(self) -> float:
@@ -93,7 +95,7 @@ class Profile:
             "layer_total_ms": self.layer_total_ms, "wall_ms": self.wall_ms,
             "layers": [{"index": x.index, "name": x.name, "op_type": x.op_type,
                         "shape": x.shape, "placement": x.placement, "mean_ms": x.mean_ms,
-                        "share": self.share(x)} for x in self.layers],
+                        "share": self.share(x), "once": x.once} for x in self.layers],
             "by_op": [vars(r) for r in self.by_op()],
         }
 
@@ -190,6 +192,15 @@ def profile(model_or_session: Any, feeds: dict | None = None, runs: int = 10,
 
     walls, starts = [], []
     with be.run_context():
+        # Layers that depend only on the inputs' shapes run once per shape in a session's
+        # runs: one plain run first, so the measured runs skip them as real runs do.
+        program = plan.program
+        if program is not None and program.memo is not None:
+            run_no[0] = -warmup - 1
+            plan.run(inputs, None, None, observer=observe)  # every layer: their shapes
+            plan.run(inputs)  # the program keeps the shape-only values
+            for i in program.once:
+                layers[i].once = True
         for r in range(-warmup, runs):
             run_no[0] = r
             first[0] = r == -warmup
