@@ -292,7 +292,40 @@ def test_attention_with_extra_reader_is_left_alone():
     assert "ai.kiln.Attention" not in ops(om)
 
 
-def _heads_model(computed_targets: bool, k_perm: list[int]):
+def test_attention_takes_in_pytorchs_nan_guard():
+    """PyTorch exports scaled_dot_product_attention with ``Where(IsNaN(p), 0, p)`` after
+    the softmax: a row the mask hides entirely (all -inf) gives zeros, not NaN. The guard
+    fuses as ``zero_nan``; both backends and the saved function body give onnxruntime's
+    zeros."""
+    nodes = [helper.make_node("Mul", ["q", "c"], ["qs"]),
+             helper.make_node("MatMul", ["qs", "kt"], ["s"]),
+             helper.make_node("Add", ["s", "m"], ["sm"]),
+             helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
+             helper.make_node("IsNaN", ["p"], ["nan"]),
+             helper.make_node("Where", ["nan", "zero", "p"], ["pz"]),
+             helper.make_node("MatMul", ["pz", "v"], ["y"])]
+    proto = make_model(nodes, [vi("q", ["b", 2, "s", 8]), vi("kt", ["b", 2, 8, "s"]),
+                               vi("v", ["b", 2, "s", 8]), vi("m", ["b", 1, "s", "s"])],
+                       [vi("y", ["b", 2, "s", 8])],
+                       [init("c", np.float32(0.35)), init("zero", np.float32(0.0))])
+    m = np.zeros((2, 1, 5, 5), np.float32)
+    m[0, :, 2, :] = -np.inf  # one query row sees no key at all
+    m[1, :, :, 3:] = -np.inf
+    q = rand(2, 2, 5, 8, seed=1)
+    q[1, 0, 4, 0] = np.nan  # NaN scores: the guard zeroes that row too
+    feeds = {"q": q, "kt": rand(2, 2, 8, 5, seed=2), "v": rand(2, 2, 5, 8, seed=3), "m": m}
+    want = ort_run(proto, feeds)[0]
+    assert np.all(want[0, :, 2] == 0) and np.all(want[1, 0, 4] == 0)
+    assert not np.isnan(want).any()
+    om, _ = optimized(proto, feeds, rtol=1e-5, atol=1e-6, ort_too=True)
+    assert ops(om) == {"ai.kiln.Attention": 1}
+    assert next(iter(om.graph.nodes)).attrs["zero_nan"] == 1
+    pytest.importorskip("torch")
+    (got,) = kiln.InferenceSession(proto, backend="torch").run(None, feeds)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
+def _heads_model(computed_targets: bool, k_perm: list[int], guard: bool = False):
     """q, k, v [b, s, 16] split into 2 heads of 8 (Reshape, Transpose), attention, heads
     merged back; the Reshape targets constants or computed from the input's shape (as
     dynamo exports write them)."""
@@ -313,12 +346,15 @@ def _heads_model(computed_targets: bool, k_perm: list[int]):
     nodes += [helper.make_node("MatMul", ["qh", kt], ["s"]),
               helper.make_node("Mul", ["s", "c"], ["ss"]),
               helper.make_node("Add", ["ss", "m"], ["sm"]),
-              helper.make_node("Softmax", ["sm"], ["p"], axis=-1),
-              helper.make_node("MatMul", ["p", "vh"], ["yh"]),
+              helper.make_node("Softmax", ["sm"], ["p"], axis=-1)]
+    if guard:  # PyTorch's export zeroes NaN probabilities
+        nodes += [helper.make_node("IsNaN", ["p"], ["nan"]),
+                  helper.make_node("Where", ["nan", "zero_f", "p"], ["pg"])]
+    nodes += [helper.make_node("MatMul", ["pg" if guard else "p", "vh"], ["yh"]),
               helper.make_node("Transpose", ["yh"], ["y4"], perm=[0, 2, 1, 3]),
               helper.make_node("Reshape", ["y4", "merge"], ["y"])]
     i64 = np.int64
-    inits = [init("c", np.float32(0.125))]
+    inits = [init("c", np.float32(0.125)), init("zero_f", np.float32(0.0))]
     if computed_targets:
         inits += [init(n, np.array(v, i64)) for n, v in
                   (("zero", [0]), ("two", [2]), ("heads", [2, 8]), ("width", [16]))]
@@ -331,17 +367,22 @@ def _heads_model(computed_targets: bool, k_perm: list[int]):
 
 @pytest.mark.parametrize("computed_targets", [False, True])
 @pytest.mark.parametrize("k_perm", [[0, 2, 3, 1], [0, 2, 1, 3]])
-def test_attention_takes_in_the_head_split(computed_targets, k_perm):
-    proto = _heads_model(computed_targets, k_perm)
+@pytest.mark.parametrize("guard", [False, True])
+def test_attention_takes_in_the_head_split(computed_targets, k_perm, guard):
+    proto = _heads_model(computed_targets, k_perm, guard)
     m = np.zeros((2, 1, 1, 5), np.float32)
     m[1, ..., 3:] = -1e4
-    feeds = {"q": rand(2, 5, 16, seed=1), "k": rand(2, 5, 16, seed=2),
-             "v": rand(2, 5, 16, seed=3), "m": m}
+    q = rand(2, 5, 16, seed=1)
+    if guard:  # every key of batch 0 hidden; NaN scores in one head of batch 1
+        m[0] = -np.inf
+        q[1, 2, 3] = np.nan
+    feeds = {"q": q, "k": rand(2, 5, 16, seed=2), "v": rand(2, 5, 16, seed=3), "m": m}
     # the saved model's Attention carries the head split in its function body
     om, _ = optimized(proto, feeds, rtol=1e-4, atol=1e-5, ort_too=True)
     assert ops(om) == {"ai.kiln.Attention": 1}
     (att,) = om.graph.nodes
     assert att.attrs["num_heads"] == 2 and [v.name for v in att.inputs] == ["q", "k", "v", "m"]
+    assert att.attrs.get("zero_nan", 0) == guard
     pytest.importorskip("torch")
     (got,) = kiln.InferenceSession(proto, backend="torch").run(None, feeds)
     np.testing.assert_allclose(got, ort_run(proto, feeds)[0], rtol=1e-4, atol=1e-5)

@@ -406,23 +406,29 @@ def _infer_attention(q, k, v, mask=None, **attrs):
 
 @op("Attention", 1, domain=KILN_DOMAIN, infer=_infer_attention, cost=cost.attention)
 @_in_float32
-def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0, num_heads=0):
+def attention(q, k, v, mask=None, *, scale=1.0, k_transposed=0, num_heads=0, zero_nan=0):
     """softmax(scale * Q @ K^T + mask) @ V over the last axis, in one score buffer.
     ``k_transposed=1``: K is given as [..., d, s_k] (already transposed).
     ``num_heads=h``: Q, K, V are [..., s, h * d] and the output [..., s, h * d_v], each
     head a slice of the last axis (ONNX Attention-23's 3-D form); the mask broadcasts
-    against the scores [..., h, s, s_k]."""
+    against the scores [..., h, s, s_k]. ``zero_nan=1``: NaN probabilities count as 0
+    (a row the mask hides entirely gives zeros, as PyTorch's exported attention does)."""
     if num_heads:
-        y = attention(*(split_heads(t, num_heads) for t in (q, k, v)), mask, scale=scale)
+        y = attention(*(split_heads(t, num_heads) for t in (q, k, v)), mask, scale=scale,
+                      zero_nan=zero_nan)
         return merge_heads(y)
     kt = k if k_transposed else np.swapaxes(k, -1, -2)
     s = owned(np.matmul(q, kt), q, k, mask)
     if scale != 1:
         s *= s.dtype.type(scale)
     s = _add_into(s, mask)
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s /= s.sum(axis=-1, keepdims=True)
+    # a row of -inf scores is NaN here (-inf - -inf): expected where zero_nan zeroes it
+    with np.errstate(invalid="ignore" if zero_nan else "warn"):
+        s -= s.max(axis=-1, keepdims=True)
+        np.exp(s, out=s)
+        s /= s.sum(axis=-1, keepdims=True)
+    if zero_nan:
+        np.copyto(s, 0, where=np.isnan(s))
     return np.matmul(s, v)
 
 
@@ -562,7 +568,10 @@ def _attention_body(b):
         s = b.op("Mul", s, b.const(scale))
     s = _add_optional(b, s, 3)
     axis = -1 if b.opset >= 11 else (4 if heads else b.need_rank(0)) - 1
-    y = b.op("MatMul", b.op("Softmax", s, axis=axis), v)
+    p = b.op("Softmax", s, axis=axis)
+    if b.attrs.get("zero_nan", 0):
+        p = b.op("Where", b.op("IsNaN", p), b.const(0.0), p)
+    y = b.op("MatMul", p, v)
     if heads:
         y = b.op("Reshape", b.op("Transpose", y, perm=[0, 2, 1, 3]), b.ints([0, 0, -1]))
     b.finish(y)

@@ -9,6 +9,9 @@
 becomes ``Attention(Q, K^T, V, mask; scale, k_transposed=1)``. The fused kernel keeps one
 score buffer and does the scale, mask add and softmax in place on it, where the unfused
 ops allocate a new array for each step. Every intermediate must have no other reader.
+PyTorch's export of ``scaled_dot_product_attention`` also zeroes NaN probabilities
+(``Where(IsNaN(probs), 0, probs)``: rows a mask hides entirely); that guard is taken in
+too, as ``zero_nan=1``.
 
 A second rule takes in the head split and merge transformer exporters write around it:
 
@@ -47,17 +50,17 @@ def _match(rw: Rewriter, sm: Node):
 
 
 def _check(rw: Rewriter, m) -> str | None:
-    q, kt, v, mask, scale, nodes, sm, mm2 = m
+    q, kt, v, mask, scale, nodes, sm, mm2, zero_nan = m
     if mask is not None and mask is v:
         return "the mask is also V"
     return None
 
 
 def _apply(rw: Rewriter, m) -> str:
-    q, kt, v, mask, scale, nodes, sm, mm2 = m
+    q, kt, v, mask, scale, nodes, sm, mm2, zero_nan = m
+    attrs = {"scale": float(scale), "k_transposed": 1} | ({"zero_nan": 1} if zero_nan else {})
     att = Node("Attention", [q, kt, v] + ([mask] if mask is not None else []), [None],
-               {"scale": float(scale), "k_transposed": 1}, domain=KILN_DOMAIN,
-               name=mm2.name or sm.name)
+               attrs, domain=KILN_DOMAIN, name=mm2.name or sm.name)
     att.outputs = [mm2.outputs[0]]
     rw.replace(nodes, [att])
     return "attention fused"
@@ -117,9 +120,9 @@ def _match_heads(rw: Rewriter, att: Node):
 def _apply_heads(rw: Rewriter, m) -> str:
     q, k, v, heads, nodes, last = m
     att = nodes[6]
+    attrs = {k: a for k, a in att.attrs.items() if k != "k_transposed"}
     fused = Node("Attention", [q, k, v] + att.inputs[3:4], [None],
-                 {"scale": float(att.attrs.get("scale", 1.0)), "num_heads": heads},
-                 domain=KILN_DOMAIN, name=att.name)
+                 attrs | {"num_heads": heads}, domain=KILN_DOMAIN, name=att.name)
     fused.outputs = [last.outputs[0]]
     rw.replace(nodes, [fused])
     return "head split and merge taken into attention"
@@ -160,8 +163,10 @@ class _AttentionMatcher:
         dtype = dtype_of(scores)
         if dtype is None or not dtype.is_float:
             return None
-        mm2 = only_consumer(sm.outputs[0], "MatMul")
-        if mm2 is None or mm2.inputs[0] is not sm.outputs[0]:
+        guard = self._nan_guard(sm.outputs[0])
+        probs = guard[-1].outputs[0] if guard else sm.outputs[0]
+        mm2 = only_consumer(probs, "MatMul")
+        if mm2 is None or mm2.inputs[0] is not probs:
             return None
         mask = None
         cur, reader = scores, sm
@@ -182,8 +187,25 @@ class _AttentionMatcher:
             return None
         q, kt, scale, chain_nodes = chain
         # producers first, the final MatMul last: the fused node takes its place
-        nodes = list(reversed(chain_nodes)) + extra[::-1] + [sm, mm2]
-        return q, kt, mm2.inputs[1], mask, scale, nodes, sm, mm2
+        nodes = list(reversed(chain_nodes)) + extra[::-1] + [sm] + guard + [mm2]
+        return q, kt, mm2.inputs[1], mask, scale, nodes, sm, mm2, bool(guard)
+
+    def _nan_guard(self, p: Value) -> list[Node]:
+        """[IsNaN, Where] when the probabilities ``p`` are read only as
+        ``Where(IsNaN(p), 0, p)`` (PyTorch's exported attention zeroes the rows a mask
+        hides entirely, whose softmax is NaN), else []."""
+        readers = p.consumers()
+        if p.is_returned or len(readers) != 2:
+            return []
+        isnan = next((r for r in readers if r.op_type == "IsNaN" and r.domain == ""), None)
+        where = next((r for r in readers if r.op_type == "Where" and r.domain == ""), None)
+        if isnan is None or where is None or isnan.graph is not self.root.graph or \
+                where.graph is not self.root.graph or \
+                only_consumer(isnan.outputs[0], "Where") is not where or \
+                list(where.inputs) != [isnan.outputs[0], where.inputs[1], p] or \
+                scalar_value(where.inputs[1]) != 0.0:
+            return []
+        return [isnan, where]
 
     def _qk_chain(self, v: Value, reader: Node):
         """(Q, K^T, scale, nodes) when ``v`` is an optionally scaled MatMul(Q, K^T)."""

@@ -179,6 +179,7 @@ def attention(site):
     scale = float(site.attr("scale", 1.0))
     kt = int(site.attr("k_transposed", 0))
     heads = int(site.attr("num_heads", 0))
+    zero_nan = int(site.attr("zero_nan", 0))
     low = site.backend.compute_dtype
 
     def attend(q, k, v, mask):
@@ -187,14 +188,19 @@ def attention(site):
         if low is not None and dt == torch.float32:
             q, k, v = q.to(low), k.to(low), v.to(low)
             mask = None if mask is None else mask.to(low)
+        # SDPA gives a row the mask hides entirely zeros, but NaN for NaN scores, where
+        # zero_nan's graph gives zeros: those take the three ops
         if q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] \
-                and (mask is None or mask.dim() >= 2):
+                and (mask is None or mask.dim() >= 2) and not zero_nan:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         else:
             s = torch.matmul(q, k.transpose(-1, -2)) * scale
             if mask is not None:
                 s = s + mask
-            y = torch.matmul(torch.softmax(s, -1), v)
+            p = torch.softmax(s, -1)
+            if zero_nan:
+                p = torch.where(p.isnan(), 0.0, p)  # not in place: softmax's backward
+            y = torch.matmul(p, v)
         return y if y.dtype == dt else y.to(dt)
 
     def run(q, k, v, mask=None):
