@@ -251,6 +251,45 @@ def test_decomposed_layernorm_fuses(opset, want):
     assert ops(om) == {want: 1}
 
 
+@pytest.mark.parametrize("opset,form,gamma", [
+    (17, "div", True), (17, "reciprocal", False), (18, "one_over", True), (13, "div", False),
+    (23, "one_over", True)])
+def test_decomposed_rmsnorm_fuses(opset, form, gamma):
+    """Llama's, T5's and Qwen's RMS normalization as exporters write it: x / Sqrt(mean(x^2)
+    + eps), x * (1 / Sqrt(...)) or x * Reciprocal(Sqrt(...)), times an optional weight ->
+    one op (ONNX's RMSNormalization from opset 23). NumPy and torch against onnxruntime on
+    the decomposed model; the saved Kiln op's body runs in onnxruntime too."""
+    ax_in = ["ax"] if opset >= 18 else []
+    axes = {} if opset >= 18 else {"axes": [-1]}
+    sq = helper.make_node("Mul", ["x", "x"], ["sq"]) if opset == 13 else \
+        helper.make_node("Pow", ["x", "two"], ["sq"])
+    nodes = [sq, helper.make_node("ReduceMean", ["sq"] + ax_in, ["ms"], **axes),
+             helper.make_node("Add", ["ms", "eps"], ["mse"]),
+             helper.make_node("Sqrt", ["mse"], ["rms"])]
+    if form == "div":
+        nodes.append(helper.make_node("Div", ["x", "rms"], ["nrm"]))
+    else:
+        inv = helper.make_node("Reciprocal", ["rms"], ["inv"]) if form == "reciprocal" else \
+            helper.make_node("Div", ["one", "rms"], ["inv"])
+        nodes += [inv, helper.make_node("Mul", ["x", "inv"], ["nrm"])]
+    if gamma:
+        nodes.append(helper.make_node("Mul", ["w", "nrm"], ["y"]))
+    else:
+        nodes.append(helper.make_node("Identity", ["nrm"], ["y"]))
+    inits = [init("two", np.float32(2)), init("eps", np.float32(1e-6)),
+             init("one", np.float32(1)), init("w", rand(16, seed=3)), init("ax", np.array([-1]))]
+    proto = make_model(nodes, [vi("x", ["b", "s", 16])], [vi("y", ["b", "s", 16])], inits,
+                       opset=opset)
+    feeds = {"x": rand(2, 5, 16) * 3}
+    om, _ = optimized(proto, feeds, rtol=1e-5, atol=1e-5, ort_too=True)
+    want = "RMSNormalization" if opset >= 23 and registry.lookup(
+        "", "RMSNormalization", opset) is not None else "ai.kiln.RMSNorm"
+    assert ops(om) == {want: 1}
+    pytest.importorskip("torch")
+    (got,) = kiln.InferenceSession(proto, backend="torch").run(None, feeds)
+    np.testing.assert_allclose(got, ort_run(proto, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
 # ---------------------------------------------------------------- attention
 
 

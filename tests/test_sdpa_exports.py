@@ -1,6 +1,7 @@
 """Transformers models exported with their default attention (PyTorch's
 scaled_dot_product_attention, written by torch.onnx with a NaN guard after the softmax)
-get Kiln's fused attention. Oracle: onnxruntime on the exported file."""
+get Kiln's fused attention, and Llama's RMS normalization one op. Oracle: onnxruntime on
+the exported file."""
 
 from __future__ import annotations
 
@@ -13,22 +14,27 @@ import kiln
 from conftest import ort_run
 
 
-def _export_bert(path: str) -> None:
+def _export(path: str, kind: str) -> None:
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    cfg = transformers.BertConfig(vocab_size=120, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=4, intermediate_size=64,
-                                  attn_implementation="sdpa")
-    model = transformers.BertModel(cfg).eval()
+    if kind == "bert":
+        model = transformers.BertModel(transformers.BertConfig(
+            vocab_size=120, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, attn_implementation="sdpa")).eval()
+    else:
+        model = transformers.LlamaModel(transformers.LlamaConfig(
+            vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            attn_implementation="sdpa")).eval()
 
     class Hidden(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.bert = model
+            self.model = model
 
         def forward(self, ids, mask):
-            return self.bert(input_ids=ids, attention_mask=mask).last_hidden_state
+            return self.model(input_ids=ids, attention_mask=mask).last_hidden_state
 
     ids = torch.randint(0, 120, (2, 7))
     with warnings.catch_warnings():
@@ -40,13 +46,17 @@ def _export_bert(path: str) -> None:
 
 
 @pytest.mark.parametrize("backend", ["numpy", "torch"])
-def test_sdpa_export_fuses_attention_and_matches_onnxruntime(tmp_path, backend):
-    path = str(tmp_path / "bert_sdpa.onnx")
-    _export_bert(path)
+@pytest.mark.parametrize("kind", ["bert", "llama"])
+def test_sdpa_export_fuses_attention_and_matches_onnxruntime(tmp_path, backend, kind):
+    path = str(tmp_path / f"{kind}_sdpa.onnx")
+    _export(path, kind)
     m = kiln.optimize(path, backend=backend)
     atts = [n for n in m.graph.nodes if n.op_type == "Attention"]
     assert len(atts) == 2 and all(a.attrs.get("zero_nan") == 1 for a in atts)
-    assert all(a.attrs.get("num_heads") == 4 for a in atts)
+    if kind == "bert":  # Llama's rotary embedding sits between its head split and attention
+        assert all(a.attrs.get("num_heads") == 4 for a in atts)
+    else:  # two per layer and the final one, each six decomposed ops before
+        assert sum(n.op_type == "RMSNorm" for n in m.graph.nodes) == 5
     rng = np.random.default_rng(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -385,6 +385,21 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     return d
 
 
+@op("RMSNorm", 1, domain=KILN_DOMAIN, infer=_same_as_first, cost=cost.per_element(4))
+@_in_float32
+def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-5):
+    """x / sqrt(mean(x^2 over the axes from ``axis``) + epsilon) [* scale]: ONNX opset
+    23's RMSNormalization (scale optional) for models of older opsets."""
+    axis = axis + x.ndim if axis < 0 else axis
+    ms = np.square(x).mean(axis=tuple(range(axis, x.ndim)), keepdims=True)
+    ms += x.dtype.type(epsilon)
+    np.sqrt(ms, out=ms)
+    y = x / ms
+    if scale is not None:
+        y *= scale
+    return y
+
+
 @op("Gelu", 1, domain=KILN_DOMAIN, infer=_same_as_first, cost=cost.elementwise)
 @_in_float32
 def gelu(x, *, approximate="none"):
@@ -540,6 +555,21 @@ def _layer_norm_body(b):
     std = b.op("Sqrt", b.op("Add", var, b.const(b.attrs.get("epsilon", 1e-5))))
     y = b.op("Div", d, std)
     b.finish(_add_optional(b, y if b.input(1) is None else b.op("Mul", y, b.input(1)), 2))
+
+
+@function_body("RMSNorm")
+def _rms_norm_body(b):
+    axis, rank = b.attrs.get("axis", -1), b.rank(0)
+    if rank is not None:
+        axes = list(range(axis % rank, rank))
+    elif axis < 0 and b.opset >= 11:
+        axes = list(range(axis, 0))
+    else:
+        axes = list(range(axis, b.need_rank(0)))
+    x = b.input(0)
+    ms = b.reduce_mean(b.op("Mul", x, x), axes)
+    y = b.op("Div", x, b.op("Sqrt", b.op("Add", ms, b.const(b.attrs.get("epsilon", 1e-5)))))
+    b.finish(y if b.input(1) is None else b.op("Mul", y, b.input(1)))
 
 
 @function_body("Gelu")

@@ -7,6 +7,13 @@
 
 where ``axes`` are the last k axes. The result is ONNX's ``LayerNormalization`` (opset 17+,
 when Kiln has its kernel) or Kiln's ``LayerNorm`` (same semantics) for older models.
+
+A second rule fuses RMS normalization (Llama's, T5's, Qwen's) the same way:
+
+    y = x / Sqrt(ReduceMean(x ^ 2, axes) + eps)   (or x * 1/Sqrt(...), x * Reciprocal(...))
+    [y * gamma]
+
+into ONNX's ``RMSNormalization`` (opset 23+) or Kiln's ``RMSNorm``.
 """
 
 from __future__ import annotations
@@ -34,10 +41,11 @@ class FuseLayerNorm(RulePass):
     name = "fuse_layernorm"
     level = 2
     stage = 2
-    creates = ("LayerNorm",)
+    creates = ("LayerNorm", "RMSNorm")
 
     def rules(self) -> list[Rule]:
-        return [Rule("layernorm", ops("ReduceMean"), _match, _apply, _check)]
+        return [Rule("layernorm", ops("ReduceMean"), _match, _apply, _check),
+                Rule("rmsnorm", ops("ReduceMean"), _match_rms, _apply_rms, _check)]
 
 
 def _match(rw: Rewriter, n: Node):
@@ -57,6 +65,18 @@ def _apply(rw: Rewriter, m) -> str:
     node.name = nodes[0].name
     rw.replace(nodes, [node])
     return "LayerNorm pattern fused"
+
+
+def _match_rms(rw: Rewriter, n: Node):
+    return _LayerNormFuser(n.graph, rw.model).match_rms(n)
+
+
+def _apply_rms(rw: Rewriter, m) -> str:
+    x, gamma, y, nodes, axis, eps = m
+    node = _LayerNormFuser(nodes[0].graph, rw.model).emit_rms(x, gamma, y, axis, eps)
+    node.name = nodes[0].name
+    rw.replace(nodes, [node])
+    return "RMSNorm pattern fused"
 
 
 class _LayerNormFuser:
@@ -85,19 +105,83 @@ class _LayerNormFuser:
             return symdim.known_ints(symdim.sym_of(n.inputs[1]))
         return n.attrs.get("axes")
 
+    def _last_axes(self, x: Value | None, axes: list[int] | None) -> int | None:
+        """k when ``axes`` are the last k axes of ``x``."""
+        if axes is None or not axes or x is None:
+            return None
+        k, rank = len(axes), rank_of(x)
+        if rank is not None:
+            return k if sorted(a % rank for a in axes) == list(range(rank - k, rank)) else None
+        return k if sorted(axes) == list(range(-k, 0)) else None
+
+    def _eps_sqrt(self, ms: Value) -> tuple[float, list[Node]] | None:
+        """(eps, [Add, Sqrt]) for Sqrt(ms + eps), each read once."""
+        add = self._one(ms, "Add")
+        if add is None:
+            return None
+        eps = scalar_value(add.inputs[1] if add.inputs[0] is ms else add.inputs[0])
+        sqrt = self._one(add.outputs[0], "Sqrt") if eps is not None else None
+        return None if sqrt is None else (eps, [add, sqrt])
+
+    def match_rms(self, var_node: Node):
+        """(x, gamma, y, nodes, axis, eps) or None."""
+        sq = var_node.inputs[0].producer if var_node.inputs else None
+        if sq is None or sq.graph is not self.g or sq.domain != "" or \
+                self._one(sq.outputs[0], "ReduceMean") is not var_node:
+            return None
+        x = sq.inputs[0]
+        if not (sq.op_type == "Pow" and scalar_value(sq.inputs[1]) == 2.0 or
+                sq.op_type == "Mul" and sq.inputs[1] is x):
+            return None
+        k = self._last_axes(x, self._axes(var_node))
+        found = self._eps_sqrt(var_node.outputs[0]) if k is not None else None
+        if found is None:
+            return None
+        eps, tail = found
+        root = tail[-1].outputs[0]
+        nodes = [sq, var_node] + tail
+        step = self._one(root, "Div", "Reciprocal")
+        if step is not None and step.op_type == "Div" and step.inputs[0] is x and \
+                step.inputs[1] is root:
+            nodes.append(step)  # x / Sqrt(...)
+        elif step is not None and (step.op_type == "Reciprocal" or step.inputs[1] is root and
+                                   scalar_value(step.inputs[0]) == 1.0):
+            mul = self._one(step.outputs[0], "Mul")  # x * (1 / Sqrt(...))
+            if mul is None or set(mul.inputs) != {x, step.outputs[0]}:
+                return None
+            nodes += [step, mul]
+        else:
+            return None
+        y, gamma = nodes[-1].outputs[0], None
+        mul = self._one(y, "Mul")
+        if mul is not None:
+            other = mul.inputs[1] if mul.inputs[0] is y else mul.inputs[0]
+            if self._param(other, k):
+                gamma, y = other, mul.outputs[0]
+                nodes.append(mul)
+        return x, gamma, y, nodes, -k, eps
+
+    def emit_rms(self, x, gamma, y, axis, eps) -> Node:
+        norm_shape = shape_of(x)[axis:] if shape_of(x) is not None else None
+        static = symdim.static_shape(norm_shape)
+        if self.model.opset >= 23 and static is not None and \
+                lookup("", "RMSNormalization", self.model.opset) is not None:
+            scale = self._full(gamma, static, 1.0, dtype_of(x).numpy, y)
+            node = Node("RMSNormalization", [x, scale], [None],
+                        {"axis": axis, "epsilon": eps})
+        else:
+            node = Node("RMSNorm", [x] + ([gamma] if gamma is not None else []), [None],
+                        {"axis": axis, "epsilon": eps}, domain=KILN_DOMAIN)
+        node.outputs = [y]
+        return node
+
     def match(self, mean_node: Node):
         """(x, gamma, beta, y, nodes, axis, eps) or None."""
         x = mean_node.inputs[0]
+        k = self._last_axes(x, self._axes(mean_node))
+        if k is None:
+            return None
         axes = self._axes(mean_node)
-        rank = rank_of(x)
-        if axes is None or not axes or x is None:
-            return None
-        k = len(axes)
-        if rank is not None:
-            if sorted(a % rank for a in axes) != list(range(rank - k, rank)):
-                return None
-        elif sorted(axes) != list(range(-k, 0)):
-            return None
         mean = mean_node.outputs[0]
         sub = self._one(mean, "Sub")
         if sub is None or sub.inputs[0] is not x or sub.inputs[1] is not mean:
@@ -118,16 +202,10 @@ class _LayerNormFuser:
         var_node = self._one(sq.outputs[0], "ReduceMean")
         if var_node is None or sorted(self._axes(var_node) or []) != sorted(axes):
             return None
-        add = self._one(var_node.outputs[0], "Add")
-        if add is None:
+        found = self._eps_sqrt(var_node.outputs[0])
+        if found is None:
             return None
-        eps_v = add.inputs[1] if add.inputs[0] is var_node.outputs[0] else add.inputs[0]
-        eps = scalar_value(eps_v)
-        if eps is None:
-            return None
-        sqrt = self._one(add.outputs[0], "Sqrt")
-        if sqrt is None:
-            return None
+        eps, (add, sqrt) = found
         nodes = [mean_node, sub, sq, var_node, add, sqrt]
         if div.op_type == "Div" and div.inputs[0] is d and div.inputs[1] is sqrt.outputs[0]:
             if self._one(sqrt.outputs[0], "Div") is not div:

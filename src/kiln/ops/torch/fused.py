@@ -170,6 +170,17 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     return F.layer_norm(x, shape, w, b, epsilon)
 
 
+@kernel("RMSNorm", 1, domain=KILN_DOMAIN)  # one F.rms_norm for six decomposed ops
+@kernel("RMSNormalization", 23)  # the generic kernel is NumPy's: a CPU fallback on torch
+def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-5, stash_type=1):
+    if x.dtype not in (torch.float32, torch.float64) or stash_type != 1 or \
+            (scale is not None and scale.dtype != x.dtype):
+        return NI
+    a = axis + x.dim() if axis < 0 else axis
+    shape = tuple(x.shape[a:])
+    return F.rms_norm(x, shape, None if scale is None else scale.expand(shape), epsilon)
+
+
 # Kiln's fused Gelu takes the same attribute as ONNX's Gelu (20): the same kernel
 kernel("Gelu", 1, domain=KILN_DOMAIN)(elementwise.gelu)
 
