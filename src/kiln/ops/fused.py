@@ -540,15 +540,19 @@ def _fused_matmul_body(b):
     b.finish(_activation_body(b, _add_optional(b, _add_optional(b, y, 2), 3)))
 
 
-@function_body("LayerNorm")
-def _layer_norm_body(b):
+def _norm_axes(b) -> list[int]:
+    """The axes from the ``axis`` attribute on, as a function body's ReduceMean takes them."""
     axis, rank = b.attrs.get("axis", -1), b.rank(0)
     if rank is not None:
-        axes = list(range(axis % rank, rank))
-    elif axis < 0 and b.opset >= 11:  # negative axes need no rank from opset 11 on
-        axes = list(range(axis, 0))
-    else:
-        axes = list(range(axis, b.need_rank(0)))
+        return list(range(axis % rank, rank))
+    if axis < 0 and b.opset >= 11:  # negative axes need no rank from opset 11 on
+        return list(range(axis, 0))
+    return list(range(axis, b.need_rank(0)))
+
+
+@function_body("LayerNorm")
+def _layer_norm_body(b):
+    axes = _norm_axes(b)
     x = b.input(0)
     d = b.op("Sub", x, b.reduce_mean(x, axes))
     var = b.reduce_mean(b.op("Mul", d, d), axes)
@@ -559,15 +563,8 @@ def _layer_norm_body(b):
 
 @function_body("RMSNorm")
 def _rms_norm_body(b):
-    axis, rank = b.attrs.get("axis", -1), b.rank(0)
-    if rank is not None:
-        axes = list(range(axis % rank, rank))
-    elif axis < 0 and b.opset >= 11:
-        axes = list(range(axis, 0))
-    else:
-        axes = list(range(axis, b.need_rank(0)))
     x = b.input(0)
-    ms = b.reduce_mean(b.op("Mul", x, x), axes)
+    ms = b.reduce_mean(b.op("Mul", x, x), _norm_axes(b))
     y = b.op("Div", x, b.op("Sqrt", b.op("Add", ms, b.const(b.attrs.get("epsilon", 1e-5)))))
     b.finish(y if b.input(1) is None else b.op("Mul", y, b.input(1)))
 
