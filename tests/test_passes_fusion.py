@@ -290,6 +290,50 @@ def test_decomposed_rmsnorm_fuses(opset, form, gamma):
     np.testing.assert_allclose(got, ort_run(proto, feeds)[0], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("swapped,end", [(False, 2 ** 63 - 1), (True, 8)])
+def test_rotary_embedding_fuses(swapped, end):
+    """x * cos + Concat(-x[..., 4:], x[..., :4]) * sin (Llama's rotate_half, as torch.onnx
+    writes it) -> one ai.kiln.RoPE; both backends and the saved body against onnxruntime."""
+    def sl(name):
+        return helper.make_node("Slice", ["x", f"{name}_s", f"{name}_e", "ax"], [name])
+    nodes = [helper.make_node("Mul", ["cos", "x"] if swapped else ["x", "cos"], ["a"]),
+             sl("lo"), sl("hi"),
+             helper.make_node("Neg", ["hi"], ["nhi"]),
+             helper.make_node("Concat", ["nhi", "lo"], ["rot"], axis=-1),
+             helper.make_node("Mul", ["sin", "rot"] if swapped else ["rot", "sin"], ["b"]),
+             helper.make_node("Add", ["b", "a"] if swapped else ["a", "b"], ["y"])]
+    i64 = np.int64
+    inits = [init("lo_s", np.array([0], i64)), init("lo_e", np.array([4], i64)),
+             init("hi_s", np.array([4], i64)), init("hi_e", np.array([end], i64)),
+             init("ax", np.array([-1], i64))]
+    proto = make_model(nodes, [vi("x", ["b", 2, "s", 8]), vi("cos", [1, 1, "s", 8]),
+                               vi("sin", [1, 1, "s", 8])], [vi("y", ["b", 2, "s", 8])], inits)
+    feeds = {"x": rand(2, 2, 5, 8, seed=1), "cos": rand(1, 1, 5, 8, seed=2),
+             "sin": rand(1, 1, 5, 8, seed=3)}
+    om, _ = optimized(proto, feeds, rtol=1e-6, atol=1e-6, ort_too=True)
+    assert ops(om) == {"ai.kiln.RoPE": 1}
+    pytest.importorskip("torch")
+    (got,) = kiln.InferenceSession(proto, backend="torch").run(None, feeds)
+    np.testing.assert_allclose(got, ort_run(proto, feeds)[0], rtol=1e-6, atol=1e-6)
+
+
+def test_rotation_of_other_halves_stays():
+    """Concat(-x[..., :4], x[..., 4:]) is another rotation: nothing fuses."""
+    nodes = [helper.make_node("Mul", ["x", "cos"], ["a"]),
+             helper.make_node("Slice", ["x", "s0", "e4", "ax"], ["lo"]),
+             helper.make_node("Slice", ["x", "s4", "e8", "ax"], ["hi"]),
+             helper.make_node("Neg", ["lo"], ["nlo"]),
+             helper.make_node("Concat", ["nlo", "hi"], ["rot"], axis=-1),
+             helper.make_node("Mul", ["rot", "sin"], ["b"]),
+             helper.make_node("Add", ["a", "b"], ["y"])]
+    i64 = np.int64
+    inits = [init(n, np.array([v], i64)) for n, v in
+             (("s0", 0), ("e4", 4), ("s4", 4), ("e8", 8), ("ax", -1))]
+    proto = make_model(nodes, [vi("x", [2, 8]), vi("cos", [2, 8]), vi("sin", [2, 8])],
+                       [vi("y", [2, 8])], inits)
+    assert "ai.kiln.RoPE" not in ops(kiln.optimize(kiln.load(proto)))
+
+
 # ---------------------------------------------------------------- attention
 
 

@@ -55,8 +55,9 @@ def test_sdpa_export_fuses_attention_and_matches_onnxruntime(tmp_path, backend, 
     assert len(atts) == 2 and all(a.attrs.get("zero_nan") == 1 for a in atts)
     if kind == "bert":  # Llama's rotary embedding sits between its head split and attention
         assert all(a.attrs.get("num_heads") == 4 for a in atts)
-    else:  # two per layer and the final one, each six decomposed ops before
+    else:  # two norms per layer and the final one; rotary embedding on q and k
         assert sum(n.op_type == "RMSNorm" for n in m.graph.nodes) == 5
+        assert sum(n.op_type == "RoPE" for n in m.graph.nodes) == 4
     rng = np.random.default_rng(0)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -47,6 +47,7 @@ from kiln.passes import (
     FuseIntegerOps,
     FuseLayerNorm,
     FuseQuant,
+    FuseRoPE,
     InferShapes,
     MergeMatMuls,
     OptimizeReport,
@@ -71,7 +72,7 @@ def _rule_passes() -> list[RulePass]:
     return [FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
             FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseIntegerOps(),
-            FuseChannelShuffle(), FuseActivation(), MergeMatMuls()]
+            FuseChannelShuffle(), FuseRoPE(), FuseActivation(), MergeMatMuls()]
 
 
 PASS_NAMES: tuple[str, ...] = tuple(dict.fromkeys(

@@ -400,6 +400,24 @@ def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-5):
     return y
 
 
+def _infer_rope(x, cos, sin, **attrs):
+    if not all(isinstance(t, TensorType) for t in (x, cos, sin)):
+        return None
+    if x.shape is None or cos.shape is None or sin.shape is None:
+        return TensorType(x.dtype)
+    return TensorType(x.dtype, tuple(broadcast(broadcast(x.shape, cos.shape), sin.shape)))
+
+
+@op("RoPE", 1, domain=KILN_DOMAIN, infer=_infer_rope, cost=cost.per_element(4))
+def rope(x, cos, sin):
+    """x * cos + rotate_half(x) * sin, rotate_half(x) = [-x2, x1] for x = [x1, x2] split in
+    halves along the last axis: rotary position embedding as Llama, Qwen and GPT-NeoX apply
+    it."""
+    h = x.shape[-1] // 2
+    rotated = np.concatenate([-x[..., h:], x[..., :h]], axis=-1)
+    return x * cos + rotated * sin
+
+
 @op("Gelu", 1, domain=KILN_DOMAIN, infer=_same_as_first, cost=cost.elementwise)
 @_in_float32
 def gelu(x, *, approximate="none"):
@@ -567,6 +585,19 @@ def _rms_norm_body(b):
     ms = b.reduce_mean(b.op("Mul", x, x), _norm_axes(b))
     y = b.op("Div", x, b.op("Sqrt", b.op("Add", ms, b.const(b.attrs.get("epsilon", 1e-5)))))
     b.finish(y if b.input(1) is None else b.op("Mul", y, b.input(1)))
+
+
+@function_body("RoPE")
+def _rope_body(b):
+    if b.opset < 11:
+        raise NoBody("RoPE: Slice with a negative axis needs opset 11+")
+    x = b.input(0)
+    half = b.op("Div", b.op("Shape", x, start=-1), b.ints([2]))
+    big = b.ints([2 ** 63 - 1])
+    lo = b.op("Slice", x, b.ints([0]), half, b.ints([-1]))
+    hi = b.op("Slice", x, half, big, b.ints([-1]))
+    rotated = b.op("Concat", b.op("Neg", hi), lo, axis=-1)
+    b.finish(b.op("Add", b.op("Mul", x, b.input(1)), b.op("Mul", rotated, b.input(2))))
 
 
 @function_body("Gelu")

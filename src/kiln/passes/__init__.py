@@ -20,6 +20,7 @@ from kiln.passes.fuse_gelu import FuseGelu
 from kiln.passes.fuse_integer_ops import FuseIntegerOps
 from kiln.passes.fuse_layernorm import FuseLayerNorm
 from kiln.passes.fuse_quant import FuseQuant
+from kiln.passes.fuse_rope import FuseRoPE
 from kiln.passes.fuse_shuffle import FuseChannelShuffle
 from kiln.passes.infer_shapes import InferShapes
 from kiln.passes.merge_matmuls import MergeMatMuls
@@ -30,6 +31,6 @@ from kiln.passes.simplify import Simplify
 __all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputShapes",
            "FoldConstants", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
            "FuseChannelShuffle", "FuseGelu", "FuseIntegerOps", "FuseLayerNorm", "FuseQuant",
-           "InferShapes", "MergeMatMuls",
+           "FuseRoPE", "InferShapes", "MergeMatMuls",
            "OptimizeReport", "Pass", "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass",
            "Simplify", "clone_model", "run_rules"]

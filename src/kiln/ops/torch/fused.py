@@ -181,6 +181,14 @@ def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-5, stash_type=1):
     return F.rms_norm(x, shape, None if scale is None else scale.expand(shape), epsilon)
 
 
+@kernel("RoPE", 1, domain=KILN_DOMAIN)  # the shared kernel is NumPy's (a CPU fallback here)
+def rope(x, cos, sin):
+    if x.dtype not in FLOATS or not (x.dtype == cos.dtype == sin.dtype) or x.shape[-1] % 2:
+        return NI
+    x1, x2 = x.chunk(2, -1)
+    return torch.addcmul(x * cos, torch.cat((-x2, x1), -1), sin)
+
+
 # Kiln's fused Gelu takes the same attribute as ONNX's Gelu (20): the same kernel
 kernel("Gelu", 1, domain=KILN_DOMAIN)(elementwise.gelu)
 
