@@ -51,7 +51,8 @@ def test_speed_aware_mix_matches_report_and_onnxruntime(tmp_path, capsys):
     onnx.checker.check_model(proto, full_check=True)
     for layer, (f_ms, q_ms, verdict) in times.items():
         assert f_ms > 0 and q_ms > 0
-        assert (verdict == "kept") == (q_ms < f_ms), (layer, f_ms, q_ms, verdict)
+        if q_ms != f_ms:  # equal as printed (0.1 us): the verdict may go either way
+            assert (verdict == "kept") == (q_ms < f_ms), (layer, f_ms, q_ms, verdict)
         assert _weight_is_quantized(proto, layer) == (verdict == "kept"), layer
     (ref,) = ort_run(proto, {"image": images})
     inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}

@@ -68,7 +68,7 @@ class QuantizeReport:
                          "(speed-aware; slower ones reverted):")
             for name, (f_ms, q_ms) in self.layer_times.items():
                 verdict = "kept" if q_ms < f_ms else "reverted"
-                lines.append(f"  {name}: {f_ms:.3f} ms -> {q_ms:.3f} ms ({verdict})")
+                lines.append(f"  {name}: {f_ms:.4f} ms -> {q_ms:.4f} ms ({verdict})")
         if self.outputs:
             lines.append(f"error against the float model on {self.samples} sample(s):")
             for name, e in self.outputs.items():
