@@ -70,3 +70,49 @@ def test_sdpa_export_fuses_attention_and_matches_onnxruntime(tmp_path, backend, 
         (want,) = ort_run(path, feed)
         (got,) = sess.run(None, feed)
         np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_whisper_export_cross_attention_matches_onnxruntime(tmp_path):
+    """An encoder-decoder export (Whisper's shape: self- and cross-attention, SDPA): every
+    attention fuses, the cross-attention's key and value projections of the encoder output
+    merge into one product, and both backends match onnxruntime as lengths change."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    cfg = transformers.WhisperConfig(
+        vocab_size=120, d_model=32, encoder_layers=1, decoder_layers=1,
+        encoder_attention_heads=4, decoder_attention_heads=4, encoder_ffn_dim=64,
+        decoder_ffn_dim=64, num_mel_bins=8, max_source_positions=16, max_target_positions=16,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2, decoder_start_token_id=1)
+    model = transformers.WhisperModel(cfg).eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.model = model
+
+        def forward(self, feats, dec):
+            return self.model(input_features=feats, decoder_input_ids=dec).last_hidden_state
+
+    path = str(tmp_path / "whisper.onnx")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(Hidden(), (torch.randn(2, 8, 32), torch.randint(0, 120, (2, 5))),
+                          path, input_names=["feats", "dec"], output_names=["out"],
+                          dynamic_axes={"feats": {0: "b"}, "dec": {0: "b", 1: "t"}},
+                          opset_version=17, dynamo=False)
+    rng = np.random.default_rng(1)
+    for backend in ("numpy", "torch"):
+        m = kiln.optimize(path, backend=backend)
+        assert sum(n.op_type == "Attention" for n in m.graph.nodes) == 3
+        # q/k/v of both self-attentions, k/v of the cross-attention: one product each
+        assert sum(n.op_type == "Split" for n in m.graph.nodes) == 3
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sess = kiln.InferenceSession(path, backend=backend)
+        for b, t in ((1, 3), (2, 6), (1, 3)):
+            feed = {"feats": rng.normal(0, 1, (b, 8, 32)).astype(np.float32),
+                    "dec": rng.integers(0, 120, (b, t)).astype(np.int64)}
+            (want,) = ort_run(path, feed)
+            (got,) = sess.run(None, feed)
+            np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5, err_msg=backend)
