@@ -589,13 +589,12 @@ def _rms_norm_body(b):
 
 @function_body("RoPE")
 def _rope_body(b):
-    if b.opset < 11:
-        raise NoBody("RoPE: Slice with a negative axis needs opset 11+")
-    x = b.input(0)
-    half = b.op("Div", b.op("Shape", x, start=-1), b.ints([2]))
-    big = b.ints([2 ** 63 - 1])
+    shape = b.node.inputs[0].shape
+    if b.opset < 11 or shape is None or not isinstance(shape[-1], int):
+        raise NoBody("RoPE: needs opset 11+ (Slice with a negative axis) and a known last dim")
+    x, half = b.input(0), b.ints([shape[-1] // 2])
     lo = b.op("Slice", x, b.ints([0]), half, b.ints([-1]))
-    hi = b.op("Slice", x, half, big, b.ints([-1]))
+    hi = b.op("Slice", x, half, b.ints([2 ** 63 - 1]), b.ints([-1]))
     rotated = b.op("Concat", b.op("Neg", hi), lo, axis=-1)
     b.finish(b.op("Add", b.op("Mul", x, b.input(1)), b.op("Mul", rotated, b.input(2))))
 
