@@ -13,7 +13,7 @@ import pytest
 import kiln
 from kiln.ir import Node
 from kiln.ops import registry
-from test_passes_helpers import helper, init, make_model, ops, optimized, ort_run, rand, vi
+from test_passes_helpers import I64, helper, init, make_model, ops, optimized, ort_run, rand, vi
 
 # ---------------------------------------------------------------- BatchNorm folding
 
@@ -318,20 +318,23 @@ def test_rotary_embedding_fuses(swapped, end, opset):
     np.testing.assert_allclose(got, ort_run(proto, feeds)[0], rtol=1e-6, atol=1e-6)
 
 
-def test_rotation_of_other_halves_stays():
-    """Concat(-x[..., :4], x[..., 4:]) is another rotation: nothing fuses."""
+@pytest.mark.parametrize("case", ["other halves", "computed step"])
+def test_rotation_that_is_not_rotate_half_stays(case):
+    """Concat(-x[..., :4], x[..., 4:]) is another rotation, and a step read at run time may
+    not be 1: nothing fuses."""
+    negated, kept = ("lo", "hi") if case == "other halves" else ("hi", "lo")
+    step = "one" if case == "other halves" else "step"
     nodes = [helper.make_node("Mul", ["x", "cos"], ["a"]),
-             helper.make_node("Slice", ["x", "s0", "e4", "ax"], ["lo"]),
-             helper.make_node("Slice", ["x", "s4", "e8", "ax"], ["hi"]),
-             helper.make_node("Neg", ["lo"], ["nlo"]),
-             helper.make_node("Concat", ["nlo", "hi"], ["rot"], axis=-1),
+             helper.make_node("Slice", ["x", "s0", "e4", "ax", step], ["lo"]),
+             helper.make_node("Slice", ["x", "s4", "e8", "ax", step], ["hi"]),
+             helper.make_node("Neg", [negated], ["n"]),
+             helper.make_node("Concat", ["n", kept], ["rot"], axis=-1),
              helper.make_node("Mul", ["rot", "sin"], ["b"]),
              helper.make_node("Add", ["a", "b"], ["y"])]
-    i64 = np.int64
-    inits = [init(n, np.array([v], i64)) for n, v in
-             (("s0", 0), ("e4", 4), ("s4", 4), ("e8", 8), ("ax", -1))]
-    proto = make_model(nodes, [vi("x", [2, 8]), vi("cos", [2, 8]), vi("sin", [2, 8])],
-                       [vi("y", [2, 8])], inits)
+    inits = [init(n, np.array([v], np.int64)) for n, v in
+             (("s0", 0), ("e4", 4), ("s4", 4), ("e8", 8), ("ax", -1), ("one", 1))]
+    proto = make_model(nodes, [vi("x", [2, 8]), vi("cos", [2, 8]), vi("sin", [2, 8]),
+                               vi("step", [1], I64)], [vi("y", [2, 8])], inits)
     assert "ai.kiln.RoPE" not in ops(kiln.optimize(kiln.load(proto)))
 
 

@@ -35,18 +35,20 @@ def _other(mul: Node, v: Value) -> Value | None:
 
 
 def _slice_of(v: Value, reader: Node):
-    """(x, start, end) when ``v`` is a unit-step Slice of the last axis of a tensor."""
+    """(x, start, end) when ``v`` is a unit-step Slice of the last axis of a tensor, with
+    constant bounds."""
     s = single_reader(v, reader, "Slice")
     if s is None or len(s.inputs) < 4:
         return None
-    x = s.inputs[0]
-    shape = shape_of(x)
-    consts = [const_value(i) if i is not None else None for i in s.inputs[1:5]]
-    if shape is None or any(c is None or c.size != 1 for c in consts[:3]) or \
-            (len(consts) > 3 and consts[3] is not None and int(consts[3].reshape(-1)[0]) != 1):
+    x, shape = s.inputs[0], shape_of(s.inputs[0])
+    bounds = [const_value(i) for i in s.inputs[1:4]]
+    steps = s.inputs[4] if len(s.inputs) > 4 else None
+    if steps is not None:
+        bounds.append(const_value(steps))
+    if shape is None or any(c is None or c.size != 1 for c in bounds):
         return None
-    start, end, axis = (int(c.reshape(-1)[0]) for c in consts[:3])
-    if axis not in (-1, len(shape) - 1):
+    start, end, axis, *step = (int(c.reshape(-1)[0]) for c in bounds)
+    if axis not in (-1, len(shape) - 1) or step not in ([], [1]):
         return None
     return x, start, end
 
@@ -76,10 +78,9 @@ def _try(add: Node, rot_v: Value, plain_v: Value):
         lo = _slice_of(cat.inputs[1], cat)
         if hi is None or lo is None or hi[0] is not lo[0]:
             continue
-        x = hi[0]
-        d = shape_of(x)[-1]
-        if not isinstance(d, int) or d % 2 or cat.attrs.get("axis") not in (-1, len(
-                shape_of(x)) - 1):
+        x, shape = hi[0], shape_of(hi[0])
+        d = shape[-1]
+        if not isinstance(d, int) or d % 2 or cat.attrs.get("axis") not in (-1, len(shape) - 1):
             continue
         h = d // 2
         if lo[1:] != (0, h) or hi[1] != h or hi[2] < d:
