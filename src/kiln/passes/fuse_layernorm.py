@@ -177,11 +177,10 @@ class _LayerNormFuser:
 
     def match(self, mean_node: Node):
         """(x, gamma, beta, y, nodes, axis, eps) or None."""
-        x = mean_node.inputs[0]
-        k = self._last_axes(x, self._axes(mean_node))
+        x, axes = mean_node.inputs[0], self._axes(mean_node)
+        k = self._last_axes(x, axes)
         if k is None:
             return None
-        axes = self._axes(mean_node)
         mean = mean_node.outputs[0]
         sub = self._one(mean, "Sub")
         if sub is None or sub.inputs[0] is not x or sub.inputs[1] is not mean:

@@ -81,14 +81,12 @@ def _match(rw: Rewriter, root: Node) -> tuple[list[Node], list] | None:
 def _apply(rw: Rewriter, m) -> str:
     nodes, parts = m
     first = nodes[0]
-    g = first.graph
-    x = first.inputs[0]
+    g, x, base = first.graph, first.inputs[0], first.name or "merged"
     widths = [w.shape[1] for w, _, _ in parts]
-    w = rw.add_const(g, f"{first.name or 'merged'}_weights",
-                     np.concatenate([w for w, _, _ in parts], axis=1))
+    w = rw.add_const(g, f"{base}_weights", np.concatenate([w for w, _, _ in parts], axis=1))
     ins = [x, w]
     if any(b is not None for _, b, _ in parts):
-        ins.append(rw.add_const(g, f"{first.name or 'merged'}_bias", np.concatenate(
+        ins.append(rw.add_const(g, f"{base}_bias", np.concatenate(
             [b if b is not None else np.zeros(wi, p.dtype)
              for (p, b, _), wi in zip(parts, widths)])))
     attrs = {k: first.attrs[k] for k in _ACT_ATTRS if k in first.attrs}
@@ -99,12 +97,10 @@ def _apply(rw: Rewriter, m) -> str:
         wide = Node("FusedMatMul", ins, [y], attrs, domain=KILN_DOMAIN, name=first.name)
     outs = [n.outputs[0] for n in nodes]
     if rw.model.opset_of("") >= 13:
-        sizes = rw.add_const(g, f"{first.name or 'merged'}_split",
-                             np.array(widths, np.int64))
-        split = Node("Split", [y, sizes], outs, {"axis": -1}, name=f"{first.name}/Split")
+        sizes = rw.add_const(g, f"{base}_split", np.array(widths, np.int64))
+        split = Node("Split", [y, sizes], outs, {"axis": -1}, name=f"{base}/Split")
     else:
-        split = Node("Split", [y], outs, {"axis": -1, "split": widths},
-                     name=f"{first.name}/Split")
+        split = Node("Split", [y], outs, {"axis": -1, "split": widths}, name=f"{base}/Split")
     # x and the constants are defined before the first product, which precedes every
     # product's readers
     rw.insert_before(first, [wide, split])

@@ -38,8 +38,9 @@ def nbytes(values) -> int:
 def shape_steps(plan) -> tuple[frozenset[int], tuple[Value, ...]]:
     """(indices of the steps computed once per input shape, the values of theirs that the
     other steps read), or empty ones when the plan has none worth it."""
+    inputs = set(plan.graph.inputs)
     symbols: set[str] = set()
-    for v in plan.graph.inputs:
+    for v in inputs:
         if not isinstance(v.type, TensorType) or v.type.shape is None:
             return frozenset(), ()
         for d in v.type.shape:
@@ -56,7 +57,6 @@ def shape_steps(plan) -> tuple[frozenset[int], tuple[Value, ...]]:
             isinstance(d, int) or isinstance(d, SymDim) and d.symbols <= symbols
             for d in t.shape)
 
-    inputs = set(plan.graph.inputs)
     returned = set(plan.graph.outputs)
     known: set[Value] = set(plan.consts)
     chosen: set[int] = set()
