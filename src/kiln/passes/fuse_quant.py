@@ -31,12 +31,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kiln.ir import DType, Node, TensorType, Value
+from kiln.ir import DType, Node, Value
 from kiln.ops.conv import CONV_ATTRS
 from kiln.ops.quant import dequantize_linear
 from kiln.ops.quant_fused import ACTIVATIONS
 from kiln.ops.registry import KILN_DOMAIN
-from kiln.passes.base import RulePass, const_value, dtype_of, fresh_value, rank_of, shape_of
+from kiln.passes.base import RulePass, const_value, dtype_of, fresh_value, rank_of
 from kiln.passes.fuse_activation import single_activation
 from kiln.passes.rewrite import Rewriter, Rule, ops, producer
 
@@ -399,12 +399,8 @@ def _apply_sink(rw: Rewriter, m: _Sink) -> str:
     """n(DQ(x)) -> DQ(n(x)): the op moves the 8-bit elements and the DQ follows it, where
     a Q on the same grid can cancel it (``qdq_identity``) or a layer fuse with it."""
     n = m.root
-    # Typed now (the float output's shape, the 8-bit dtype): a Q on the same grid after the
-    # new DQ is visited next, before the engine would re-infer the moved op
-    shape = shape_of(n.outputs[0])
-    typed = None if shape is None else TensorType(m.x[0].type.dtype, tuple(shape))
     moved = Node(n.op_type, [m.x[0]] + list(n.inputs[1:]),
-                 [fresh_value(n.outputs[0], "8bit", typed)], dict(n.attrs), name=n.name)
+                 [fresh_value(n.outputs[0], "8bit")], dict(n.attrs), name=n.name)
     params = m.x[1:] if m.x[2] is not None else m.x[1:2]
     deq = Node("DequantizeLinear", [moved.outputs[0]] + params, [None], dict(m.dq.attrs),
                name=m.dq.name)

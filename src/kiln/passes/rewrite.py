@@ -258,9 +258,13 @@ class Rewriter:
         anchor.graph.insert_before(anchor, nodes)
         for m in nodes:
             self._number(m, anchor)
-            self._stale.add(m)
             if m.domain:
                 self.model.opset_imports.setdefault(m.domain, 1)
+        # Typed now, in order: a rule at a neighbour may look at their outputs before the
+        # engine visits them (a Q after a DQ that moved behind a Reshape)
+        for m in nodes:
+            self._stale.add(m)
+            self._reinfer(m)
         self.touch(*nodes)
 
     def remove(self, *nodes: Node) -> None:
