@@ -1,5 +1,6 @@
 """Data-parallel fine-tuning of an imported ONNX model: the shipped digits CNN under
-torch.nn.parallel.DistributedDataParallel, CPU processes talking gloo. Each process takes
+torch.nn.parallel.DistributedDataParallel: CPU processes talking gloo, or with CUDA one GPU
+per process talking nccl. Each process takes
 its share of every batch; DDP averages the gradients, so N processes with batch/N each
 take the same steps as one process with the whole batch.
 
@@ -35,8 +36,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--out", default="digits_ddp.onnx")
     ap.add_argument("--weights", default=None, help="also save the final state_dict here")
     args = ap.parse_args(argv)
-    dist.init_process_group("gloo")
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    device = f"cuda:{os.environ.get('LOCAL_RANK', '0')}" if cuda else "cpu"
     if args.batch % world:
         raise SystemExit(f"--batch {args.batch} does not split over {world} processes")
     torch.set_num_threads(1)
@@ -45,12 +48,12 @@ def main(argv: list[str] | None = None) -> None:
     x_tr, x_te, y_tr, y_te = train_test_split(x, d.target, test_size=0.25, random_state=0,
                                               stratify=d.target)
     with resources.as_file(MODEL) as path:
-        model = kiln.to_torch(path)
+        model = kiln.to_torch(path, device=device)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():  # the same damaged start on every rank
         for p in model.parameters():
-            p.mul_(1 + 0.5 * torch.randn(p.shape, generator=gen))
-    ddp = DistributedDataParallel(model)
+            p.mul_(1 + 0.5 * torch.randn(p.shape, generator=gen).to(device))
+    ddp = DistributedDataParallel(model, device_ids=[device] if cuda else None)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
     order = np.random.default_rng(0).permutation(len(x_tr))  # same batches on every rank
     share = args.batch // world
@@ -58,8 +61,8 @@ def main(argv: list[str] | None = None) -> None:
         start = (step * args.batch) % (len(order) - args.batch)
         idx = order[start + rank * share: start + (rank + 1) * share]
         opt.zero_grad()
-        loss = nn.functional.cross_entropy(ddp(torch.from_numpy(x_tr[idx])),
-                                           torch.from_numpy(y_tr[idx]))
+        loss = nn.functional.cross_entropy(ddp(torch.from_numpy(x_tr[idx]).to(device)),
+                                           torch.from_numpy(y_tr[idx]).to(device))
         loss.backward()  # DDP all-reduces (averages) the gradients here
         opt.step()
         if rank == 0 and step % 5 == 0:
@@ -67,7 +70,8 @@ def main(argv: list[str] | None = None) -> None:
     if rank == 0:
         model.eval()
         with torch.no_grad():
-            acc = float((model(torch.from_numpy(x_te)).argmax(1).numpy() == y_te).mean())
+            logits = model(torch.from_numpy(x_te).to(device))
+        acc = float((logits.argmax(1).cpu().numpy() == y_te).mean())
         print(f"{world} process(es), global batch {args.batch}: held-out accuracy {acc:.4f}")
         kiln.save(model, args.out)
         if args.weights:
