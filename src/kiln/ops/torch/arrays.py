@@ -113,11 +113,26 @@ def from_uint8(y: torch.Tensor, signed: bool) -> torch.Tensor:
     return y.bitwise_xor_(0x80).view(torch.int8) if signed else y
 
 
+with warnings.catch_warnings():
+    # torch says once per process that quantized tensors are deprecated: let it say so
+    # here, silenced, rather than wrap every call (1.2 us of a 13 us 8-bit add)
+    warnings.simplefilter("ignore", UserWarning)
+    torch._empty_affine_quantized([0], scale=1.0, zero_point=0, dtype=torch.quint8)
+
+
 def quantized(u: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
-    """uint8 ``u`` as torch's quint8 tensor on that grid (no copy), for its quantized ops."""
-    with warnings.catch_warnings():  # quantized tensors' deprecation notice
-        warnings.simplefilter("ignore", UserWarning)
-        return torch._make_per_tensor_quantized_tensor(u, scale, zero_point)
+    """uint8 ``u`` as torch's quint8 tensor on that grid, sharing ``u``'s memory, for its
+    quantized ops (``torch._make_per_tensor_quantized_tensor`` copies the data)."""
+    q = torch._empty_affine_quantized([0], scale=scale, zero_point=zero_point,
+                                      dtype=torch.quint8)
+    return q.set_(u.untyped_storage(), u.storage_offset(), u.shape, u.stride())
+
+
+def integers(q: torch.Tensor) -> torch.Tensor:
+    """A quint8 tensor's integers as a uint8 tensor sharing its memory (``int_repr``
+    copies them: 28 of the 51 us an 8-bit residual add of 64x56x56 took)."""
+    return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(),
+                                                  q.shape, q.stride())
 
 
 class PerShape:

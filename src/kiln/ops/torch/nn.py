@@ -27,6 +27,7 @@ from kiln.ops.torch.arrays import (
     const_tensor,
     floats,
     from_uint8,
+    integers,
     ints,
     quantized,
 )
@@ -348,7 +349,7 @@ def _max_pool_8bit(site, x, ks, ceil: bool):
     if begins != ends:
         return NI
     q = quantized(as_uint8(x).contiguous(memory_format=torch.channels_last), 1.0, 0)
-    y = F.max_pool2d(q, ks, strides, begins, dil, ceil_mode=ceil).int_repr()
+    y = integers(F.max_pool2d(q, ks, strides, begins, dil, ceil_mode=ceil))
     want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
     if list(y.shape[2:]) != want:
         return NI

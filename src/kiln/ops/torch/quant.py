@@ -19,7 +19,6 @@ float32 on the dequantized input, which is what the QDQ file computes.
 from __future__ import annotations
 
 import contextlib
-import warnings
 
 import numpy as np
 import torch
@@ -28,7 +27,7 @@ import torch.nn.functional as F
 from kiln.ops.quant_fused import EXACT_F32, activation_bounds
 from kiln.ops.registry import KILN_DOMAIN, Kernel
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import PerShape, as_uint8, from_uint8, quantized
+from kiln.ops.torch.arrays import PerShape, as_uint8, from_uint8, integers, quantized
 
 NI = NotImplemented
 _EIGHT = (torch.uint8, torch.int8)
@@ -66,7 +65,7 @@ class _Grid:
         """A uint8 result on this grid (or fbgemm's quantized one) as the ONNX uint8/int8
         tensor."""
         if y.is_quantized:
-            y = y.int_repr()
+            y = integers(y)
         if self.lo > 0 or self.hi < 255:
             y = y.clamp_(self.lo, self.hi)
         return from_uint8(y, self.signed)
@@ -170,12 +169,6 @@ def _cpu(site) -> bool:
     return be is not None and be.tdevice.type == "cpu" and not be.tracing
 
 
-def _prepack(fn, *args):
-    with warnings.catch_warnings():  # quantized tensors' deprecation notice
-        warnings.simplefilter("ignore", UserWarning)
-        return fn(*args)
-
-
 _ONEDNN_QCONV = hasattr(torch.ops.onednn, "qconv2d_pointwise") and \
     torch.backends.mkldnn.is_available()
 
@@ -258,8 +251,8 @@ def qconv(site):
     if _ONEDNN_QCONV:
         with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
             return _onednn_qconv(site, w, xs, xz, b, strides, pads[:2], dil, group, grid)
-    packed = _prepack(torch.ops.quantized.conv2d_prepack, _qweight(w, site.const(4), 0), b,
-                      strides, pads[:2], dil, group)
+    packed = torch.ops.quantized.conv2d_prepack(_qweight(w, site.const(4), 0), b, strides,
+                                                pads[:2], dil, group)
     conv = torch.ops.quantized.conv2d_relu if grid.relu else torch.ops.quantized.conv2d
 
     def run(x, *rest):
@@ -361,7 +354,7 @@ def qmatmul(site):
     if _ONEDNN_QLINEAR:
         with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
             return _onednn_qlinear(site, w, xs, xz, b, grid)
-    packed = _prepack(torch.ops.quantized.linear_prepack, _qweight(w.T, site.const(4), 0), b)
+    packed = torch.ops.quantized.linear_prepack(_qweight(w.T, site.const(4), 0), b)
     linear = torch.ops.quantized.linear_relu if grid.relu else torch.ops.quantized.linear
 
     def run(x, *rest):
