@@ -1,5 +1,5 @@
-"""ONNX's own backend tests against Kiln's NumPy backend: every node test and light model
-must pass unless it is listed, with its reason, in docs/conformance.md."""
+"""ONNX's own backend tests against both of Kiln's backends: every node test and light
+model must pass on each unless it is listed, with its reason, in docs/conformance.md."""
 
 import os
 import re
@@ -21,9 +21,10 @@ _KNOWN = _known_failures()
 _CASES = collect(("node", "light", "simple", "pytorch-operator"))
 
 
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
 @pytest.mark.parametrize("case", _CASES, ids=[f"{c.kind}:{c.name}" for c in _CASES])
-def test_onnx_backend_case(case):
-    outcome = run_case(case, "numpy", timeout=300)
+def test_onnx_backend_case(case, backend):
+    outcome = run_case(case, backend, timeout=300)
     if case.name in _KNOWN:
         if outcome.passed:
             pytest.skip("listed as failing in docs/conformance.md but passes now: update the doc")
