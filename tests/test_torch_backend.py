@@ -849,3 +849,29 @@ def test_constant_slices_match_onnxruntime(starts, ends, axes, steps):
     x = np.random.default_rng(0).normal(0, 1, (4, 232, 5, 6)).astype(np.float32)
     (got,) = kiln.InferenceSession(proto, backend="torch").run(None, {"x": x})
     np.testing.assert_array_equal(got, ort_run(proto, {"x": x})[0])
+
+
+@pytest.mark.parametrize("x_shape, w_shape, attrs", [
+    ((1, 3, 5, 5), (3, 4, 3, 3), dict(strides=[2, 2], pads=[0, 1, 1, 0])),
+    ((2, 4, 4, 6), (4, 2, 3, 2), dict(strides=[2, 3], pads=[2, 0, 0, 1], group=2)),
+    ((1, 2, 4, 4), (2, 3, 3, 3), dict(strides=[2, 2], pads=[1, 1, 0, 0],
+                                     output_padding=[1, 1])),
+    ((1, 2, 4, 4), (2, 3, 3, 3), dict(strides=[2, 2], pads=[1, 1, 1, 1],
+                                     output_padding=[1, 0], dilations=[1, 2])),
+    ((2, 3, 7), (3, 2, 4), dict(strides=[3], pads=[0, 2]))])
+def test_conv_transpose_with_uneven_pads_and_bias_matches_onnxruntime(x_shape, w_shape, attrs):
+    """ConvTranspose with a bias and pads torch's op cannot take (uneven begin and end) is
+    computed in full and cropped to ONNX's output size on torch, not on NumPy."""
+    rng = np.random.default_rng(len(attrs) + x_shape[1])
+    w = rng.standard_normal(w_shape).astype(np.float32)
+    b = rng.standard_normal(w_shape[1] * attrs.get("group", 1)).astype(np.float32)
+    model = _make_model(
+        [helper.make_node("ConvTranspose", ["x", "w", "b"], ["y"], **attrs)],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x_shape))],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(w, "w"), numpy_helper.from_array(b, "b")])
+    x = rng.standard_normal(x_shape).astype(np.float32)
+    sess = kiln.InferenceSession(model, backend="torch")
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
+                               rtol=1e-5, atol=1e-5)
+    assert sess.backend.last_run_stats().fallback_calls == 0
