@@ -142,6 +142,13 @@ class Backend:
         c = chain[0]
         return c.fn, c.wants_ctx, LayerPlacement.of(node, self.device, c.how, c.why)
 
+    def direct(self, chain: list[Candidate], node) -> tuple[Callable, bool, Callable] | None:
+        """Where ``chain``'s callable only guards its first kernel: (that kernel, whether
+        it takes the context, the rest of the chain for the calls it declines), so that the
+        straight-line executor can call it without the guard. None (here: ``chain``
+        returns the first kernel itself)."""
+        return None
+
     def finish(self, plan) -> None:
         """Called once a plan's kernels are all prepared (torch: constants' placement)."""
 

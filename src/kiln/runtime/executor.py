@@ -132,7 +132,7 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
     ``(outputs, those values or None)``."""
     names: dict = {}
     glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize, "_ctl": active_control,
-                           "_T": plan.backend.array_type}
+                           "_T": plan.backend.array_type, "_NI": NotImplemented}
     lines: list[str] = []
     line_step: dict[int, int] = {}
     for i, v in enumerate(plan.graph.inputs):
@@ -162,23 +162,39 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
     for j, s in enumerate(plan.steps):
         glb[f"f{j}"] = s.fn
         args = ", ".join("None" if v is None else names[v] for v in s.inputs)
+        plain = args
         if s.wants_ctx:  # facts only (no subgraphs here): one context per step, made now
             glb[f"k{j}"] = KernelContext(len(s.outputs), s.opset, {}, plan, s.node,
                                          plan.backend)
             args = f"k{j}, {args}" if args else f"k{j}"
         outs = list(s.outputs)
         body: list[str] = []
+        direct = s.direct if not module else None
+        if direct is not None:
+            # The first kernel called here, the rest of the chain only when it declines
+            # (Backend.direct): no guard's frame per layer.
+            glb[f"d{j}"], glb[f"f{j}"] = direct[0], direct[2]
+            call = f"d{j}({args if direct[1] else plain})"
         if len(outs) == 1 and not module:
             # Most kernels return the backend's array: one class test inline instead of
             # two calls (unwrap a 1-tuple, normalize) per layer.
             names[outs[0]] = v = f"v{j}_0"
-            body.append(f"{v} = f{j}({args})")
-            body.append(f"if {v}.__class__ is not _T: {v} = _n(_one({v}))")
+            if direct is None:
+                body.append(f"{v} = f{j}({args})")
+                body.append(f"if {v}.__class__ is not _T: {v} = _n(_one({v}))")
+            else:
+                body.append(f"{v} = {call}")
+                body.append(f"if {v}.__class__ is not _T: "
+                            f"{v} = _n(_one(f{j}({args}) if {v} is _NI else {v}))")
         elif len(outs) == 1:
             names[outs[0]] = f"v{j}_0"
             body.append(f"v{j}_0 = _one(f{j}({args}))")
         else:
-            body.append(f"r{j} = f{j}({args})")
+            if direct is None:
+                body.append(f"r{j} = f{j}({args})")
+            else:
+                body.append(f"r{j} = {call}")
+                body.append(f"if r{j} is _NI: r{j} = f{j}({args})")
             for k, v in enumerate(outs):
                 if v is not None:
                     names[v] = f"v{j}_{k}"

@@ -44,6 +44,10 @@ class Step:
     host_inputs: frozenset[int] = frozenset()
     frees: tuple[Value, ...] = ()
     subplans: tuple[Plan, ...] = ()
+    direct: tuple[Callable, bool, Callable] | None = None
+    """(first kernel, whether it takes the context, the rest of ``fn``'s chain) where the
+    straight-line executor may call the first kernel itself and hand a NotImplemented to
+    the rest (:meth:`Backend.direct`); None: every call goes through ``fn``."""
 
     @property
     def placement(self) -> str:
@@ -239,9 +243,9 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
     be = compiler.backend
     opdef = registry.lookup(node.domain, node.op_type, opset)
     if opdef is not None:
-        fn, wants_ctx, layer = bind(opdef, Site(node, opset, attrs, be), be)
+        fn, wants_ctx, layer, direct = bind(opdef, Site(node, opset, attrs, be), be)
         return Step(fn=fn, wants_ctx=wants_ctx, layer=layer, host_inputs=opdef.host_inputs,
-                    **common)
+                    direct=direct, **common)
     func = compiler.functions.get((node.domain, node.op_type))
     if func is None:
         from kiln.onnxio.schema_functions import spec_function
@@ -256,9 +260,11 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
         node, be.device, "function", f"body of function {func.name}"), **common)
 
 
-def bind(opdef: OpDef, site: Site, backend: Backend) -> tuple[Callable, bool, LayerPlacement]:
+def bind(opdef: OpDef, site: Site, backend: Backend
+         ) -> tuple[Callable, bool, LayerPlacement, tuple | None]:
     """Prepare ``site``'s node on ``backend``: each kernel the backend would use, in its
-    order of preference, prepared once; the backend chains those that accepted."""
+    order of preference, prepared once; the backend chains those that accepted (and says
+    whether the first may be called directly: ``Step.direct``)."""
     chain: list[Candidate] = []
     for how, kernel, why in backend.candidates(opdef):
         site.notes = []
@@ -269,7 +275,8 @@ def bind(opdef: OpDef, site: Site, backend: Backend) -> tuple[Callable, bool, La
     if not chain:
         raise UnsupportedOpError(f"no kernel accepts layer {site.node.name!r} "
                                  f"({site.node.op_type})", [site.node.op_type])
-    return backend.chain(chain, site.node, opdef.host_inputs)
+    return (*backend.chain(chain, site.node, opdef.host_inputs),
+            backend.direct(chain, site.node))
 
 
 class FunctionCall:
