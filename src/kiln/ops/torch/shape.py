@@ -116,7 +116,7 @@ def concat(*xs, axis=None):
     return torch.cat(xs, axis)
 
 
-@kernel("Split", 2, prepare=True)  # 1.5x the generic kernel (one torch.split)
+@kernel("Split", 2, prepare=True)  # 1.5x the generic kernel (one split)
 def split(site):
     ax = int(site.attr("axis", 0))
     n = site.num_outputs
