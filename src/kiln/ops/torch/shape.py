@@ -208,7 +208,19 @@ def gather(site):
         # ONNX says; the general path below is four torch calls.
         k = int(k)
         return lambda x, indices: x.select(axis, k)
+    if axis == 0:
+        return _take_rows
     return lambda x, indices: _gather(x, indices, axis)
+
+
+def _take_rows(x, indices):
+    """Gather on axis 0 (embedding lookups) as one indexing, which counts negative indices
+    from the end and raises out of range as ONNX says: 3.5 against 7.4 us for 16 rows of a
+    BERT table (on other axes it is slower than index_select)."""
+    if indices.dim() == 0 or indices.dtype not in (torch.int32, torch.int64) or \
+            indices.device != x.device:
+        return _gather(x, indices, 0)
+    return x[indices]
 
 
 def _gather(x, indices, axis: int):
