@@ -880,10 +880,11 @@ def test_conv_transpose_with_uneven_pads_and_bias_matches_onnxruntime(x_shape, w
 def test_a_torch_kernel_declining_at_run_time_hands_the_call_on():
     """The straight-line program calls a layer's torch kernel directly (no guard): where
     it returns NotImplemented, the next kernel (here the NumPy one) takes the same call,
-    once, for one- and two-output layers alike."""
+    once, for one- and two-output layers alike, and where the next kernel takes the
+    layer's context."""
     from kiln.ir import TensorType
 
-    calls = {"HalfSplit": 0, "Twice": 0}
+    calls = {"HalfSplit": 0, "Twice": 0, "Thrice": 0}
 
     def half_split(x):
         h = x.shape[-1] // 2
@@ -896,6 +897,12 @@ def test_a_torch_kernel_declining_at_run_time_hands_the_call_on():
     kiln.register_op("test.torch", "HalfSplit", half_split, half_types)
     kiln.register_op("test.torch", "Twice", lambda x: x * 2, lambda t: t)
 
+    def thrice_reference(ctx, x):  # a NumPy kernel taking the context
+        assert ctx.num_outputs == 1
+        return x * 3
+
+    kiln.register_op("test.torch", "Thrice", thrice_reference, lambda t: t)
+
     @registry.backend_kernel("torch", "HalfSplit", domain="test.torch")
     def half_split_torch(x):  # declines float64, as a kernel lacking a dtype does
         calls["HalfSplit"] += 1
@@ -906,19 +913,27 @@ def test_a_torch_kernel_declining_at_run_time_hands_the_call_on():
         calls["Twice"] += 1
         return NotImplemented if x.dtype == torch.float64 else x * 2
 
+    @registry.backend_kernel("torch", "Thrice", domain="test.torch")
+    def thrice_torch(x):
+        calls["Thrice"] += 1
+        return NotImplemented if x.dtype == torch.float64 else x * 3
+
     for dtype, elem in ((np.float32, TensorProto.FLOAT), (np.float64, TensorProto.DOUBLE)):
         m = make_model([helper.make_node("HalfSplit", ["x"], ["a", "b"], domain="test.torch"),
-                        helper.make_node("Twice", ["x"], ["y"], domain="test.torch")],
+                        helper.make_node("Twice", ["x"], ["y"], domain="test.torch"),
+                        helper.make_node("Thrice", ["x"], ["z"], domain="test.torch")],
                        [helper.make_tensor_value_info("x", elem, [2, 6])],
                        [helper.make_tensor_value_info("a", elem, None),
-                        helper.make_tensor_value_info("y", elem, None)], custom=True)
+                        helper.make_tensor_value_info("y", elem, None),
+                        helper.make_tensor_value_info("z", elem, None)], custom=True)
         sess = kiln.InferenceSession(m, backend="torch", optimize=False)
         x = np.arange(12, dtype=dtype).reshape(2, 6)
-        calls.update(HalfSplit=0, Twice=0)
-        a, y = sess.run(None, {"x": x})
-        assert a.dtype == dtype and y.dtype == dtype
+        calls.update(HalfSplit=0, Twice=0, Thrice=0)
+        a, y, z = sess.run(None, {"x": x})
+        assert a.dtype == dtype and y.dtype == dtype and z.dtype == dtype
         np.testing.assert_array_equal(a, x[:, :3])
         np.testing.assert_array_equal(y, x * 2)
-        assert calls == {"HalfSplit": 1, "Twice": 1}
+        np.testing.assert_array_equal(z, x * 3)
+        assert calls == {"HalfSplit": 1, "Twice": 1, "Thrice": 1}
         declined = dtype == np.float64
-        assert sess.backend.last_run_stats().fallback_calls == (2 if declined else 0)
+        assert sess.backend.last_run_stats().fallback_calls == (3 if declined else 0)

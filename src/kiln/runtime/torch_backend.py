@@ -244,16 +244,12 @@ class TorchBackend(Backend):
                     for v in node.inputs):
             return None
         rest, rest_ctx, _ = self.chain(chain[1:], node)
-        if not any(c.wants_ctx for c in chain):
-            def declined(*args):
-                return rest(*_arrays(args))
-        elif rest_ctx:
-            def declined(c, *args):
-                return rest(c, *_arrays(args))
-        else:
-            def declined(c, *args):
-                return rest(*_arrays(args))
-        return chain[0].fn, chain[0].wants_ctx, declined
+
+        def declined(*args):  # a KernelContext passes _arrays unchanged
+            return rest(*_arrays(args))
+        # called as the step's chain is (with a context if any kernel takes one)
+        ctx = any(c.wants_ctx for c in chain)
+        return chain[0].fn, chain[0].wants_ctx, _with_ctx(declined, rest_ctx) if ctx else declined
 
     def _guarded(self, fn: Callable, nxt: Callable, ctx: bool, node, host_inputs) -> Callable:
         move = self._cuda_mover(node, host_inputs) if self.is_cuda else None
