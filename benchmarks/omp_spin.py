@@ -1,14 +1,17 @@
 """What Kiln's short OpenMP spin costs on a quiet machine.
 
     python benchmarks/omp_spin.py --models mobilenetv2,resnet18,bert --rounds 3
+    python benchmarks/omp_spin.py --spins 2000,20000,default --seq 16
 
 Importing Kiln sets ``GOMP_SPINCOUNT=2000`` (torch's OpenMP threads then sleep soon after
 a parallel region instead of spinning ~300k iterations), which saved 4x on a busy machine
 (docs/performance.md). On a quiet one, sleeping threads must be woken for the next layer.
-For each model, fresh processes alternate between Kiln as shipped and
-``KILN_OMP_SPIN=default`` (torch's own spin); each process runs only Kiln's torch backend
+For each model, fresh processes alternate between the ``--spins`` settings (a number is a
+``GOMP_SPINCOUNT``, ``shipped`` is Kiln's own choice, ``default`` is
+``KILN_OMP_SPIN=default``: torch's own spin); each process runs only Kiln's torch backend
 at its default threads, back to back like a serving loop, and reports the median of
-``--runs`` runs after a warm-up. Prints both medians per round and their ratio.
+``--runs`` runs after a warm-up. Prints each setting's medians per round and their ratio
+to the first setting's.
 """
 
 from __future__ import annotations
@@ -57,9 +60,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--runs", type=int, default=100)
     ap.add_argument("--seq", type=int, default=128, help="text models' sequence length")
+    ap.add_argument("--spins", default="shipped,default",
+                    help="settings to compare: shipped, default, or GOMP_SPINCOUNT values")
     args = ap.parse_args()
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "KILN_OMP_SPIN")}
-    settings = {"shipped": base, "torch spin": {**base, "KILN_OMP_SPIN": "default"}}
+    settings = {}
+    for spin in args.spins.split(","):
+        settings[spin] = base if spin == "shipped" else \
+            {**base, "KILN_OMP_SPIN": "default"} if spin == "default" else \
+            {**base, "GOMP_SPINCOUNT": spin}
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "
           f"{os.cpu_count()} cores; median ms per run, batch 1")
     for name in args.models.split(","):
@@ -68,10 +77,10 @@ def main() -> None:
         for _ in range(args.rounds):
             for label, env in settings.items():
                 got[label].append(child(name, args.runs, seq, env) * 1e3)
-        a, b = statistics.median(got["shipped"]), statistics.median(got["torch spin"])
-        print(f"{name:14s} shipped {a:7.2f} ms ({', '.join(f'{t:.2f}' for t in got['shipped'])})"
-              f" | torch spin {b:7.2f} ms ({', '.join(f'{t:.2f}' for t in got['torch spin'])})"
-              f" | shipped / torch spin {a / b:.2f}", flush=True)
+        first = statistics.median(next(iter(got.values())))
+        print(f"{name:14s} " + " | ".join(
+            f"{label} {statistics.median(ts):7.2f} ms ({', '.join(f'{t:.2f}' for t in ts)}) "
+            f"{statistics.median(ts) / first:.2f}x" for label, ts in got.items()), flush=True)
 
 
 if __name__ == "__main__":

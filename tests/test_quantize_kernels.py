@@ -429,3 +429,30 @@ def test_dynamic_quantize_linear_grid_is_onnxruntimes():
         for backend, s in sessions.items():
             for g, r in zip(s.run(None, feed), refs):
                 np.testing.assert_array_equal(np.asarray(g), r, err_msg=backend)
+
+
+@pytest.mark.parametrize("zdt, zp", [(np.uint8, 131), (np.uint8, 0), (np.int8, -5), (np.int8, 0)])
+def test_quantize_linear_rounds_and_saturates_as_onnxruntime(zdt, zp):
+    """QuantizeLinear with a constant grid: ties to even (the scale is a power of two, so
+    x / scale lands exactly on halves), both saturation ends, infinities and values far
+    outside the grid. An odd zero point catches rounding after adding it rather than
+    before."""
+    from onnx import TensorProto, helper
+
+    ztype = TensorProto.UINT8 if zdt == np.uint8 else TensorProto.INT8
+    graph = helper.make_graph(
+        [helper.make_node("QuantizeLinear", ["x", "s", "z"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, -1])],
+        [helper.make_tensor_value_info("y", ztype, None)],
+        [helper.make_tensor("s", TensorProto.FLOAT, [], [0.25]),
+         helper.make_tensor("z", ztype, [], [zp])])
+    proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    halves = np.arange(-400, 400, dtype=np.float32) + 0.5
+    rng = np.random.default_rng(0)
+    x = np.concatenate([halves * 0.25, rng.normal(0, 40, 800).astype(np.float32),
+                        np.float32([np.inf, -np.inf, 3e38, -3e38, 1.2e6, -1.2e6, -0.0, 0.0]),
+                        np.float32([2 ** 22, -(2 ** 22), 2 ** 23 + 1, -(2 ** 24)])])
+    x = np.resize(x, (2, x.size // 2 + x.size % 2)).astype(np.float32)
+    want = ort_run(proto, {"x": x})[0]
+    s = kiln.InferenceSession(proto.SerializeToString(), backend="torch")
+    np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)

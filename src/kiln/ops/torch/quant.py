@@ -421,6 +421,20 @@ def _dequantize(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, output_d
     return v.mul_(x_scale.reshape(()))
 
 
+_ROUND, _ROUND_BITS = 12582912.0, 0x4B400000  # 1.5 * 2**23 and its float32 bits
+
+
+def _to_grid(v: torch.Tensor, zp: float, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+    """saturate(rint(v) + zp) as ``dtype``, overwriting the float32 ``v``. Adding 1.5 * 2**23
+    rounds v to an integer (ties to even, as rint) held in the float's low mantissa bits,
+    and the integer is read from those bits: torch's float-to-8-bit conversion alone takes
+    as long as three elementwise passes, and this way the quantize takes 0.57-0.77x the
+    time (docs/quantization.md)."""
+    z = int(zp)
+    v.add_(_ROUND).clamp_(_ROUND + lo - z, _ROUND + hi - z)
+    return v.view(torch.int32).sub_(_ROUND_BITS - z).to(dtype)
+
+
 def _const_grid(site) -> tuple[torch.Tensor, float, np.dtype] | None:
     """(0-d float32 scale, zero point, zero point's dtype) of a Q/DQ node whose grid is
     one constant per-tensor scale and zero point, else None."""
@@ -455,7 +469,7 @@ def quantize_linear(site):
     def run(x, *rest):
         if x.dtype != torch.float32:
             return NI
-        return torch.div(x, scale).round_().add_(zp).clamp_(lo, hi).to(out)
+        return _to_grid(torch.div(x, scale), zp, lo, hi, out)
     return run
 
 
@@ -490,7 +504,7 @@ def dynamic_quantize_linear(x):
                 torch.tensor(0, dtype=torch.uint8))
     zp = min(max(round(float(np.float32(-lo) / scale)), 0), 255)  # ties to even, as rint
     s = torch.tensor(scale)
-    y = torch.div(x, s).round_().add_(zp).clamp_(0, 255).to(torch.uint8)
+    y = _to_grid(torch.div(x, s), zp, 0, 255, torch.uint8)
     return y, s, torch.tensor(zp, dtype=torch.uint8)
 
 
