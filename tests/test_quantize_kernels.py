@@ -271,14 +271,15 @@ def test_data_movement_runs_on_8_bits(same_grid):
     """A DequantizeLinear moves behind Reshape/Transpose (they only move elements), and a
     QuantizeLinear on its grid then cancels it: the pair around the head split is gone,
     and the 8-bit tensor is what gets reshaped. On another grid the Q requantizes and
-    stays. Exact: onnxruntime's outputs bit for bit."""
+    stays, with the DQ after it, as one QuantizeDequantize. Exact: onnxruntime's outputs
+    bit for bit."""
     proto = _moves_model(0.03 if same_grid else 0.05)
     feed = {"x": np.random.default_rng(1).normal(0, 2, (2, 8, 64)).astype(np.float32)}
     for backend in ("numpy", "torch"):
         m = kiln.optimize(proto, backend=backend)
         counts = Counter(n.op_type for n in m.graph.nodes)
-        assert counts["QuantizeLinear"] == (1 if same_grid else 2), counts
-        assert counts["DequantizeLinear"] == (1 if same_grid else 2), counts
+        assert counts["QuantizeLinear"] == counts["DequantizeLinear"] == 1, counts
+        assert counts["QuantizeDequantize"] == (0 if same_grid else 1), counts
         reshape = next(n for n in m.graph.nodes if n.op_type == "Reshape")
         assert reshape.inputs[0].name == "xq"
         (got,) = kiln.InferenceSession(proto.SerializeToString(), backend=backend).run(
@@ -332,7 +333,9 @@ def test_requantizing_on_the_same_grid_after_moved_data_is_dropped():
     for backend in ("numpy", "torch"):
         m = kiln.optimize(proto, backend=backend)
         counts = Counter(n.op_type for n in m.graph.nodes)
-        assert counts["QuantizeLinear"] == 3 and counts["DequantizeLinear"] == 3, counts
+        # left: the product's Q, the output's DQ, and the inputs' round trips as one op each
+        assert counts["QuantizeLinear"] == counts["DequantizeLinear"] == 1, counts
+        assert counts["QuantizeDequantize"] == 2, counts
         (got,) = kiln.InferenceSession(proto, backend=backend).run(None, feed)
         np.testing.assert_allclose(got, want, rtol=0, atol=0.05 + 1e-6, err_msg=backend)
 
@@ -456,3 +459,62 @@ def test_quantize_linear_rounds_and_saturates_as_onnxruntime(zdt, zp):
     want = ort_run(proto, {"x": x})[0]
     s = kiln.InferenceSession(proto.SerializeToString(), backend="torch")
     np.testing.assert_array_equal(s.run(None, {"x": x})[0], want)
+
+
+def _round_trip_model(case: str) -> onnx.ModelProto:
+    """Attention scores as a QDQ file writes them: a product of two activations, then
+    Q -> DQ, a scale, Q -> DQ on another grid (int8, odd zero point), a bias, Q -> DQ.
+    Power-of-two scales and integer inputs make every value exact in any engine and put
+    many of them on halves of a step. ``case``: "plain"; "extra_reader", the first Q's
+    8-bit output also a graph output; "other_grid", the first DQ on another scale than its
+    Q (not a round trip)."""
+    from onnx import TensorProto, helper
+
+    f = lambda n, v: numpy_helper.from_array(np.array(v, np.float32), n)  # noqa: E731
+    inits = [f("s1", 2.0), f("s2", 0.5), f("s3", 0.125), f("c", 0.75), f("bias", 0.25),
+             helper.make_tensor("z", TensorProto.UINT8, [], [131]),
+             helper.make_tensor("zi", TensorProto.INT8, [], [-3]),
+             helper.make_tensor("z0", TensorProto.UINT8, [], [0])]
+    nodes = [helper.make_node("MatMul", ["q", "k"], ["p"]),
+             helper.make_node("QuantizeLinear", ["p", "s1", "z"], ["pq"]),
+             helper.make_node("DequantizeLinear",
+                              ["pq", "s2" if case == "other_grid" else "s1", "z"], ["pd"]),
+             helper.make_node("Mul", ["pd", "c"], ["m"]),
+             helper.make_node("QuantizeLinear", ["m", "s2", "zi"], ["mq"]),
+             helper.make_node("DequantizeLinear", ["mq", "s2", "zi"], ["md"]),
+             helper.make_node("Add", ["md", "bias"], ["a"]),
+             helper.make_node("QuantizeLinear", ["a", "s3", "z0"], ["aq"]),
+             helper.make_node("DequantizeLinear", ["aq", "s3", "z0"], ["out"])]
+    outputs = [helper.make_tensor_value_info("out", TensorProto.FLOAT, ["b", 4, 8, 8])]
+    if case == "extra_reader":
+        outputs.append(helper.make_tensor_value_info("pq", TensorProto.UINT8, None))
+    graph = helper.make_graph(
+        nodes, "scores", [helper.make_tensor_value_info("q", TensorProto.FLOAT, ["b", 4, 8, 16]),
+                          helper.make_tensor_value_info("k", TensorProto.FLOAT, ["b", 4, 16, 8])],
+        outputs, inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("case", ["plain", "extra_reader", "other_grid"])
+def test_requantizations_between_float_layers_round_in_one_op(case, tmp_path):
+    """Q -> DQ on one grid, the Q read by nothing else, is one QuantizeDequantize; its
+    values are onnxruntime's bit for bit on both backends (the products saturate both ends
+    of the uint8 and int8 grids), and a saved optimized model runs in onnxruntime (the
+    op's function body) with the same outputs."""
+    proto = _round_trip_model(case)
+    rng = np.random.default_rng(3)
+    feed = {"q": rng.integers(-8, 8, (2, 4, 8, 16)).astype(np.float32),
+            "k": rng.integers(-8, 8, (2, 4, 16, 8)).astype(np.float32)}
+    want = ort_run(proto, feed)
+    for backend in ("numpy", "torch"):
+        m = kiln.optimize(proto, backend=backend)
+        counts = Counter(n.op_type for n in m.graph.nodes)
+        assert counts["QuantizeDequantize"] == (3 if case == "plain" else 2), counts
+        assert counts["QuantizeLinear"] == (0 if case == "plain" else 1), counts
+        got = kiln.InferenceSession(proto.SerializeToString(), backend=backend).run(None, feed)
+        for g, w in zip(got, want):
+            np.testing.assert_array_equal(g, w, err_msg=backend)
+    path = tmp_path / "optimized.onnx"
+    kiln.save(m, str(path))
+    for g, w in zip(ort_run(str(path), feed), want):
+        np.testing.assert_array_equal(g, w)

@@ -54,6 +54,7 @@ from kiln.passes import (
     Pass,
     PassRecord,
     PinHost,
+    RoundTrips,
     RulePass,
     Simplify,
 )
@@ -72,7 +73,7 @@ def _rule_passes() -> list[RulePass]:
     return [FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
             FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseIntegerOps(),
-            FuseChannelShuffle(), FuseRoPE(), FuseActivation(), MergeMatMuls()]
+            FuseChannelShuffle(), FuseRoPE(), FuseActivation(), RoundTrips(), MergeMatMuls()]
 
 
 PASS_NAMES: tuple[str, ...] = tuple(dict.fromkeys(

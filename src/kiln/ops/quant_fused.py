@@ -5,6 +5,7 @@ pattern ``DQ(x), DQ(w) -> Conv/MatMul/Gemm [+ bias] [-> Relu/Clip] -> Q``
     QConv(x, x_scale, x_zero_point, w, w_scale, w_zero_point, B, y_scale, y_zero_point)
     QMatMul(x, x_scale, x_zero_point, w, w_scale, w_zero_point, B, y_scale, y_zero_point)
     QAdd(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_point)
+    QuantizeDequantize(x, scale, zero_point)
 
 ``x`` is 8-bit (uint8 or int8) with a per-tensor scale and zero point, ``w`` an int8
 constant with a per-tensor or per-output-channel scale (QConv: axis 0 of an OIHW weight;
@@ -20,6 +21,8 @@ rounds the same way: float32 products of the dequantized operands (a QDQ file), 
 ``float32(acc) * float32(x_scale * w_scale) + B``. ``QAdd`` is the
 residual ``DQ(a), DQ(b) -> Add [-> Relu] -> Q`` of 8-bit tensors with per-tensor grids
 (``activation`` = ``Relu`` or empty), computed exactly as those nodes compute it.
+``QuantizeDequantize`` is ``DQ(Q(x))`` on one per-tensor grid: x rounded to the nearest
+value the 8-bit grid holds, in float32 (a QDQ file's requantizations inside attention).
 
 The NumPy kernels here are the reference; the torch backend runs oneDNN's and fbgemm's
 integer kernels (``kiln/ops/torch/quant.py``).
@@ -207,6 +210,18 @@ def qadd(a, a_scale, a_zero_point, b, b_scale, b_zero_point, y_scale, y_zero_poi
     return quantize_linear(_clamped(y, activation, None), y_scale, y_zero_point)
 
 
+def _infer_round_trip(ctx):
+    return [TensorType(DType.FLOAT, ctx.node.inputs[0].shape)]
+
+
+@op("QuantizeDequantize", 1, domain=KILN_DOMAIN, infer=_infer_round_trip,
+    differentiable=False, cost=cost.elementwise)
+def quantize_dequantize(x, scale, zero_point=None):
+    """DQ(Q(x)) on one per-tensor grid: ``x`` rounded to the grid's nearest value (ties to
+    even), saturating at its ends, as the two nodes it replaces compute it."""
+    return dequantize_linear(quantize_linear(x, scale, zero_point), scale, zero_point)
+
+
 # ---------------------------------------------------------------- function bodies
 # The same layers in standard ONNX ops (DequantizeLinear, Conv/MatMul, Add, Clip,
 # QuantizeLinear), so that a saved optimized model runs in other runtimes.
@@ -260,3 +275,9 @@ def _qadd_body(b):
     if b.attrs.get("activation", ""):
         y = b.op("Relu", y)
     b.finish(b.op("QuantizeLinear", y, b.input(6), b.input(7)))
+
+
+@function_body("QuantizeDequantize")
+def _round_trip_body(b):
+    q = b.op("QuantizeLinear", b.input(0), b.input(1), b.input(2))
+    b.finish(b.op("DequantizeLinear", q, b.input(1), b.input(2)))

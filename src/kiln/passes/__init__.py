@@ -19,7 +19,7 @@ from kiln.passes.fuse_batchnorm import FuseBatchNorm
 from kiln.passes.fuse_gelu import FuseGelu
 from kiln.passes.fuse_integer_ops import FuseIntegerOps
 from kiln.passes.fuse_layernorm import FuseLayerNorm
-from kiln.passes.fuse_quant import FuseQuant
+from kiln.passes.fuse_quant import FuseQuant, RoundTrips
 from kiln.passes.fuse_rope import FuseRoPE
 from kiln.passes.fuse_shuffle import FuseChannelShuffle
 from kiln.passes.infer_shapes import InferShapes
@@ -33,4 +33,4 @@ __all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputSha
            "FuseChannelShuffle", "FuseGelu", "FuseIntegerOps", "FuseLayerNorm", "FuseQuant",
            "FuseRoPE", "InferShapes", "MergeMatMuls",
            "OptimizeReport", "Pass", "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass",
-           "Simplify", "clone_model", "run_rules"]
+           "RoundTrips", "Simplify", "clone_model", "run_rules"]

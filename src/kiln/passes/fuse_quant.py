@@ -6,12 +6,16 @@
     DQ(a), DQ(b)                -> Add               [-> Relu] -> Q   -> ai.kiln.QAdd
     DQ(x) -> Reshape/Transpose/Squeeze/Unsqueeze/Flatten/MaxPool -> op(x) -> DQ
     DQ(x) -> Q on the DQ's grid                                         -> x
+    Q(x) -> DQ on the Q's grid, nothing else reading the Q   -> ai.kiln.QuantizeDequantize
 
 The last two are exact (data movement never computes with an element, a maximum commutes
 with an increasing map, and Q(DQ(v)) = v on one grid) and onnxruntime makes the same
 rewrites: together they run a pool or an attention layer's head split on the 8-bit
 tensor and drop the Q/DQ pair around it. The residual Add is what remains between the
-integer layers of a ResNet.
+integer layers of a ResNet. The round trip ``Q -> DQ`` (a QDQ file's requantizations inside
+attention, where the products of two activations stay float) becomes one float op that
+rounds onto the grid; its rule (``RoundTrips``) runs one engine stage later, after every
+quantized layer has taken the Q that ends it.
 
 ``act`` is Relu or Clip with constant bounds directly on the layer's output (onnxruntime's
 ``quantize_static`` often drops it into the Q's range instead; ``kiln.quantize`` writes
@@ -428,3 +432,43 @@ def _apply_identity(rw: Rewriter, m: list) -> str | None:
         return None
     rw.remove(q)
     return "DQ -> Q on the same grid -> nothing"
+
+
+class RoundTrips(RulePass):
+    """Q(x) -> DQ on one constant grid, the DQ the Q's only reader -> one
+    ``ai.kiln.QuantizeDequantize`` (x rounded onto the grid in float32)."""
+
+    name = "qdq_round_trip"
+    level = 2
+    stage = 3  # after stage 2's layer fusions, which end at a Q of their own
+    creates = ("QuantizeDequantize",)
+
+    def rules(self) -> list[Rule]:
+        return [Rule("qdq_round_trip", ops("DequantizeLinear"), _match_round_trip,
+                     _apply_round_trip)]
+
+
+def _match_round_trip(rw: Rewriter, dq: Node) -> list | None:
+    """[x, the Q, the DQ] when the DQ undoes a Q on its own grid and nothing else reads
+    the Q's 8-bit output."""
+    q = producer(dq.inputs[0], dq, "QuantizeLinear")
+    grid = _grid(dq) if q is not None else None
+    if grid is None or not _output_q(q) or q.attrs.get("precision", 0) or \
+            _sole_reader(q.outputs[0], dq.graph) is not dq or \
+            dtype_of(q.inputs[0]) != DType.FLOAT or \
+            grid[2] is None and dtype_of(grid[0]) != DType.UINT8:
+        return None
+    qin = list(q.inputs) + [None]
+    same = [a is b or a is not None and b is not None and
+            np.array_equal(const_value(a), const_value(b)) for a, b in zip(grid[1:], qin[1:3])]
+    return [q.inputs[0], q, dq] if all(same) else None
+
+
+def _apply_round_trip(rw: Rewriter, m: list) -> str:
+    x, q, dq = m
+    params = [p for p in dq.inputs[1:3] if p is not None]
+    fused = Node("QuantizeDequantize", [x] + params, [None], {}, domain=KILN_DOMAIN,
+                 name=q.name or dq.name)
+    fused.outputs = [dq.outputs[0]]
+    rw.replace([q, dq], [fused])
+    return "Q -> DQ on one grid -> QuantizeDequantize"

@@ -421,6 +421,15 @@ def _dequantize(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, output_d
     return v.mul_(x_scale.reshape(()))
 
 
+def _as_float(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as float32, contiguous unless it is a dense NCHW or NHWC tensor: a DQ moved
+    behind a Transpose reads a permuted view, and a product of permuted operands copies
+    them again (BERT's attention products took 1.4x as long)."""
+    if x.is_contiguous() or x.is_contiguous(memory_format=torch.channels_last):
+        return x.to(torch.float32)
+    return x.to(torch.float32, memory_format=torch.contiguous_format)
+
+
 _ROUND, _ROUND_BITS = 12582912.0, 0x4B400000  # 1.5 * 2**23 and its float32 bits
 
 
@@ -483,8 +492,27 @@ def dequantize_linear(site):
     def run(x, *rest):
         if x.dtype not in _EIGHT:
             return NI
-        v = x.to(torch.float32)
+        v = _as_float(x)
         return (v.sub_(zp) if zp else v).mul_(scale)
+    return run
+
+
+@kernel("QuantizeDequantize", 1, domain=KILN_DOMAIN, prepare=True)
+def quantize_dequantize(site):
+    """x rounded onto a constant grid in float32: Q's rounding and clamp without the
+    conversions to 8 bits and back (0.4-0.5x the time of the two nodes)."""
+    grid = _const_grid(site)
+    if grid is None or grid[2] not in (np.uint8, np.int8):
+        return None
+    scale, zp, zdt = grid
+    lo, hi = (0, 255) if zdt == np.uint8 else (-128, 127)
+    z = int(zp)
+
+    def run(x, *rest):
+        if x.dtype != torch.float32:
+            return NI
+        v = torch.div(x, scale).add_(_ROUND).clamp_(_ROUND + lo - z, _ROUND + hi - z)
+        return v.sub_(_ROUND).mul_(scale)  # (q - zp) * scale, q - zp exact
     return run
 
 
