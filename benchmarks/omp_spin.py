@@ -2,6 +2,7 @@
 
     python benchmarks/omp_spin.py --models mobilenetv2,resnet18,bert --rounds 3
     python benchmarks/omp_spin.py --spins 2000,20000,default --seq 16
+    python benchmarks/omp_spin.py --spins 2000,20000 --neighbours 2 --rounds 6
 
 Importing Kiln sets ``GOMP_SPINCOUNT=2000`` (torch's OpenMP threads then sleep soon after
 a parallel region instead of spinning ~300k iterations), which saved 4x on a busy machine
@@ -11,7 +12,9 @@ For each model, fresh processes alternate between the ``--spins`` settings (a nu
 ``KILN_OMP_SPIN=default``: torch's own spin); each process runs only Kiln's torch backend
 at its default threads, back to back like a serving loop, and reports the median of
 ``--runs`` runs after a warm-up. Prints each setting's medians per round and their ratio
-to the first setting's.
+to the first setting's. ``--neighbours N`` keeps N other processes busy meanwhile, each
+running PyTorch products in bursts on two threads with torch's own spin: other jobs'
+OpenMP threads, which take the cores in a way plain busy loops do not.
 """
 
 from __future__ import annotations
@@ -45,6 +48,16 @@ for _ in range(runs):
 print(json.dumps(float(np.median(times))))
 """
 
+NEIGHBOUR = r"""
+import time, torch
+torch.set_num_threads(2)
+a, b = torch.randn(192, 192), torch.randn(192, 192)
+while True:
+    for _ in range(200):
+        torch.mm(a, b)
+    time.sleep(0.002)
+"""
+
 TEXT = ("bert", "roberta", "gpt2")
 
 
@@ -62,15 +75,29 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=128, help="text models' sequence length")
     ap.add_argument("--spins", default="shipped,default",
                     help="settings to compare: shipped, default, or GOMP_SPINCOUNT values")
+    ap.add_argument("--neighbours", type=int, default=0,
+                    help="other processes running PyTorch products meanwhile")
     args = ap.parse_args()
     base = {k: v for k, v in os.environ.items() if k not in ("GOMP_SPINCOUNT", "KILN_OMP_SPIN")}
+    others = [subprocess.Popen([sys.executable, "-c", NEIGHBOUR], env=base)
+              for _ in range(args.neighbours)]
+    try:
+        compare(args, base)
+    finally:
+        for p in others:
+            p.kill()
+
+
+def compare(args, base: dict) -> None:
+    """Fresh child processes per setting, alternating, for each model."""
     settings = {}
     for spin in args.spins.split(","):
         settings[spin] = base if spin == "shipped" else \
             {**base, "KILN_OMP_SPIN": "default"} if spin == "default" else \
             {**base, "GOMP_SPINCOUNT": spin}
+    time.sleep(2 if args.neighbours else 0)
     print(f"{time.strftime('%Y-%m-%d %H:%M')}, load {os.getloadavg()[0]:.1f}, "
-          f"{os.cpu_count()} cores; median ms per run, batch 1")
+          f"{os.cpu_count()} cores, {args.neighbours} neighbour(s); median ms per run, batch 1")
     for name in args.models.split(","):
         seq = args.seq if name.split("_")[0] in TEXT else 0
         got: dict[str, list[float]] = {k: [] for k in settings}
