@@ -145,17 +145,11 @@ def peak_memory(engine: str, path: str, feeds_path: str, threads: int) -> float 
     return json.loads(proc.stdout.strip().splitlines()[-1])["peak_mb"]
 
 
-WARM_S = 0.06
-"""Untimed running after each rest before a block is timed."""
-
-
 def measure(runners: dict, feeds: dict, budget_s: float, min_runs: int, max_runs: int,
             rest_s: float) -> dict[str, list[float]]:
     """Alternating blocks of timed runs until every engine has ``min_runs`` and the time
-    budget is spent (or ``max_runs`` reached). Each block starts after a rest, then
-    untimed runs for at least ``WARM_S`` when a run is short enough that this costs little:
-    on a VM that packs idle vCPUs, the first tens of milliseconds after a rest run a
-    second thread several times slower (docs/performance.md, "Runs after idle time")."""
+    budget is spent (or ``max_runs`` reached). Each block starts after a rest, with one
+    untimed run when a run is short enough that this costs little."""
     est = {}
     for name, fn in runners.items():  # warm-up, and a first estimate of each run's time
         fn(feeds)
@@ -168,11 +162,7 @@ def measure(runners: dict, feeds: dict, budget_s: float, min_runs: int, max_runs
         for name, fn in runners.items():
             time.sleep(rest_s)
             if est[name] < 0.05:
-                warm_until = time.perf_counter() + WARM_S
-                while True:
-                    fn(feeds)
-                    if time.perf_counter() >= warm_until:
-                        break
+                fn(feeds)
             block = max(1, min(10, int(0.3 / max(est[name], 1e-4))))
             for _ in range(block):
                 t = time.perf_counter()
