@@ -511,8 +511,8 @@ def quantize_dequantize(site):
     def run(x, *rest):
         if x.dtype != torch.float32:
             return NI
-        v = torch.div(x, scale).add_(_ROUND).clamp_(_ROUND + lo - z, _ROUND + hi - z)
-        return v.sub_(_ROUND).mul_(scale)  # (q - zp) * scale, q - zp exact
+        # clamp(rint(x / s), lo - zp, hi - zp) is q - zp exactly, and DQ multiplies that
+        return torch.div(x, scale).round_().clamp_(lo - z, hi - z).mul_(scale)
     return run
 
 
