@@ -419,10 +419,15 @@ def _match_identity(rw: Rewriter, q: Node) -> list | None:
     x = _grid(dq) if dq is not None and _output_q(q) else None
     if x is None or dtype_of(q.outputs[0]) != dtype_of(x[0]):
         return None
-    qin = list(q.inputs) + [None]
-    same = [np.array_equal(const_value(a), const_value(b)) if a is not None and b is not None
-            else a is b for a, b in zip(x[1:], qin[1:3])]
-    return [x[0], q] if all(same) else None
+    return [x[0], q] if _on_grid(q, x[1:]) else None
+
+
+def _on_grid(q: Node, params: list) -> bool:
+    """Whether QuantizeLinear ``q`` has the scale and zero point ``params`` (a DQ's, as
+    ``_grid`` gives them): equal constants, or no zero point on either."""
+    qin = list(q.inputs[1:3]) + [None]
+    return all(a is b or a is not None and b is not None and
+               np.array_equal(const_value(a), const_value(b)) for a, b in zip(params, qin))
 
 
 def _apply_identity(rw: Rewriter, m: list) -> str | None:
@@ -458,10 +463,7 @@ def _match_round_trip(rw: Rewriter, dq: Node) -> list | None:
             dtype_of(q.inputs[0]) != DType.FLOAT or \
             grid[2] is None and dtype_of(grid[0]) != DType.UINT8:
         return None
-    qin = list(q.inputs) + [None]
-    same = [a is b or a is not None and b is not None and
-            np.array_equal(const_value(a), const_value(b)) for a, b in zip(grid[1:], qin[1:3])]
-    return [q.inputs[0], q, dq] if all(same) else None
+    return [q.inputs[0], q, dq] if _on_grid(q, grid[1:]) else None
 
 
 def _apply_round_trip(rw: Rewriter, m: list) -> str:
