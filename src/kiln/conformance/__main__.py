@@ -1,4 +1,4 @@
-"""``python -m kiln.conformance [--backend numpy|torch] [--kind K] [-k PATTERN]``
+"""``python -m kiln.conformance [--backend numpy|torch] [--device cpu|cuda] [--kind K] [-k P]``
 
 Runs the installed onnx package's backend tests against Kiln: one line per failure, then
 a last line ``N passed, M failed``. Exits 1 when a test fails and ``--strict`` is given.
@@ -20,6 +20,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kiln.conformance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"])
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
+                    help="where the torch backend runs (cuda: needs a GPU)")
     ap.add_argument("--kind", action="append", choices=KINDS,
                     help="test kinds to run (repeatable; default: all)")
     ap.add_argument("-k", dest="pattern", help="only tests whose name contains this")
@@ -29,7 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 if any test fails")
     args = ap.parse_args(argv)
     cases = collect(tuple(args.kind or KINDS), args.pattern)
-    work = partial(run_case, backend=args.backend, timeout=args.timeout)
+    if args.device == "cuda" and args.backend != "torch":
+        ap.error("--device cuda runs the torch backend: add --backend torch")
+    work = partial(run_case, backend=args.backend, timeout=args.timeout, device=args.device)
     if args.jobs > 1 and len(cases) > 1:
         with mp.get_context("fork").Pool(args.jobs, maxtasksperchild=200) as pool:
             outcomes = list(pool.imap(work, cases, chunksize=4))

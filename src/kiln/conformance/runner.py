@@ -107,8 +107,10 @@ class _Timeout(Exception):
     pass
 
 
-def run_case(case: Case, backend: str = "numpy", timeout: int = 120) -> Outcome:
-    """Run one case; failures carry a one-line reason."""
+def run_case(case: Case, backend: str = "numpy", timeout: int = 120,
+             device: str = "cpu") -> Outcome:
+    """Run one case on ``device`` ("cpu", or "cuda" for the torch backend); failures carry a
+    one-line reason."""
     def on_alarm(*_):
         raise _Timeout(f"took longer than {timeout}s")
 
@@ -116,7 +118,7 @@ def run_case(case: Case, backend: str = "numpy", timeout: int = 120) -> Outcome:
     signal.alarm(timeout)
     try:
         model = case.model if case.model is not None else onnx.load(case.model_path)
-        rep = backend_for(backend).prepare(model)
+        rep = backend_for(backend).prepare(model, device.upper())
         for feeds, refs in _data_sets(case, model):
             outs = rep.run(feeds)
             outs = [_plain(o) for o in outs]
