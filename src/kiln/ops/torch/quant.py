@@ -452,7 +452,10 @@ def _const_grid(site) -> tuple[torch.Tensor, float, np.dtype] | None:
             (site.has_input(2) and (z is None or z.size != 1)):
         return None
     zdt = z.dtype if z is not None else np.dtype(np.uint8)
-    return torch.tensor(float(s.reshape(-1)[0])), float(_scalar(z) or 0), zdt
+    # On the backend's device: CUDA divides by a CPU scalar as a product with its
+    # reciprocal, which rounds ties differently from ONNX's division.
+    dev = getattr(site.backend, "tdevice", None)
+    return (torch.tensor(float(s.reshape(-1)[0]), device=dev), float(_scalar(z) or 0), zdt)
 
 
 # A grid that is not one constant takes the general kernels, bound to the node's attributes
@@ -528,12 +531,12 @@ def dynamic_quantize_linear(x):
         lo, hi = min(float(lo_t), 0.0), max(float(hi_t), 0.0)
     scale = np.float32(np.float32(hi) - np.float32(lo)) / np.float32(255)
     if scale == 0:
-        return (torch.zeros(x.shape, dtype=torch.uint8), torch.tensor(scale),
-                torch.tensor(0, dtype=torch.uint8))
+        return (torch.zeros(x.shape, dtype=torch.uint8, device=x.device), x.new_tensor(scale),
+                torch.tensor(0, dtype=torch.uint8, device=x.device))
     zp = min(max(round(float(np.float32(-lo) / scale)), 0), 255)  # ties to even, as rint
-    s = torch.tensor(scale)
+    s = x.new_tensor(scale)  # on x's device: see _const_grid
     y = _to_grid(torch.div(x, s), zp, 0, 255, torch.uint8)
-    return y, s, torch.tensor(zp, dtype=torch.uint8)
+    return y, s, torch.tensor(zp, dtype=torch.uint8, device=x.device)
 
 
 @kernel("MatMulInteger", 10, prepare=True)
