@@ -477,6 +477,8 @@ def test_bad_options_are_clear():
         kiln.InferenceSession(_shape_model(), backend="torch", precision="int3")
     with pytest.raises(ValueError, match="device"):
         kiln.InferenceSession(_shape_model(), backend="torch", device="tpu")
+    with pytest.raises(ValueError, match="tf32.*device='cuda'"):
+        kiln.InferenceSession(_shape_model(), backend="torch", precision="tf32")
     if not CUDA:
         with pytest.raises(kiln.KilnError, match="CUDA"):
             kiln.InferenceSession(_shape_model(), backend="torch", device="cuda")
@@ -521,13 +523,19 @@ def test_compile_falls_back_to_eager_with_a_warning():
 @needs_cuda
 @_requires("Conv", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool")
 def test_cuda_conv_net_matches_onnxruntime(conv_net):
+    """fp32 means fp32 on a GPU too: torch's default TF32 convolutions (10-bit products)
+    are off while Kiln runs, and the caller's switch is as it was afterwards."""
+    before = (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32)
     sess = kiln.InferenceSession(conv_net, backend="torch", device="cuda")
     x = _x_conv(2)
     y = sess.run(None, {"x": x}, output_type="torch")[0]
     assert y.is_cuda
-    np.testing.assert_allclose(y.cpu().numpy(), ort_run(conv_net, {"x": x})[0], rtol=1e-3,
-                               atol=1e-4)
+    want = ort_run(conv_net, {"x": x})[0]
+    np.testing.assert_allclose(y.cpu().numpy(), want, rtol=1e-5, atol=1e-5)
     assert sess.placement().last_run.transfers == 0
+    assert (torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32) == before
+    tf32 = kiln.InferenceSession(conv_net, backend="torch", device="cuda", precision="tf32")
+    np.testing.assert_allclose(tf32.run(None, {"x": x})[0], want, rtol=1e-2, atol=1e-2)
 
 
 @needs_cuda
@@ -552,8 +560,12 @@ def test_cuda_fallback_counts_transfers():
                                      optimize=False)
     x = np.ones((2, 5), np.float32)
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], 2 * x)
-    assert sess.placement().last_run.transfers == 0  # CPU tensors <-> NumPy: no device crossed
-    assert sess.placement().last_run.fallback_calls == 1
+    rep = sess.placement()
+    # Relu's output goes down to the NumPy kernel, whose result goes back up: two crossings
+    # (the feed's upload and the output's readback are the caller's, not the model's)
+    assert rep.last_run.transfers == 2
+    assert rep.last_run.fallback_calls == 1
+    assert [f.name for f in rep.fallbacks] == ["cummax"]
 
 
 @needs_cuda
@@ -846,6 +858,7 @@ def test_constant_slices_match_onnxruntime(starts, ends, axes, steps):
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
                               inits)
     proto = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 13)])
+    proto.ir_version = 8  # what older onnxruntime builds read too
     x = np.random.default_rng(0).normal(0, 1, (4, 232, 5, 6)).astype(np.float32)
     (got,) = kiln.InferenceSession(proto, backend="torch").run(None, {"x": x})
     np.testing.assert_array_equal(got, ort_run(proto, {"x": x})[0])
@@ -937,3 +950,32 @@ def test_a_torch_kernel_declining_at_run_time_hands_the_call_on():
         assert calls == {"HalfSplit": 1, "Twice": 1, "Thrice": 1}
         declined = dtype == np.float64
         assert sess.backend.last_run_stats().fallback_calls == (3 if declined else 0)
+
+
+def test_cuda_runs_set_the_numeric_switches_and_give_them_back():
+    """torch's TF32 switches are process-wide: while Kiln runs on
+    CUDA they say what the session's precision means, and afterwards they are the caller's
+    again, whichever of torch's two APIs the caller used (the switches exist without a GPU)."""
+    from kiln.runtime.torch_backend import _cuda_run
+
+    dnn, mm = torch.backends.cudnn, torch.backends.cuda.matmul
+    before = (dnn.allow_tf32, mm.allow_tf32)
+    try:
+        dnn.allow_tf32, mm.allow_tf32 = True, False
+        with _cuda_run("ieee"):
+            with _cuda_run("ieee"):  # a second run in flight
+                pass
+            assert (dnn.allow_tf32, mm.allow_tf32) == (False, False)
+        assert (dnn.allow_tf32, mm.allow_tf32) == (True, False)
+        with _cuda_run("tf32"):
+            assert (dnn.allow_tf32, mm.allow_tf32) == (True, True)
+        assert (dnn.allow_tf32, mm.allow_tf32) == (True, False)
+        if hasattr(dnn, "conv") and hasattr(dnn.conv, "fp32_precision"):
+            dnn.conv.fp32_precision = "ieee"  # the newer API: the older one no longer reads
+            with _cuda_run("tf32"):
+                assert dnn.conv.fp32_precision == "tf32"
+            assert dnn.conv.fp32_precision == "ieee"
+    finally:
+        if hasattr(dnn, "conv") and hasattr(dnn.conv, "fp32_precision"):
+            dnn.conv.fp32_precision = dnn.rnn.fp32_precision = "tf32"
+        dnn.allow_tf32, mm.allow_tf32 = before

@@ -17,6 +17,7 @@ on the host as CPU tensors, never copied to the device and back.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import warnings
 from collections.abc import Callable
@@ -43,7 +44,7 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 
 _ND = np.ndarray
 _TENSOR = torch.Tensor
-PRECISIONS = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISIONS = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
 __all__ = ["CompileWarning", "FallbackWarning", "TorchBackend", "as_torch"]
 
 
@@ -55,7 +56,9 @@ class TorchBackend(Backend):
     """Runs plans with torch. Options:
 
     ``device``: "cpu", "cuda" or "cuda:N". ``precision``: "fp32", "bf16" or "fp16" —
-    matmul/conv compute in that type, their inputs and outputs stay fp32. ``compile``:
+    matmul/conv compute in that type, their inputs and outputs stay fp32; on CUDA, "fp32"
+    keeps cuDNN and cuBLAS off TF32 during runs (torch's default convolutions use it) and
+    "tf32" puts both on it (10-bit products, fp32 values). ``compile``:
     run the main graph as ``torch.compile`` programs, one per input shape (CUDA graphs on
     GPU) when every op allows it, else eagerly with a warning. ``threads``:
     ``torch.set_num_threads`` (process-wide; default: at most the usable cores).
@@ -90,6 +93,9 @@ class TorchBackend(Backend):
                 dev = torch.device("cuda", torch.cuda.current_device())
         if precision not in PRECISIONS:
             raise OptionError(f"precision must be one of {sorted(PRECISIONS)}, got {precision!r}")
+        if precision == "tf32" and dev.type != "cuda":
+            raise OptionError("precision 'tf32' is for NVIDIA GPUs (device='cuda'); on the CPU "
+                              "use 'fp32', 'bf16' or 'fp16'")
         self.tdevice = dev
         self.device = str(dev)
         self.is_cuda = dev.type == "cuda"
@@ -282,11 +288,20 @@ class TorchBackend(Backend):
         if node.op_type in ("Shape", "Size"):
             return None  # reads metadata only
         dev, host, backend = self.tdevice, _host_step(node), self
+        # Host constants (kept there for shape arithmetic) that a device step reads go to
+        # the device once, now, not on every run.
+        fixed = {} if host else {
+            i: t.to(dev) for i, v in enumerate(node.inputs)
+            if i not in params and v is not None and v.const is not None and
+            v.meta.get("host") and not v.meta.get("overridable") and
+            (t := to_torch(v.const)) is not None}
 
         def move(args):
             out = list(args)
             for i, a in enumerate(out):
-                if isinstance(a, _TENSOR) and i not in params:
+                if i in fixed:
+                    out[i] = fixed[i]
+                elif isinstance(a, _TENSOR) and i not in params:
                     if host and a.is_cuda:
                         backend.stats().transfers += 1
                         out[i] = a.cpu()
@@ -332,7 +347,9 @@ class TorchBackend(Backend):
     # -- running ------------------------------------------------------------------------
 
     def run_context(self):
-        return torch.inference_mode()
+        if not self.is_cuda:
+            return torch.inference_mode()
+        return _cuda_run("tf32" if self.precision == "tf32" else "ieee")
 
     def execute(self, plan, inputs: list, overrides: dict | None = None) -> list:
         st = self._tls.stats = RunStats()
@@ -477,6 +494,53 @@ def _under_autocast(fn: Callable, args: tuple):
 def _dtypes(args) -> str:
     return ", ".join(str(a.dtype).removeprefix("torch.") if hasattr(a, "dtype") else
                      type(a).__name__ for a in args)
+
+
+_SWITCHES = {"lock": threading.Lock(), "runs": 0, "saved": []}
+"""torch's TF32 switches for cuDNN and cuBLAS are process-wide: runs in flight share them,
+and the caller's settings come back when the last one ends."""
+
+
+def _switches() -> list[tuple[object, str]]:
+    """(namespace, attribute) of each switch a CUDA run sets, in the API family the caller
+    uses: torch refuses to read the older TF32 switches once the newer ones were set."""
+    dnn, mm = torch.backends.cudnn, torch.backends.cuda.matmul
+    out: list[tuple[object, str]] = []
+    for older, newer in (((dnn, "allow_tf32"), [(dnn.conv, "fp32_precision"),
+                                                 (dnn.rnn, "fp32_precision")]),
+                         ((mm, "allow_tf32"), [(mm, "fp32_precision")])):
+        try:
+            getattr(*older)
+            out.append(older)
+        except RuntimeError:  # the per-operator switches (torch >= 2.9) are in use
+            out += newer
+    return out
+
+
+def _wanted(attr: str, mode: str):
+    """A switch's value for float32 products in ``mode``."""
+    return mode if attr == "fp32_precision" else mode == "tf32"
+
+
+@contextlib.contextmanager
+def _cuda_run(mode: str):
+    """A run on CUDA: inference mode, float32 products in ``mode`` ("ieee" or "tf32")."""
+    with _SWITCHES["lock"]:
+        found = _switches()
+        if _SWITCHES["runs"] == 0:
+            _SWITCHES["saved"] = [(ns, a, getattr(ns, a)) for ns, a in found]
+        _SWITCHES["runs"] += 1
+        for ns, a in found:
+            setattr(ns, a, _wanted(a, mode))
+    try:
+        with torch.inference_mode():
+            yield
+    finally:
+        with _SWITCHES["lock"]:
+            _SWITCHES["runs"] -= 1
+            if _SWITCHES["runs"] == 0:
+                for ns, a, v in _SWITCHES["saved"]:
+                    setattr(ns, a, v)
 
 
 def _with_ctx(fn: Callable, wants_ctx: bool) -> Callable:
