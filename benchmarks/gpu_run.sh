@@ -1,0 +1,88 @@
+#!/usr/bin/env bash
+# Kiln on a GPU machine in one command, against the CUDA build of torch found there.
+#
+#   benchmarks/gpu_run.sh check            # CUDA tests, ONNX conformance on cuda and cpu,
+#                                          # every zoo model's accuracy on the GPU
+#   benchmarks/gpu_run.sh quick            # the CUDA tests, conformance on cuda, zoo on cuda
+#   benchmarks/gpu_run.sh speed [ARGS...]  # benchmarks/gpu_speed.py ARGS
+#   benchmarks/gpu_run.sh accuracy         # benchmarks/gpu_accuracy.py: errors per precision
+#
+# Missing pure-Python dependencies travel as wheels in .whl/ (see the device notes);
+# the zoo is built there, in $KILN_ZOO_DIR. Logs and JSON go to $OUT (default /tmp/kiln-gpu).
+set -u
+cd "$(dirname "$0")/.."
+OUT=${OUT:-/tmp/kiln-gpu}
+mkdir -p "$OUT"
+if compgen -G ".whl/*.whl" >/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl || exit 1
+fi
+export PYTHONPATH=$PWD/src:/tmp/site PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1
+export KILN_ZOO_DIR=${KILN_ZOO_DIR:-/tmp/kiln-zoo}
+log=$OUT/$1.log
+{
+  date -u
+  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+  python3 -c "import torch, onnx, onnxruntime, numpy, sys; print('python', sys.version.split()[0],
+'torch', torch.__version__, 'cuda', torch.version.cuda, 'cudnn', torch.backends.cudnn.version(),
+'onnx', onnx.__version__, 'onnxruntime', onnxruntime.__version__, 'numpy', numpy.__version__)"
+  lscpu | grep -m1 "Model name"
+  echo "cores $(nproc)"
+} 2>&1 | tee "$log"
+
+case "$1" in
+check)
+  (python3 -c "from kiln import zoo; zoo.build(progress=False)" >"$OUT/zoo_build.txt" 2>&1
+   echo "zoo build exit $?" >>"$OUT/zoo_build.txt") &
+  zoo_pid=$!
+  echo "== tests/test_torch_backend.py" | tee -a "$log"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_torch_backend.py \
+    >>"$log" 2>&1
+  tail -4 "$log"
+  for dev in cuda cpu; do
+    echo "== conformance, torch on $dev" | tee -a "$log"
+    timeout 300 python3 -W ignore -m kiln.conformance --backend torch --device $dev -j 8 \
+      --json "$OUT/conformance_$dev.json" >>"$log" 2>&1
+    grep "passed" "$log" | tail -1
+  done
+  wait $zoo_pid
+  grep -E "FAILED|exit" "$OUT/zoo_build.txt" | tee -a "$log"
+  echo "== zoo accuracy on cuda" | tee -a "$log"
+  timeout 300 python3 benchmarks/gpu_accuracy.py --json "$OUT/accuracy.json" >>"$log" 2>&1
+  grep -c "tol ok" "$log"
+  echo "== tests/test_zoo_models.py -k cuda" | tee -a "$log"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_zoo_models.py -k cuda \
+    >>"$log" 2>&1
+  tail -25 "$log"
+  ;;
+quick)
+  (python3 -c "from kiln import zoo; zoo.build(progress=False)" >"$OUT/zoo_build.txt" 2>&1
+   echo "zoo build exit $?" >>"$OUT/zoo_build.txt") &
+  zoo_pid=$!
+  echo "== CUDA tests in tests/test_torch_backend.py" | tee -a "$log"
+  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_torch_backend.py \
+    -k "cuda or bad_options or constant_slices" >>"$log" 2>&1
+  tail -3 "$log"
+  echo "== conformance, torch on cuda" | tee -a "$log"
+  timeout 300 python3 -W ignore -m kiln.conformance --backend torch --device cuda -j 8 \
+    --json "$OUT/conformance_cuda.json" >>"$log" 2>&1
+  grep -E "^FAILED|passed" "$log" | tail -14
+  wait $zoo_pid
+  grep -E "FAILED|exit" "$OUT/zoo_build.txt" | tee -a "$log"
+  echo "== tests/test_zoo_models.py -k cuda" | tee -a "$log"
+  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_zoo_models.py -k cuda \
+    >>"$log" 2>&1
+  grep -E "^FAILED|passed|failed" "$log" | tail -12
+  ;;
+speed)
+  python3 benchmarks/gpu_speed.py --json "$OUT/speed.json" "${@:2}" 2>&1 | tee -a "$log"
+  ;;
+accuracy)
+  python3 benchmarks/gpu_accuracy.py --json "$OUT/accuracy.json" "${@:2}" >>"$log" 2>&1
+  grep -vc "tol ok" "$log"
+  ;;
+*)
+  echo "usage: $0 check|quick|speed|accuracy [ARGS...]" >&2
+  exit 2
+  ;;
+esac
