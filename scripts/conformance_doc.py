@@ -38,10 +38,9 @@ NOTES: dict[str, str] = {
 # Measured on a lent GPU (benchmarks/gpu_run.sh quick); this machine cannot re-run it.
 CUDA_NOTE = (
     "On CUDA (torch backend, `--device cuda`, NVIDIA H100, torch 2.11, onnx 1.23.1, "
-    "2026-11-24): 2,025 of 2,033 pass, node 1,877/1,884. Besides the bernoulli tests, "
-    "`test_attention_4d_causal_fp16_expanded` (2 of 192 fp16 outputs 2 ulps off) and "
-    "`light_squeezenet` (1,000 tied logits of 9.5e9, whose order of summation decides the "
-    "softmax) fail there; docs/performance.md, \"On a GPU\".")
+    "2026-11-24): 2,026 of 2,033 pass; node 1,878/1,884 (the bernoulli tests, as here). "
+    "`light_squeezenet` fails there: its 1,000 tied logits of 9.5e9 leave the softmax to "
+    "the order of summation. docs/performance.md, \"On a GPU\".")
 
 
 def run_suite(backend: str) -> list[dict]:
