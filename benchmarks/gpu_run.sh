@@ -30,56 +30,59 @@ log=$OUT/$1.log
   echo "cores $(nproc)"
 } 2>&1 | tee "$log"
 
+zoo_in_background() {  # the zoo, built while the tests run
+  (python3 -c "from kiln import zoo; zoo.build(progress=False)" >"$OUT/zoo_build.txt" 2>&1
+   echo "zoo build exit $?" >>"$OUT/zoo_build.txt") &
+  zoo_pid=$!
+}
+section() {  # section TITLE PATTERN CMD...: run CMD into the log, show its PATTERN lines
+  local title=$1 pattern=$2 part
+  shift 2
+  part=$(mktemp)
+  echo "== $title" | tee -a "$log"
+  timeout 300 "$@" >"$part" 2>&1
+  cat "$part" >>"$log"
+  grep -E "$pattern" "$part" | tail -14
+}
+torch_tests() {
+  section "tests/test_torch_backend.py $*" "^FAILED|passed|failed" \
+    python3 -m pytest -q -p no:cacheprovider -rfs tests/test_torch_backend.py "$@"
+}
+conformance() {
+  section "conformance, torch on $1" "^FAILED|passed" python3 -W ignore -m kiln.conformance \
+    --backend torch --device "$1" -j 8 --json "$OUT/conformance_$1.json"
+}
+zoo_tests() {
+  wait "$zoo_pid"
+  grep -E "FAILED|exit" "$OUT/zoo_build.txt" | tee -a "$log"
+  if [ "${1:-}" = accuracy ]; then
+    section "zoo accuracy on cuda" "ERROR| fp32 .*tol NO" \
+      python3 benchmarks/gpu_accuracy.py --json "$OUT/accuracy.json"
+  fi
+  section "tests/test_zoo_models.py -k cuda" "^FAILED|passed|failed|skipped" \
+    python3 -m pytest -q -p no:cacheprovider -rf tests/test_zoo_models.py -k cuda
+}
+
 case "$1" in
 check)
-  (python3 -c "from kiln import zoo; zoo.build(progress=False)" >"$OUT/zoo_build.txt" 2>&1
-   echo "zoo build exit $?" >>"$OUT/zoo_build.txt") &
-  zoo_pid=$!
-  echo "== tests/test_torch_backend.py" | tee -a "$log"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_torch_backend.py \
-    >>"$log" 2>&1
-  tail -4 "$log"
-  for dev in cuda cpu; do
-    echo "== conformance, torch on $dev" | tee -a "$log"
-    timeout 300 python3 -W ignore -m kiln.conformance --backend torch --device $dev -j 8 \
-      --json "$OUT/conformance_$dev.json" >>"$log" 2>&1
-    grep "passed" "$log" | tail -1
-  done
-  wait $zoo_pid
-  grep -E "FAILED|exit" "$OUT/zoo_build.txt" | tee -a "$log"
-  echo "== zoo accuracy on cuda" | tee -a "$log"
-  timeout 300 python3 benchmarks/gpu_accuracy.py --json "$OUT/accuracy.json" >>"$log" 2>&1
-  grep -c "tol ok" "$log"
-  echo "== tests/test_zoo_models.py -k cuda" | tee -a "$log"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_zoo_models.py -k cuda \
-    >>"$log" 2>&1
-  tail -25 "$log"
+  zoo_in_background
+  torch_tests
+  conformance cuda
+  conformance cpu
+  zoo_tests accuracy
   ;;
 quick)
-  (python3 -c "from kiln import zoo; zoo.build(progress=False)" >"$OUT/zoo_build.txt" 2>&1
-   echo "zoo build exit $?" >>"$OUT/zoo_build.txt") &
-  zoo_pid=$!
-  echo "== CUDA tests in tests/test_torch_backend.py" | tee -a "$log"
-  timeout 200 python3 -m pytest -q -p no:cacheprovider -rfs tests/test_torch_backend.py \
-    -k "cuda or bad_options or constant_slices" >>"$log" 2>&1
-  tail -3 "$log"
-  echo "== conformance, torch on cuda" | tee -a "$log"
-  timeout 300 python3 -W ignore -m kiln.conformance --backend torch --device cuda -j 8 \
-    --json "$OUT/conformance_cuda.json" >>"$log" 2>&1
-  grep -E "^FAILED|passed" "$log" | tail -14
-  wait $zoo_pid
-  grep -E "FAILED|exit" "$OUT/zoo_build.txt" | tee -a "$log"
-  echo "== tests/test_zoo_models.py -k cuda" | tee -a "$log"
-  timeout 300 python3 -m pytest -q -p no:cacheprovider -rf tests/test_zoo_models.py -k cuda \
-    >>"$log" 2>&1
-  grep -E "^FAILED|passed|failed" "$log" | tail -12
+  zoo_in_background
+  torch_tests -k "cuda or bad_options or constant_slices"
+  conformance cuda
+  zoo_tests
   ;;
 speed)
   python3 benchmarks/gpu_speed.py --json "$OUT/speed.json" "${@:2}" 2>&1 | tee -a "$log"
   ;;
 accuracy)
-  python3 benchmarks/gpu_accuracy.py --json "$OUT/accuracy.json" "${@:2}" >>"$log" 2>&1
-  grep -vc "tol ok" "$log"
+  section "zoo accuracy on cuda" "ERROR|rel_l2" \
+    python3 benchmarks/gpu_accuracy.py --json "$OUT/accuracy.json" "${@:2}"
   ;;
 *)
   echo "usage: $0 check|quick|speed|accuracy [ARGS...]" >&2
