@@ -570,10 +570,15 @@ def test_cuda_fallback_counts_transfers():
 
 @needs_cuda
 def test_cuda_compile_with_cuda_graphs(mlp_model):
+    """Each replay overwrites the graph's memory: an output held from an earlier run
+    keeps its own values."""
     sess = kiln.InferenceSession(mlp_model, backend="torch", device="cuda", compile=True)
-    x = np.random.default_rng(0).standard_normal((4, 4)).astype(np.float32)
-    for _ in range(3):
-        np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(mlp_model, {"x": x})[0],
+    rng = np.random.default_rng(0)
+    xs = [rng.standard_normal((4, 4)).astype(np.float32) for _ in range(4)]
+    held = [sess.run(None, {"x": torch.from_numpy(x).cuda()}, output_type="torch")[0]
+            for x in xs]
+    for x, y in zip(xs, held):
+        np.testing.assert_allclose(y.cpu().numpy(), ort_run(mlp_model, {"x": x})[0],
                                    rtol=1e-4, atol=1e-5)
     assert sess.placement().last_run.compiled
 

@@ -425,6 +425,13 @@ class TorchBackend(Backend):
         options = {"freezing": True}
         if self.is_cuda:
             options["triton.cudagraphs"] = True
+            # Tensors a prepared kernel holds (linear's weight view, a cast copy) reach
+            # dynamo as closure inputs, which CUDA graphs copy into place before every
+            # replay unless marked static: 36 copies a run in GPT-2, 0.5 ms at batch 1.
+            for s in plan.steps:
+                for t in _held_tensors(s.fn):
+                    if t.is_cuda:
+                        torch._dynamo.mark_static_address(t)
         compiled = [False]
         cuda = self.is_cuda
 
@@ -550,6 +557,36 @@ def _with_ctx(fn: Callable, wants_ctx: bool) -> Callable:
 def _host_step(node) -> bool:
     outs = [v for v in node.outputs if v is not None]
     return bool(outs) and all(v.meta.get("host") for v in outs)
+
+
+def _held_tensors(fn, depth: int = 6) -> list:
+    """The tensors a prepared kernel keeps: those in its closure, in the closures of the
+    functions it keeps, and in lists, tuples and dicts of them."""
+    found: dict[int, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(x, d: int) -> None:
+        if isinstance(x, _TENSOR):
+            found[id(x)] = x
+        elif d == 0 or id(x) in seen:
+            return
+        elif isinstance(x, (list, tuple)):
+            seen.add(id(x))
+            for y in x:
+                walk(y, d - 1)
+        elif isinstance(x, dict):
+            seen.add(id(x))
+            for y in x.values():
+                walk(y, d - 1)
+        elif getattr(x, "__closure__", None):
+            seen.add(id(x))
+            for cell in x.__closure__:
+                try:
+                    walk(cell.cell_contents, d - 1)
+                except ValueError:  # a cell not filled yet
+                    pass
+    walk(fn, depth)
+    return list(found.values())
 
 
 def _signature(inputs: list) -> tuple | None:
