@@ -1,13 +1,16 @@
 """Kiln's torch backend on a GPU next to the original PyTorch module, in one process.
 
     python benchmarks/gpu_speed.py [--models resnet50,mobilenetv2,bert,gpt2]
-        [--batches 1,64] [--precisions fp32,bf16] [--seq 128] [--json out.json]
+        [--batches 1,64] [--precisions fp32,bf16] [--seq 128] [--ways ...] [--json out.json]
 
-For each zoo model, precision and batch, four ways of computing the same outputs from the
-same CUDA tensors:
+For each zoo model, precision and batch, up to five ways of computing the same outputs
+from the same CUDA tensors:
 
 - ``torch-eager``: the zoo's original ``nn.Module`` (``ZooEntry.make_model``);
 - ``torch-compile``: that module under ``torch.compile`` (default mode);
+- ``torch-graphs``: that module under ``torch.compile(mode="reduce-overhead")``, which adds
+  CUDA graphs as Kiln's compiled sessions do (not in the default ``--ways``: each output
+  is overwritten by the next run, where Kiln hands out outputs of their own);
 - ``kiln-eager``: Kiln's session on the model's ONNX file, ``device="cuda"``;
 - ``kiln-compile``: the same with ``compile=True`` (torch.compile with frozen weights and
   CUDA graphs).
@@ -15,7 +18,7 @@ same CUDA tensors:
 fp32 is fp32 on both sides (cuDNN's TF32 convolutions off for the module, as Kiln's
 ``precision="fp32"`` runs); tf32 puts both on TF32 products. bf16 is mixed precision on
 both sides: the module runs under ``torch.autocast``, Kiln with ``precision="bf16"``
-(products and convolutions in bf16, fp32 in and out). Feeds are CUDA
+(products and convolutions in bf16, fp32 in and out); fp16 likewise. Feeds are CUDA
 tensors and Kiln returns CUDA tensors (``output_type="torch"``), so no side pays for
 host copies. After warm-up (whose first call is reported as ``first_s``: compilation),
 rounds alternate a block of runs of each way, each block timed between two
@@ -90,11 +93,11 @@ def bench(name: str, precision: str, batch: int, args, cache: dict) -> dict:
     if name not in cache:
         cache[name] = {"module": entry.make_model().to(dev).eval()}
     module = cache[name]["module"]
-    if "compiled" not in cache[name]:
-        cache[name]["compiled"] = torch.compile(module, dynamic=False)  # as Kiln: per shape
-    compiled = cache[name]["compiled"]
-    autocast = (torch.autocast(dev, dtype=torch.bfloat16) if precision == "bf16"
-                else contextlib.nullcontext())
+    for way, mode in (("torch-compile", "default"), ("torch-graphs", "reduce-overhead")):
+        if way in args.ways and way not in cache[name]:  # dynamic=False as Kiln: per shape
+            cache[name][way] = torch.compile(module, dynamic=False, mode=mode)
+    half = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(precision)
+    autocast = torch.autocast(dev, dtype=half) if half else contextlib.nullcontext()
 
     tf32 = precision == "tf32"
 
@@ -108,6 +111,8 @@ def bench(name: str, precision: str, batch: int, args, cache: dict) -> dict:
 
     sessions = {}
     for way, compile_ in (("kiln-eager", False), ("kiln-compile", True)):
+        if way not in args.ways:
+            continue
         key = (way, precision)
         if key not in cache[name]:
             with warnings.catch_warnings():
@@ -121,9 +126,9 @@ def bench(name: str, precision: str, batch: int, args, cache: dict) -> dict:
     def kiln_runner(sess):
         return lambda: sess.run(None, feeds, output_type="torch")[0]
 
-    runners = {"torch-eager": module_runner(module), "torch-compile": module_runner(compiled),
-               "kiln-eager": kiln_runner(sessions["kiln-eager"]),
-               "kiln-compile": kiln_runner(sessions["kiln-compile"])}
+    runners = {k: (kiln_runner(sessions[k]) if k in sessions
+                   else module_runner(module if k == "torch-eager" else cache[name][k]))
+               for k in args.ways}
     with torch.inference_mode():
         torch.backends.cudnn.allow_tf32 = False
         ref = first_tensor(module(*xs)).float()
@@ -155,7 +160,7 @@ def bench(name: str, precision: str, batch: int, args, cache: dict) -> dict:
         info["ways"][k]["median_ms"] = round(statistics.median(ts), 4)
         info["ways"][k]["rounds_ms"] = [round(x, 4) for x in ts]
     for k in times:
-        for base in ("torch-compile", "torch-eager"):
+        for base in ("torch-compile", "torch-graphs", "torch-eager"):
             if base in times:
                 info["ways"][k][f"x_{base}"] = round(
                     info["ways"][k]["median_ms"] / info["ways"][base]["median_ms"], 3)
@@ -169,12 +174,15 @@ def main(argv=None) -> int:
     ap.add_argument("--batches", default="1,64")
     ap.add_argument("--precisions", default="fp32,bf16")
     ap.add_argument("--seq", type=int, default=128, help="sequence length of text models")
+    ap.add_argument("--ways", default="torch-eager,torch-compile,kiln-eager,kiln-compile",
+                    help="also: torch-graphs")
     ap.add_argument("--rounds", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--block-s", type=float, default=0.05, help="seconds per timed block")
     ap.add_argument("--json", help="write the results here (after every configuration)")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script")
     args = ap.parse_args(argv)
+    args.ways = args.ways.split(",")
     import torch
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: nothing to measure", file=sys.stderr)
@@ -207,6 +215,7 @@ def main(argv=None) -> int:
                              else "")
                     print(f"{head} {k:<14} {w.get('median_ms', float('nan')):9.3f} ms  "
                           f"x{w.get('x_torch-compile', float('nan')):.2f} compile  "
+                          f"x{w.get('x_torch-graphs', float('nan')):.2f} graphs  "
                           f"x{w.get('x_torch-eager', float('nan')):.2f} eager  "
                           f"first {w['first_s']}s  err {w['rel_l2_vs_fp32_eager']:.1e}{extra}",
                           flush=True)
