@@ -272,6 +272,37 @@ def test_run_inputs_from_files(runnable, tmp_path, fmt):
         np.testing.assert_allclose(f["y"], want, rtol=1e-6)
 
 
+def test_run_with_torch_precision_and_compile(runnable, tmp_path):
+    """--precision and --compile reach the torch session: bf16 is close to onnxruntime's
+    fp32 output but not the fp32 run's, compiled fp32 matches it; on the numpy backend
+    both are refused with what to do instead."""
+    pytest.importorskip("torch")
+    ort = pytest.importorskip("onnxruntime")
+    x = np.random.default_rng(2).standard_normal((2, 3, 8, 8)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    want = ort.InferenceSession(str(runnable)).run(None, {"x": x})[0]
+    got, said = {}, {}
+    for name, extra in (("fp32", []), ("bf16", ["--precision", "bf16"]),
+                        ("compiled", ["--compile"])):
+        out = tmp_path / f"{name}.npz"
+        said[name] = json.loads(ok(kiln_cli(
+            "run", runnable, "--input", f"x={tmp_path / 'x.npy'}", "--backend", "torch",
+            *extra, "--output", out, "--json", env={"KILN_COMPILE_CACHE": "0"})))
+        with np.load(out) as f:
+            got[name] = f["y"]
+    assert [said[k]["compiled"] for k in said] == [False, False, True]
+    assert [said[k]["precision"] for k in said] == ["fp32", "bf16", "fp32"]
+    np.testing.assert_allclose(got["fp32"], want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got["compiled"], want, rtol=1e-5, atol=1e-6)
+    # bf16 keeps 8 bits of mantissa: off by ~1e-3 where fp32 is off by ~1e-7
+    err = np.linalg.norm(got["bf16"] - want) / np.linalg.norm(want)
+    assert 1e-4 < err < 5e-2, err
+    for extra in (["--precision", "bf16"], ["--compile"]):
+        r = kiln_cli("run", runnable, "--random", *extra)
+        assert r.returncode == 1 and "needs --backend torch" in r.stderr, r.stderr
+        assert "Traceback" not in r.stderr
+
+
 def test_run_bad_input_is_a_failure(runnable, tmp_path):
     np.save(tmp_path / "x.npy", np.zeros((2, 3, 8, 8), np.float64))
     r = kiln_cli("run", runnable, "--input", f"x={tmp_path / 'x.npy'}")
@@ -386,6 +417,17 @@ def test_bench_vs_onnxruntime(runnable):
         assert abs(float(words.group(1)) - ratio) <= 0.0051
     else:
         assert "Kiln is" in line[0] and "faster than onnxruntime" in line[0]
+
+
+def test_bench_compiled_says_so(runnable):
+    pytest.importorskip("torch")
+    env = {"KILN_COMPILE_CACHE": "0"}
+    b = json.loads(ok(kiln_cli("bench", runnable, "--backend", "torch", "--compile",
+                               "--runs", "3", "--warmup", "1", "--json", env=env)))
+    assert b["compile_status"].startswith("yes") and b["precision"] == "fp32"
+    out = ok(kiln_cli("bench", runnable, "--backend", "torch", "--compile", "--precision",
+                      "bf16", "--runs", "2", "--warmup", "1", env=env))
+    assert "kiln (torch, cpu, bf16, compiled)" in out, out
 
 
 @pytest.mark.parametrize("kiln_ms, ort_ms, words", [

@@ -113,7 +113,9 @@ def bench_text(b: BenchResult) -> str:
     stats = [b.kiln] + ([b.other] if b.other else [])
     rows = []
     for st in stats:
-        label = f"kiln ({b.backend}, {b.device})" if st is b.kiln else st.engine
+        how = [b.backend, b.device] + ([b.precision] if b.precision != "fp32" else []) \
+            + (["compiled"] if b.compile_status.startswith("yes") else [])
+        label = f"kiln ({', '.join(how)})" if st is b.kiln else st.engine
         rows.append([label, _ms(st.p50), _ms(st.p90), _ms(st.p99), _ms(st.mean),
                      f"{st.throughput:,.1f}"])
     out.append(table(["engine", "p50 ms", "p90 ms", "p99 ms", "mean ms", "samples/s"], rows,
@@ -121,6 +123,8 @@ def bench_text(b: BenchResult) -> str:
     words = b.comparison()  # Kiln / other, as everywhere in Kiln's docs
     if words is not None:
         out.append(words)
+    if b.compile_status and not b.compile_status.startswith("yes"):
+        out.append(f"--compile: {b.compile_status}")
     return "\n".join(out)
 
 

@@ -115,6 +115,15 @@ def _add_backend(p: argparse.ArgumentParser, runs: bool = True) -> None:
     p.add_argument("--device", default=None, help=device_help)
 
 
+def _add_torch_options(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default=None,
+                   help="torch backend: compute products and convolutions in this type, fp32 "
+                        "in and out (tf32: CUDA only; default fp32)")
+    p.add_argument("--compile", action="store_true",
+                   help="torch backend: run one compiled program per input shape (CUDA "
+                        "graphs on a GPU); the first run compiles, for seconds")
+
+
 def _add_dims(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dim", type=_dim, action="append", default=[], metavar="NAME=N",
                    help="size of a symbolic dim such as batch or seq (repeatable; "
@@ -234,6 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="random inputs of the declared shapes for inputs not given")
     p.add_argument("--output", metavar="OUT.npz", help="save every output to an .npz")
     _add_backend(p)
+    _add_torch_options(p)
     _add_no_optimize(p)
     p.add_argument("--json", action="store_true", help="machine-readable summary")
     p.set_defaults(func=cmd_run, parser=p)
@@ -259,6 +269,7 @@ def build_parser() -> argparse.ArgumentParser:
                                                   "--input is given).")
     _add_model(p)
     _add_backend(p)
+    _add_torch_options(p)
     p.add_argument("--vs", choices=["onnxruntime"], default=None,
                    help="also time onnxruntime, alternating runs in this process")
     p.add_argument("--batch", type=_positive, default=None,
@@ -562,23 +573,29 @@ def cmd_run(args) -> int:
                              "--random")
         rnd = random_feeds(model, _dims(args), args.seed)
         feeds.update({k: rnd[k] for k in missing})
-    sess = session_for(model, args.backend, args.device, optimize=not args.no_optimize)
+    sess = session_for(model, args.backend, args.device, optimize=not args.no_optimize,
+                       precision=args.precision, compile=args.compile)
     t0 = time.perf_counter()
     outs = sess.run(None, feeds)
     dt = (time.perf_counter() - t0) * 1e3
     names = [o.name for o in sess.get_outputs()]
+    last = sess.placement().last_run
+    how = ([args.precision] if args.precision not in (None, "fp32") else []) \
+        + (["compiled"] if last is not None and last.compiled else [])
     if args.output:
         arrays = {n: np.asarray(o) for n, o in zip(names, outs) if not isinstance(o, list)}
         np.savez(args.output, **arrays)
     rows = [array_summary(n, o) for n, o in zip(names, outs)]
     if args.json:
-        _emit_json({"ms": dt, "inputs": {k: [list(v.shape), str(v.dtype)]
+        _emit_json({"ms": dt, "backend": args.backend, "precision": args.precision or "fp32",
+                    "compiled": "compiled" in how, "inputs": {k: [list(v.shape), str(v.dtype)]
                                          for k, v in feeds.items()},
                     "outputs": [dict(zip(["name", "dtype", "shape", "min", "max", "mean"], r))
                                 for r in rows]})
         return 0
     ins = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
-    print(f"ran {Path(str(args.model)).name} on {args.backend} in {dt:.1f} ms"
+    print(f"ran {Path(str(args.model)).name} on {args.backend}"
+          + (f" ({', '.join(how)})" if how else "") + f" in {dt:.1f} ms"
           + (f" (inputs: {ins})" if ins else ""))
     print(table(["output", "dtype", "shape", "min", "max", "mean"], rows, right=(3, 4, 5)))
     if args.output:
@@ -621,7 +638,8 @@ def cmd_bench(args) -> int:
     r = bench(args.model, backend=args.backend, device=args.device, feeds=feeds,
               runs=args.runs, warmup=args.warmup, batch=args.batch, threads=args.threads,
               vs=args.vs, dims=_dims(args), optimize=not args.no_optimize,
-              progress=False if args.quiet or args.json else None)
+              progress=False if args.quiet or args.json else None,
+              precision=args.precision, compile=args.compile)
     if args.json:
         _emit_json(r.to_dict())
     else:

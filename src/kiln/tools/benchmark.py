@@ -76,6 +76,9 @@ class BenchResult:
     warmup: int
     kiln: Stats
     other: Stats | None = None
+    precision: str = "fp32"
+    compile_status: str = ""
+    """With ``compile``: the session's word on it ("yes: ...", or why runs were eager)."""
 
     @property
     def ratio(self) -> float | None:
@@ -103,6 +106,7 @@ class BenchResult:
     def to_dict(self) -> dict[str, Any]:
         """The ``--json`` form; ``ratio`` is Kiln / other (null without ``vs``)."""
         return {"model": self.model, "backend": self.backend, "device": self.device,
+                "precision": self.precision, "compile_status": self.compile_status or None,
                 "batch": self.batch, "threads": self.threads, "warmup": self.warmup,
                 "kiln": self.kiln.to_dict(),
                 "other": None if self.other is None else self.other.to_dict(),
@@ -152,8 +156,12 @@ def bench(model: Any, backend: str = "numpy", device: str | None = None,
           feeds: dict | None = None, runs: int = 50, warmup: int = 5, batch: int | None = None,
           threads: int | None = None, vs: str | None = None,
           dims: dict[str, int] | None = None, optimize: bool = True,
-          progress: bool | None = None) -> BenchResult:
+          progress: bool | None = None, precision: str | None = None,
+          compile: bool = False) -> BenchResult:
     """Time ``runs`` runs of ``model`` (after ``warmup``) on ``backend``.
+
+    ``precision`` and ``compile`` are the torch backend's session options; a compiled
+    session builds its program in the first warm-up run, so keep ``warmup`` at 1 or more.
 
     ``feeds`` default to random inputs of the declared shapes, the first dim set to
     ``batch`` when symbolic, other symbolic dims from ``dims`` (default 1). ``threads``
@@ -166,7 +174,8 @@ def bench(model: Any, backend: str = "numpy", device: str | None = None,
         raise KilnError(f"--vs {vs!r}: only 'onnxruntime' can be compared against")
     threads = threads or default_threads()
     m = load_model(model)
-    sess = session_for(m, backend, device, threads=threads, optimize=optimize)
+    sess = session_for(m, backend, device, threads=threads, optimize=optimize,
+                       precision=precision, compile=compile)
     if feeds is None:
         feeds = random_feeds(m, dims, batch=batch)
     first = next(iter(feeds.values()), None)
@@ -191,5 +200,10 @@ def bench(model: Any, backend: str = "numpy", device: str | None = None,
                 bar.update(1)
     if bar is not None:
         bar.close()
+    status = ""
+    if compile:
+        rep = sess.placement()
+        status = rep.compiled if rep.last_run is not None and rep.last_run.compiled else \
+            f"no: the measured runs ran eagerly ({rep.compiled})"
     return BenchResult(model_name(model), backend, dev, n_batch, threads, warmup, ours,
-                       theirs if ort_sess is not None else None)
+                       theirs if ort_sess is not None else None, precision or "fp32", status)

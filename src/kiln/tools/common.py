@@ -239,27 +239,40 @@ def parse_dims(items: list[str] | None) -> dict[str, int]:
 
 
 def backend_options(backend: str, device: str | None = None,
-                    threads: int | None = None) -> dict[str, Any]:
-    """The backend options the CLI's ``--device``/``--threads`` mean (torch's; the numpy
-    backend runs on the CPU only, said in the CLI's own words)."""
+                    threads: int | None = None, precision: str | None = None,
+                    compile: bool = False) -> dict[str, Any]:
+    """The backend options the CLI's ``--device``/``--threads``/``--precision``/
+    ``--compile`` mean (torch's; the numpy backend runs fp32 on the CPU only, said in the
+    CLI's own words)."""
     if backend != "torch":
         if device not in (None, "cpu"):
             raise KilnError(f"the {backend} backend runs on the CPU only; use --backend torch "
                             f"for device {device!r}")
+        if precision not in (None, "fp32") or compile:
+            asked = f"--precision {precision}" if precision not in (None, "fp32") else \
+                "--compile"
+            raise KilnError(f"{asked} needs --backend torch (the {backend} backend computes "
+                            "in the model's own types, eagerly)")
         return {}
     opts: dict[str, Any] = {"warn": False}
     if device:
         opts["device"] = device
     if threads:
         opts["threads"] = threads
+    if precision:
+        opts["precision"] = precision
+    if compile:
+        opts["compile"] = True
     return opts
 
 
 def session_for(model: Any, backend: str = "numpy", device: str | None = None,
-                threads: int | None = None, optimize: bool = True):
-    """An InferenceSession on ``backend`` (``device``/``threads`` are torch options),
-    optimized as sessions are by default unless ``optimize`` is False."""
+                threads: int | None = None, optimize: bool = True,
+                precision: str | None = None, compile: bool = False):
+    """An InferenceSession on ``backend`` (``device``, ``threads``, ``precision`` and
+    ``compile`` are torch options), optimized as sessions are by default unless
+    ``optimize`` is False."""
     from kiln.ort import InferenceSession
 
-    opts = backend_options(backend, device, threads)
+    opts = backend_options(backend, device, threads, precision, compile)
     return InferenceSession(load_model(model), backend=backend, optimize=optimize, **opts)
