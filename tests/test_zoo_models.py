@@ -36,6 +36,22 @@ _CUDA = __import__("torch").cuda.is_available()
 _REDUCED_TOL = {"bf16": 8e-2, "fp16": 1.5e-2}
 
 
+@pytest.mark.parametrize("name", ["resnet18", "mobilenetv2", "shufflenetv2", "tinyyolov2",
+                                  "emotion_ferplus"])
+def test_conv_net_in_bf16_on_the_cpu_matches_onnxruntime(name, zoo_model):
+    """``precision="bf16"`` on the CPU: convolutions with their activation (a oneDNN
+    post-op in bf16), residuals, and depthwise layers (kept fp32) stay within bf16's error
+    of onnxruntime's fp32 output, and the output stays fp32."""
+    inputs, expected, _ = zoo.load_reference(name)
+    sess = kiln.InferenceSession(str(zoo_model(name)), backend="torch", precision="bf16")
+    for o, g in zip(sess.get_outputs(), sess.run(None, dict(inputs))):
+        ref = expected[o.name]
+        assert g.dtype == np.float32 and np.isfinite(g).all()
+        err = np.linalg.norm(g.astype(np.float64) - ref) / np.linalg.norm(ref)
+        assert 1e-4 < err <= _REDUCED_TOL["bf16"], f"{name}:{o.name} bf16: {err:.2e}"
+    assert any("computes in torch.bfloat16" in lp.why for lp in sess.placement().layers)
+
+
 @pytest.mark.skipif(not _CUDA, reason="no CUDA device (torch.cuda.is_available() is False); "
                                       "runs where a GPU is present")
 @pytest.mark.parametrize("name", _NAMES)

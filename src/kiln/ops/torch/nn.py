@@ -139,16 +139,26 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     wc = site.const(1)
     bc = const_tensor(site, 2)
     low = be.compute_dtype
+    # A depthwise convolution is bound by memory, not arithmetic: on the CPU, casting its
+    # activations to bf16 and back made MobileNetV2's 17 of them 1.6x slower (7.7 against 4.7 ms
+    # at batch 8 kept in fp32; docs/performance.md), so they stay fp32 there.
+    depthwise_fp32 = low is not None and be.tdevice.type == "cpu" and wc is not None \
+        and group > 1 and wc.ndim >= 3 and wc.shape[1] == 1
+    if depthwise_fp32:
+        low = None
     cl = be.channels_last
     packable = (PREPACK and be.tdevice.type == "cpu" and not be.tracing and wc is not None
                 and post is not None and wc.ndim == 4 and wc.dtype.name == "float32"
-                and (low is None or (low == torch.bfloat16 and PREPACK_BF16 and act is None)))
+                and (low is None or (low == torch.bfloat16 and PREPACK_BF16)))
     # A 1x1 convolution over NHWC rows is a linear layer, and on the AVX-512 EPYC oneDNN's
     # linear primitive costs about 15 us a call before any arithmetic where its convolution
     # costs 23: the depthwise nets' small pointwise layers take 0.7-0.95x the time that way
     # (docs/performance.md). Layers over _ROWS_MACS, not measured, keep the convolution.
     rows_ok = packable and cl and low is None and group == 1 and wc.shape[2:] == (1, 1)
     rows_pack: list = []
+    # Reduced precision outside oneDNN: the constant weight and bias cast at the first such
+    # call (layers that always take oneDNN's packed path never hold the copy)
+    lows: list = []
 
     def as_rows(x, z, b):
         """The 1x1 convolution through oneDNN's linear primitive, or None."""
@@ -231,8 +241,14 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
         if cl and n == 2:  # NHWC convolutions, and NHWC outputs make the next pooling fast
             x = x.contiguous(memory_format=torch.channels_last)
         if low is not None and x.dtype == torch.float32:
-            y = _CONV[n](x.to(low), w.to(low), None if b is None else b.to(low), strides,
-                         begins, dil, group).to(torch.float32)
+            if wc is not None and wc.dtype.name == "float32":
+                if not lows:  # two threads may both cast: the same result, one kept
+                    lows[:] = [w.to(low), None if bc is None else bc.to(low)]
+                ww = lows[0]
+            else:
+                ww = w.to(low)
+            bb = None if b is None else lows[1] if bc is not None and lows else b.to(low)
+            y = _CONV[n](x.to(low), ww, bb, strides, begins, dil, group).to(torch.float32)
         else:
             y = _CONV[n](x, w, b, strides, begins, dil, group)
         if z is not None:
@@ -244,6 +260,8 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
                           + (f", post-op {post[0]}" if post[0] != "none" else ""))
     if low is not None:
         site.notes.append(f"computes in {low}")
+    elif depthwise_fp32:
+        site.notes.append("depthwise: computes in float32 (faster than a reduced type here)")
     return run
 
 
