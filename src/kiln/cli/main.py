@@ -118,7 +118,8 @@ def _add_backend(p: argparse.ArgumentParser, runs: bool = True) -> None:
 def _add_torch_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default=None,
                    help="torch backend: compute products and convolutions in this type, fp32 "
-                        "in and out (tf32: CUDA only; default fp32)")
+                        "in and out (tf32: CUDA only; depthwise convolutions stay fp32 on "
+                        "the CPU; default fp32)")
     p.add_argument("--compile", action="store_true",
                    help="torch backend: run one compiled program per input shape (CUDA "
                         "graphs on a GPU); the first run compiles, for seconds")
