@@ -463,6 +463,22 @@ def test_reduced_precision_keeps_fp32_io(mlp_model, precision):
     assert any("computes in" in lp.why for lp in sess.placement().layers)
 
 
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_a_precision_this_cpu_lacks_warns(mlp_model, precision):
+    """A reduced precision without native arithmetic on this CPU (torch's oneDNN says
+    which it has) runs in reference kernels, 9-192x slower for fp16: the session says so."""
+    from kiln.runtime.torch_backend import PrecisionWarning
+
+    has = {"bf16": torch.ops.mkldnn._is_mkldnn_bf16_supported,
+           "fp16": torch.ops.mkldnn._is_mkldnn_fp16_supported}[precision]()
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        kiln.InferenceSession(mlp_model, backend="torch", precision=precision)
+    said = [str(w.message) for w in seen if issubclass(w.category, PrecisionWarning)]
+    assert len(said) == (0 if has else 1), said
+    assert all(f"no native {precision}" in m and "use " in m for m in said)
+
+
 @_requires("Conv", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool")
 def test_reduced_precision_conv_net(conv_net):
     sess = kiln.InferenceSession(conv_net, backend="torch", precision="bf16")

@@ -31,6 +31,7 @@ from kiln.ir import DType, TensorType
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef
 from kiln.ops.torch.arrays import DTYPE_OF, TORCH_OF, to_numpy, to_torch
+from kiln.ops.torch.nn import native_on_cpu
 from kiln.runtime import compile_cache
 from kiln.runtime.backend import Backend, Candidate, host_feed, usable_cores
 from kiln.runtime.executor import Program
@@ -45,11 +46,16 @@ warnings.filterwarnings("ignore", message="The given NumPy array is not writable
 _ND = np.ndarray
 _TENSOR = torch.Tensor
 PRECISIONS = {"fp32": None, "tf32": None, "bf16": torch.bfloat16, "fp16": torch.float16}
-__all__ = ["CompileWarning", "FallbackWarning", "TorchBackend", "as_torch"]
+__all__ = ["CompileWarning", "FallbackWarning", "PrecisionWarning", "TorchBackend",
+           "as_torch"]
 
 
 class FallbackWarning(UserWarning):
     """Some layers run on the CPU fallback (named in the message)."""
+
+
+class PrecisionWarning(UserWarning):
+    """The precision asked for has no native arithmetic on this CPU: it runs, slowly."""
 
 
 class TorchBackend(Backend):
@@ -102,6 +108,14 @@ class TorchBackend(Backend):
         self.is_cuda = dev.type == "cuda"
         self.precision = precision
         self.compute_dtype = PRECISIONS[precision]
+        if dev.type == "cpu" and self.compute_dtype is not None \
+                and not native_on_cpu(self.compute_dtype):
+            other = "'bf16' or 'fp32'" if native_on_cpu(torch.bfloat16) else "'fp32'"
+            warnings.warn(f"precision={precision!r}: this CPU has no native {precision} "
+                          "arithmetic (oneDNN reports none), so torch's reference kernels "
+                          "run it, many times slower than fp32 (fp16 took 9-192x fp32's "
+                          f"time on zoo models on an AVX-512 CPU); use {other} here",
+                          PrecisionWarning, stacklevel=5)
         self.compile = bool(compile)
         self.channels_last = (not self.is_cuda) if channels_last is None else channels_last
         self.warn = warn

@@ -48,6 +48,17 @@ PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith(("AVX2"
 PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
+def native_on_cpu(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies in ``dtype`` natively, in oneDNN's word. Without it
+    torch's reference kernels run fp16 9-192x slower than fp32 on the zoo models measured
+    (docs/performance.md, "Reduced precision on a CPU without it")."""
+    if not _MKLDNN:
+        return False
+    if dtype == torch.bfloat16:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.float16 and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
 # oneDNN's linear primitive with a packed weight against MKL's sgemm (F.linear), measured on
 # an AVX-512 AMD EPYC (Zen 5, docs/performance.md): from a megabyte of weight it is as fast
 # or up to 3.5x faster at every row count, as it streams the packed weight where MKL
