@@ -135,8 +135,10 @@ class TorchBackend(Backend):
 
     def tracer(self) -> TorchBackend:
         """A backend with these options whose kernels trace (for torch.compile)."""
-        t = TorchBackend(self.device, self.precision, compile=False,
-                         channels_last=self.channels_last, warn=False)
+        with warnings.catch_warnings():  # the session said it already
+            warnings.simplefilter("ignore", PrecisionWarning)
+            t = TorchBackend(self.device, self.precision, compile=False,
+                             channels_last=self.channels_last, warn=False)
         t.tracing = True
         return t
 
