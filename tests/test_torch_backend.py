@@ -523,6 +523,37 @@ def test_compile_runs_one_program_and_matches(mlp_model, monkeypatch):
             assert sess.placement().last_run.compiled
 
 
+@pytest.mark.parametrize("cache", ["disk", "off"])
+def test_compile_in_bf16_builds_one_program(mlp_model, monkeypatch, tmp_path, cache):
+    """Reduced precision compiles too, on AOTInductor's path (cache on disk) and
+    torch.compile's: a bf16 copy of a weight made in prepare used to become a lifted
+    constant AOTInductor failed on, and the session then ran eagerly."""
+    monkeypatch.setenv("KILN_COMPILE_CACHE", str(tmp_path) if cache == "disk" else "0")
+    sess = kiln.InferenceSession(mlp_model, backend="torch", precision="bf16", compile=True)
+    for seed in (0, 1):
+        x = np.random.default_rng(seed).standard_normal((3, 4)).astype(np.float32)
+        np.testing.assert_allclose(sess.run(None, {"x": x})[0],
+                                   ort_run(mlp_model, {"x": x})[0], atol=3e-2)
+        assert sess.placement().last_run.compiled
+    assert sess.placement().compiled.startswith("yes"), sess.placement().compiled
+
+
+@_requires("Conv", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool")
+def test_compiled_conv_net_in_bf16_is_one_graph(conv_net, monkeypatch):
+    """torch.compile traces the whole model as one graph: a kernel reading a NumPy constant
+    inside its run (rather than in prepare) breaks it into pieces, one per layer."""
+    monkeypatch.setenv("KILN_COMPILE_CACHE", "0")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    sess = kiln.InferenceSession(conv_net, backend="torch", precision="bf16", compile=True)
+    x = _x_conv(2)
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(conv_net, {"x": x})[0],
+                               atol=3e-2)
+    assert sess.placement().last_run.compiled
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1, \
+        dict(torch._dynamo.utils.counters["stats"])
+
+
 def test_compile_falls_back_to_eager_with_a_warning():
     with pytest.warns(CompileWarning, match="running eagerly"):
         with warnings.catch_warnings():

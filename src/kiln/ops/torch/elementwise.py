@@ -228,13 +228,22 @@ def _lowp(site):
     return site.backend.compute_dtype
 
 
+def _new_tensors_ok(site) -> bool:
+    """Whether ``prepare`` may keep tensors of its own (a transposed or cast weight). Not
+    while tracing for AOTInductor on the CPU: such a tensor becomes a lifted constant
+    that AOTInductor with frozen weights fails on (torch 2.13: "references nonexistent
+    attribute _tensor_constant0"), where the same cast inside the program folds."""
+    be = site.backend
+    return not (be.tracing and be.tdevice.type == "cpu")
+
+
 # 2.3x the generic kernel, and computes in bf16/fp16 when the session asks for it
 @kernel("MatMul", 1, prepare=True)
 def matmul(site):
     low = _lowp(site)
     wc = const_tensor(site, 1)
     wlow = wc.to(low) if low is not None and wc is not None and wc.dtype == torch.float32 \
-        else None
+        and _new_tensors_ok(site) else None
     lin = linear(site, wc) if wc is not None and wc.dim() == 2 \
         and wc.dtype == torch.float32 and low is None else None
 
@@ -270,7 +279,8 @@ def gemm(site):
     # Otherwise keep a constant B as the (N, K) matrix F.linear wants, cast once for low
     # precision.
     w = None
-    if lin is None and wc is not None and wc.dim() == 2 and wc.dtype in FLOATS:
+    if lin is None and wc is not None and wc.dim() == 2 and wc.dtype in FLOATS \
+            and _new_tensors_ok(site):
         w = wc if tb else wc.t().contiguous()
         if low is not None and w.dtype == torch.float32:
             w = w.to(low)

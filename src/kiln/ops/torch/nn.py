@@ -168,7 +168,10 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     rows_ok = packable and cl and low is None and group == 1 and wc.shape[2:] == (1, 1)
     rows_pack: list = []
     # Reduced precision outside oneDNN: the constant weight and bias cast at the first such
-    # call (layers that always take oneDNN's packed path never hold the copy)
+    # call (layers that always take oneDNN's packed path never hold the copy); not while
+    # tracing for torch.compile, where the cast is part of the program
+    keep_low = low is not None and wc is not None and wc.dtype.name == "float32" \
+        and not be.tracing
     lows: list = []
 
     def as_rows(x, z, b):
@@ -252,13 +255,13 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
         if cl and n == 2:  # NHWC convolutions, and NHWC outputs make the next pooling fast
             x = x.contiguous(memory_format=torch.channels_last)
         if low is not None and x.dtype == torch.float32:
-            if wc is not None and wc.dtype.name == "float32":
+            if keep_low:
                 if not lows:  # two threads may both cast: the same result, one kept
                     lows[:] = [w.to(low), None if bc is None else bc.to(low)]
                 ww = lows[0]
+                bb = None if b is None else lows[1] if bc is not None else b.to(low)
             else:
-                ww = w.to(low)
-            bb = None if b is None else lows[1] if bc is not None and lows else b.to(low)
+                ww, bb = w.to(low), None if b is None else b.to(low)
             y = _CONV[n](x.to(low), ww, bb, strides, begins, dil, group).to(torch.float32)
         else:
             y = _CONV[n](x, w, b, strides, begins, dil, group)
