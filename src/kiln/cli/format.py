@@ -106,6 +106,13 @@ def profile_text(p: Profile, top: int = 0) -> str:
     return "\n".join(out)
 
 
+def run_words(precision: str | None, compiled: bool) -> list[str]:
+    """How a torch session ran, as ``run`` and ``bench`` say it: its precision unless fp32,
+    and "compiled" when the run was a compiled program."""
+    return ([precision] if precision not in (None, "fp32") else []) \
+        + (["compiled"] if compiled else [])
+
+
 def bench_text(b: BenchResult) -> str:
     """``kiln bench``'s text: percentiles per engine, then the Kiln / other ratio in words."""
     out = [f"{b.model}: batch {b.batch}, {b.threads} thread(s), {len(b.kiln.latencies_ms)} "
@@ -113,8 +120,8 @@ def bench_text(b: BenchResult) -> str:
     stats = [b.kiln] + ([b.other] if b.other else [])
     rows = []
     for st in stats:
-        how = [b.backend, b.device] + ([b.precision] if b.precision != "fp32" else []) \
-            + (["compiled"] if b.compile_status.startswith("yes") else [])
+        how = [b.backend, b.device] + run_words(b.precision,
+                                                b.compile_status.startswith("yes"))
         label = f"kiln ({', '.join(how)})" if st is b.kiln else st.engine
         rows.append([label, _ms(st.p50), _ms(st.p90), _ms(st.p99), _ms(st.mean),
                      f"{st.throughput:,.1f}"])

@@ -562,7 +562,7 @@ def cmd_edit(args) -> int:
 def cmd_run(args) -> int:
     import numpy as np
 
-    from kiln.cli.format import array_summary, table
+    from kiln.cli.format import array_summary, run_words, table
     from kiln.tools.common import load_model, random_feeds, session_for
 
     model = load_model(args.model)
@@ -581,15 +581,15 @@ def cmd_run(args) -> int:
     dt = (time.perf_counter() - t0) * 1e3
     names = [o.name for o in sess.get_outputs()]
     last = sess.placement().last_run
-    how = ([args.precision] if args.precision not in (None, "fp32") else []) \
-        + (["compiled"] if last is not None and last.compiled else [])
+    compiled = bool(last is not None and last.compiled)
+    how = run_words(args.precision, compiled)
     if args.output:
         arrays = {n: np.asarray(o) for n, o in zip(names, outs) if not isinstance(o, list)}
         np.savez(args.output, **arrays)
     rows = [array_summary(n, o) for n, o in zip(names, outs)]
     if args.json:
         _emit_json({"ms": dt, "backend": args.backend, "precision": args.precision or "fp32",
-                    "compiled": "compiled" in how, "inputs": {k: [list(v.shape), str(v.dtype)]
+                    "compiled": compiled, "inputs": {k: [list(v.shape), str(v.dtype)]
                                          for k, v in feeds.items()},
                     "outputs": [dict(zip(["name", "dtype", "shape", "min", "max", "mean"], r))
                                 for r in rows]})

@@ -43,11 +43,6 @@ _MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn") 
 # on AVX2 picks a kernel wanting another blocking and re-packs the weights on every call
 # (117 ms instead of 3.2 ms for a 512x512x3x3 kernel on a 7x7 input).
 PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
-# oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere plain
-# F.conv2d computes in bf16 instead.
-PREPACK_BF16 = PREPACK and torch.ops.mkldnn._is_mkldnn_bf16_supported()
-
-
 def native_on_cpu(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies in ``dtype`` natively, in oneDNN's word. Without it
     torch's reference kernels run fp16 9-192x slower than fp32 on the zoo models measured
@@ -57,6 +52,11 @@ def native_on_cpu(dtype: torch.dtype) -> bool:
     if dtype == torch.bfloat16:
         return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
     return dtype == torch.float16 and bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+
+
+# oneDNN's bf16 weight packing needs AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT; elsewhere plain
+# F.conv2d computes in bf16 instead.
+PREPACK_BF16 = PREPACK and native_on_cpu(torch.bfloat16)
 
 
 # oneDNN's linear primitive with a packed weight against MKL's sgemm (F.linear), measured on
