@@ -36,6 +36,11 @@ _CUDA = __import__("torch").cuda.is_available()
 _REDUCED_TOL = {"bf16": 8e-2, "fp16": 1.5e-2}
 
 
+def _rel_l2(got: np.ndarray, ref: np.ndarray) -> float:
+    """‖got - ref‖ / ‖ref‖, in float64."""
+    return float(np.linalg.norm(got.astype(np.float64) - ref) / np.linalg.norm(ref))
+
+
 @pytest.mark.parametrize("name", ["resnet18", "mobilenetv2", "shufflenetv2", "tinyyolov2",
                                   "emotion_ferplus"])
 def test_conv_net_in_bf16_on_the_cpu_matches_onnxruntime(name, zoo_model):
@@ -47,7 +52,7 @@ def test_conv_net_in_bf16_on_the_cpu_matches_onnxruntime(name, zoo_model):
     for o, g in zip(sess.get_outputs(), sess.run(None, dict(inputs))):
         ref = expected[o.name]
         assert g.dtype == np.float32 and np.isfinite(g).all()
-        err = np.linalg.norm(g.astype(np.float64) - ref) / np.linalg.norm(ref)
+        err = _rel_l2(g, ref)
         assert 1e-4 < err <= _REDUCED_TOL["bf16"], f"{name}:{o.name} bf16: {err:.2e}"
     assert any("computes in torch.bfloat16" in lp.why for lp in sess.placement().layers)
 
@@ -71,7 +76,7 @@ def test_zoo_model_on_cuda_matches_onnxruntime(name, precision, zoo_model):
         if precision == "fp32":
             np.testing.assert_allclose(g, ref, err_msg=f"{name}:{o.name}", **meta["tolerance"])
         else:
-            err = np.linalg.norm(g.astype(np.float64) - ref) / np.linalg.norm(ref)
+            err = _rel_l2(g, ref)
             assert err <= _REDUCED_TOL[precision], f"{name}:{o.name} {precision}: {err:.2e}"
     rep = sess.placement()
     # Text models compute one scalar from the input's shape on the host (a sequence length
