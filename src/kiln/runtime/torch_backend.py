@@ -63,7 +63,8 @@ class TorchBackend(Backend):
 
     ``device``: "cpu", "cuda" or "cuda:N". ``precision``: "fp32", "bf16" or "fp16" —
     matmul/conv compute in that type (depthwise convolutions on the CPU excepted: faster in
-    fp32), their inputs and outputs stay fp32; on CUDA, "fp32"
+    fp32), their inputs and outputs stay fp32; a type this CPU has no native arithmetic for
+    runs, many times slower, with a ``PrecisionWarning``; on CUDA, "fp32"
     keeps cuDNN and cuBLAS off TF32 during runs (torch's default convolutions use it) and
     "tf32" puts both on it (10-bit products, fp32 values). ``compile``:
     run the main graph as ``torch.compile`` programs, one per input shape (CUDA graphs on
