@@ -746,11 +746,16 @@ def _pool_case(op: str, x_shape: tuple, attrs: dict):
     ((1, 2, 9, 9), dict(kernel_shape=[2, 2], strides=[3, 2], dilations=[2, 3])),
     ((1, 5, 6, 6), dict(kernel_shape=[1, 3], strides=[1, 2], pads=[0, 1, 0, 1])),
     ((2, 3, 11), dict(kernel_shape=[3], strides=[2], ceil_mode=1)),
-    ((1, 2, 4, 5, 6), dict(kernel_shape=[1, 2, 2], strides=[1, 2, 2]))])
+    ((1, 2, 4, 5, 6), dict(kernel_shape=[1, 2, 2], strides=[1, 2, 2])),
+    ((2, 3, 9, 8), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1])),  # ResNet's
+    ((1, 3, 7, 7), dict(kernel_shape=[3, 3], strides=[2, 2], pads=[0, 2, 1, 0], ceil_mode=1)),
+    ((1, 2, 4, 6), dict(kernel_shape=[2, 3], strides=[2, 2], pads=[1, 0, 1, 2]))])
 def test_small_max_pools_match_onnxruntime(x_shape, attrs, monkeypatch):
-    """Max-pools of up to 4 taps run as maxima over strided views of the input (not torch's
-    max-pool; every input size here): padding, ceil mode, dilation and 1-D to 3-D windows
-    give onnxruntime's results, on NHWC inputs too."""
+    """Max-pools of windows up to 3x3 run as maxima over strided views of the input, one
+    axis at a time (not torch's max-pool; every input size here): padding, ceil mode,
+    dilation and 1-D to 3-D windows give onnxruntime's results, on NHWC inputs too, and
+    so do windows that leave it to torch's pool (outputs seeing only padding along an
+    axis)."""
     from kiln.ops.torch import nn as torch_nn
 
     monkeypatch.setattr(torch_nn, "_VIEW_POOL_MIN", 0)
