@@ -369,6 +369,33 @@ def test_attention_fuses(scale_op, mask):
     assert ops(om) == {"ai.kiln.Attention": 1, "Transpose": 1}
 
 
+@pytest.mark.parametrize("mask_shape", [None, (3, 1, 1, 72), (1, 1, 72, 72), (3, 2, 72, 72),
+                                        (72, 72)])
+def test_long_attention_on_torch_matches_onnxruntime(mask_shape):
+    """Fused attention over 72 tokens on torch gives onnxruntime's results with each mask
+    shape an exporter writes (padding, causal, per head, 2-D)."""
+    pytest.importorskip("torch")
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Mul", ["s", "c"], ["ss"])]
+    cur, inputs = "ss", [vi(x, ["b", 2, "s", 8]) for x in "qkv"]
+    feeds = {x: rand(3, 2, 72, 8, seed=i) for i, x in enumerate("qkv")}
+    if mask_shape is not None:
+        nodes.append(helper.make_node("Add", [cur, "m"], ["sm"]))
+        cur = "sm"
+        inputs.append(vi("m", list(mask_shape)))
+        m = np.where(rand(*mask_shape, seed=9) > 0.3, 0.0, -1e4).astype(np.float32)
+        feeds["m"] = m
+    nodes += [helper.make_node("Softmax", [cur], ["p"], axis=-1),
+              helper.make_node("MatMul", ["p", "v"], ["y"])]
+    proto = make_model(nodes, inputs, [vi("y", ["b", 2, "s", 8])],
+                       [init("c", np.float32(0.35))])
+    sess = kiln.InferenceSession(proto, backend="torch")
+    assert [n.op_type for n in sess.model.graph.nodes] == ["Transpose", "Attention"]
+    np.testing.assert_allclose(sess.run(None, feeds)[0], ort_run(proto, feeds)[0],
+                               rtol=1e-5, atol=1e-6)
+
+
 def test_attention_with_extra_reader_is_left_alone():
     nodes = [helper.make_node("MatMul", ["q", "k"], ["s"]),
              helper.make_node("Softmax", ["s"], ["p"], axis=-1),
