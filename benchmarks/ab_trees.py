@@ -26,7 +26,7 @@ sess = kiln.InferenceSession(str(path(name)), backend=backend)
 rng = np.random.default_rng(0)
 feeds = {}
 for spec in get_entry(name).inputs:
-    shape = [1 if d == "batch" else int(sys.argv[4]) if isinstance(d, str) else d
+    shape = [int(sys.argv[5]) if d == "batch" else int(sys.argv[4]) if isinstance(d, str) else d
              for d in spec.shape]
     if spec.kind == "ids":
         feeds[spec.name] = rng.integers(1000, 8000, shape).astype(spec.dtype)
@@ -55,6 +55,7 @@ def main() -> None:
     ap.add_argument("--backend", default="torch")
     ap.add_argument("--threads", default="2")
     ap.add_argument("--seq", default="128")
+    ap.add_argument("--batch", default="1")
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--block", type=int, default=3)
     args = ap.parse_args()
@@ -63,7 +64,8 @@ def main() -> None:
         for tag, src in (("old", args.old), ("new", args.new)):
             env = dict(os.environ, PYTHONPATH=src)
             procs[tag] = subprocess.Popen([sys.executable, "-c", WORKER, name, args.backend,
-                                           args.threads, args.seq], env=env, text=True,
+                                           args.threads, args.seq, args.batch], env=env,
+                                          text=True,
                                           stdin=subprocess.PIPE, stdout=subprocess.PIPE)
             assert procs[tag].stdout.readline().strip() == "ready"
         times: dict[str, list[float]] = {"old": [], "new": []}
@@ -77,7 +79,7 @@ def main() -> None:
             p.stdin.close()
             p.wait()
         o, n = (statistics.median(times[t]) * 1e3 for t in ("old", "new"))
-        print(f"{name:14s} {args.backend:6s} old {o:8.2f} ms  new {n:8.2f} ms  "
+        print(f"{name:14s} {args.backend:6s} b{args.batch} old {o:8.2f} ms  new {n:8.2f} ms  "
               f"new/old {n / o:5.2f}", flush=True)
 
 
