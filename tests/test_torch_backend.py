@@ -538,6 +538,33 @@ def test_compile_in_bf16_builds_one_program(mlp_model, monkeypatch, tmp_path, ca
     assert sess.placement().compiled.startswith("yes"), sess.placement().compiled
 
 
+def test_compile_takes_positions_computed_from_the_input(monkeypatch, tmp_path):
+    """RoBERTa's position ids, as exported: a CumSum over the non-padding tokens (its axis a
+    constant input) and a GatherElements at the computed positions. Both used to read a
+    value on the host while tracing (the axis; the generic gather's range check), so the
+    whole model ran eagerly with compile=True."""
+    monkeypatch.setenv("KILN_COMPILE_CACHE", str(tmp_path))
+    i64 = TensorProto.INT64
+    nodes = [helper.make_node("Equal", ["ids", "pad"], ["is_pad"]),
+             helper.make_node("Not", ["is_pad"], ["real"]),
+             helper.make_node("Cast", ["real"], ["r"], to=TensorProto.INT32),
+             helper.make_node("CumSum", ["r", "axis"], ["c"]),
+             helper.make_node("Mul", ["c", "r"], ["cm"]),
+             helper.make_node("Cast", ["cm"], ["pos"], to=i64),
+             helper.make_node("GatherElements", ["table", "pos"], ["y"], axis=1)]
+    rng = np.random.default_rng(0)
+    model = make_model(nodes, [helper.make_tensor_value_info("ids", i64, [2, 6]),
+                               helper.make_tensor_value_info("table", i64, [2, 9])],
+                       [helper.make_tensor_value_info("y", i64, [2, 6])],
+                       [_init("pad", np.int64(1)), _init("axis", np.int32(1))])
+    sess = kiln.InferenceSession(model, backend="torch", compile=True)
+    for seed in (0, 1):
+        feeds = {"ids": rng.integers(0, 4, (2, 6)).astype(np.int64),
+                 "table": rng.integers(-50, 50, (2, 9)).astype(np.int64) + seed}
+        np.testing.assert_array_equal(sess.run(None, feeds)[0], ort_run(model, feeds)[0])
+        assert sess.placement().last_run.compiled, sess.placement().compiled
+
+
 @_requires("Conv", "BatchNormalization", "MaxPool", "AveragePool", "GlobalAveragePool")
 def test_compiled_conv_net_in_bf16_is_one_graph(conv_net, monkeypatch):
     """torch.compile traces the whole model as one graph: a kernel reading a NumPy constant

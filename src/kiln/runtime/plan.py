@@ -130,9 +130,12 @@ class Plan:
         take them as Python numbers (backends with ``params_as_tuples``): as tuples."""
         if not self.backend.params_as_tuples:
             return {}
+        # the backend's own kernels and the shared ones on its arrays (which read host
+        # inputs through int_list): not the host fallback, which converts its inputs
+        own = (self.backend.name, f"{self.backend.name}-generic")
         readers: dict[Value, list[bool]] = {}
         for s in self.steps:
-            native = s.placement == self.backend.name
+            native = s.placement in own
             for i, v in enumerate(s.inputs):
                 if v is not None and v in self.consts:
                     readers.setdefault(v, []).append(native and i in s.host_inputs)

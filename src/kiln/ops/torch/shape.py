@@ -237,6 +237,16 @@ def _gather(x, indices, axis: int):
     return y.reshape(tuple(x.shape[:a]) + tuple(indices.shape) + tuple(x.shape[a + 1:]))
 
 
+@kernel("GatherElements", 11)  # traceable: the generic kernel's range check reads a value
+def gather_elements(data, indices, *, axis=0):  # on the host, which stops torch.compile
+    if indices.dtype not in (torch.int32, torch.int64) or indices.device != data.device:
+        return NI
+    a = axis + data.dim() if axis < 0 else axis
+    # torch.gather raises on an index outside [0, n): so does ONNX after the wrap
+    idx = torch.where(indices < 0, indices + data.shape[a], indices)
+    return torch.gather(data, a, idx if idx.dtype == torch.int64 else idx.long())
+
+
 @kernel("Tile", 6)  # 1.4x the generic kernel (Tensor.repeat)
 def tile(x, repeats):
     return x.repeat(ints(repeats))
