@@ -146,7 +146,8 @@ def bench_one(name: str, batch: int, args) -> dict:
 def markdown(env: dict, records: list[dict]) -> str:
     head = (f"Run {env['date']} on {env['cpu']} ({env['machine']}), {env['threads']} "
             f"threads; python {env['python']}, torch {env['torch']}, onnxruntime "
-            f"{env['onnxruntime']}, onnx {env['onnx']}. Milliseconds: `run` is the "
+            f"{env['onnxruntime']}, onnx {env['onnx']}, numpy {env['numpy']} with "
+            f"{env['numpy BLAS']}. Milliseconds: `run` is the "
             "unprofiled median; the kinds are each engine's profiled layers (medians) "
             "summed, `sum` their total; ort = onnxruntime, kiln = Kiln's "
             f"{records[0]['backend'] if records else ''} backend.\n\n")
