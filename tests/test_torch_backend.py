@@ -539,29 +539,35 @@ def test_compile_in_bf16_builds_one_program(mlp_model, monkeypatch, tmp_path, ca
 
 
 def test_compile_takes_positions_computed_from_the_input(monkeypatch, tmp_path):
-    """RoBERTa's position ids, as exported: a CumSum over the non-padding tokens (its axis a
-    constant input) and a GatherElements at the computed positions. Both used to read a
-    value on the host while tracing (the axis; the generic gather's range check), so the
+    """RoBERTa's position ids, as exported: a CumSum over the non-padding tokens whose axis
+    is a constant the dynamo exporter also adds elsewhere, then gathers at the computed
+    positions (GatherElements; GatherND as the dynamo export's mask code does). Each used
+    to read a value on the host while tracing (the axis; the gathers' range checks), so the
     whole model ran eagerly with compile=True."""
     monkeypatch.setenv("KILN_COMPILE_CACHE", str(tmp_path))
     i64 = TensorProto.INT64
     nodes = [helper.make_node("Equal", ["ids", "pad"], ["is_pad"]),
              helper.make_node("Not", ["is_pad"], ["real"]),
              helper.make_node("Cast", ["real"], ["r"], to=TensorProto.INT32),
-             helper.make_node("CumSum", ["r", "axis"], ["c"]),
+             helper.make_node("CumSum", ["r", "one"], ["c"]),
              helper.make_node("Mul", ["c", "r"], ["cm"]),
-             helper.make_node("Cast", ["cm"], ["pos"], to=i64),
-             helper.make_node("GatherElements", ["table", "pos"], ["y"], axis=1)]
+             helper.make_node("Cast", ["cm"], ["pos0"], to=i64),
+             helper.make_node("Add", ["pos0", "one"], ["pos"]),
+             helper.make_node("GatherElements", ["table", "pos"], ["y"], axis=1),
+             helper.make_node("Unsqueeze", ["pos", "last"], ["pos_nd"]),
+             helper.make_node("GatherND", ["table", "pos_nd"], ["y_nd"], batch_dims=1)]
     rng = np.random.default_rng(0)
+    out = [helper.make_tensor_value_info(n, i64, [2, 6]) for n in ("y", "y_nd")]
     model = make_model(nodes, [helper.make_tensor_value_info("ids", i64, [2, 6]),
-                               helper.make_tensor_value_info("table", i64, [2, 9])],
-                       [helper.make_tensor_value_info("y", i64, [2, 6])],
-                       [_init("pad", np.int64(1)), _init("axis", np.int32(1))])
+                               helper.make_tensor_value_info("table", i64, [2, 9])], out,
+                       [_init("pad", np.int64(1)), _init("one", np.int64(1)),
+                        _init("last", np.array([-1], np.int64))])
     sess = kiln.InferenceSession(model, backend="torch", compile=True)
     for seed in (0, 1):
         feeds = {"ids": rng.integers(0, 4, (2, 6)).astype(np.int64),
                  "table": rng.integers(-50, 50, (2, 9)).astype(np.int64) + seed}
-        np.testing.assert_array_equal(sess.run(None, feeds)[0], ort_run(model, feeds)[0])
+        for got, want in zip(sess.run(None, feeds), ort_run(model, feeds)):
+            np.testing.assert_array_equal(got, want)
         assert sess.placement().last_run.compiled, sess.placement().compiled
 
 

@@ -29,6 +29,23 @@ def test_zoo_model_matches_onnxruntime(name, optimize, zoo_model):
 
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", [e.name for e in zoo.list_models() if e.is_text])
+def test_text_zoo_model_compiles_into_one_program(name, zoo_model, monkeypatch, tmp_path):
+    """``compile=True`` builds one AOTInductor program for every text model in the zoo
+    (RoBERTa's position ids once stopped the trace, and the session ran eagerly with a
+    warning), and its outputs match onnxruntime's reference."""
+    monkeypatch.setenv("KILN_COMPILE_CACHE", str(tmp_path))
+    inputs, expected, meta = zoo.load_reference(name)
+    sess = kiln.InferenceSession(str(zoo_model(name)), backend="torch", compile=True)
+    for _ in range(2):  # the first run compiles; the second runs the loaded program
+        got = sess.run(None, dict(inputs))
+        assert sess.placement().last_run.compiled, sess.placement().compiled
+    for o, g in zip(sess.get_outputs(), got):
+        np.testing.assert_allclose(g, expected[o.name], err_msg=f"{name}:{o.name}",
+                                   **meta["tolerance"])
+
+
 _CUDA = __import__("torch").cuda.is_available()
 # Relative L2 error (‖got - ref‖ / ‖ref‖) allowed with products and convolutions in a
 # 16-bit type, fp32 in and out: 1.3x the largest measured on an H100 (MobileNetV2's, 6.3e-2

@@ -137,14 +137,18 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
     line_step: dict[int, int] = {}
     for i, v in enumerate(plan.graph.inputs):
         names[v] = f"x{i}"
-    used = {v for s in plan.steps for v in s.inputs if v is not None} | set(plan.graph.outputs)
     params = plan.param_constants()
+    as_param = {(j, k) for j, s in enumerate(plan.steps) for k, v in enumerate(s.inputs)
+                if v in params and plan.takes_param(s, k)}
+    used = {v for j, s in enumerate(plan.steps) for k, v in enumerate(s.inputs)
+            if v is not None and (j, k) not in as_param} | set(plan.graph.outputs)
+    pnames: dict = {}
     consts = {}
     for i, (v, t) in enumerate(plan.consts.items()):
-        if v in params:  # read only as host parameters: plain Python, nothing to trace
-            names[v] = f"p{i}"
+        if v in params:  # host parameters as plain Python: nothing to trace
+            pnames[v] = f"p{i}"
             glb[f"p{i}"] = params[v]
-        elif v in used:
+        if v in used:
             consts[f"c{i}"] = t
             names[v] = f"c{i}"
             if module:
@@ -161,7 +165,8 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
         lines.append(f"    if _m is not None: {known}, = _m")
     for j, s in enumerate(plan.steps):
         glb[f"f{j}"] = s.fn
-        args = ", ".join("None" if v is None else names[v] for v in s.inputs)
+        args = ", ".join("None" if v is None else pnames[v] if (j, k) in as_param else names[v]
+                         for k, v in enumerate(s.inputs))
         plain = args
         if s.wants_ctx:  # facts only (no subgraphs here): one context per step, made now
             glb[f"k{j}"] = KernelContext(len(s.outputs), s.opset, {}, plan, s.node,

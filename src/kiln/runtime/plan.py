@@ -125,27 +125,27 @@ class Plan:
             for sub in s.subplans:
                 yield from sub.walk()
 
+    def takes_param(self, step: Step, i: int) -> bool:
+        """Whether ``step`` reads its input ``i`` as a host parameter given as Python numbers
+        (backends with ``params_as_tuples``): the backend's own kernels and the shared ones on
+        its arrays (which read host inputs through int_list), not the host fallback, which
+        converts its inputs."""
+        return self.backend.params_as_tuples and i in step.host_inputs and \
+            step.placement in (self.backend.name, f"{self.backend.name}-generic")
+
     def param_constants(self) -> dict[Value, tuple]:
-        """Constants read only as host parameters (shapes, axes, sizes) by kernels that
-        take them as Python numbers (backends with ``params_as_tuples``): as tuples."""
-        if not self.backend.params_as_tuples:
-            return {}
-        # the backend's own kernels and the shared ones on its arrays (which read host
-        # inputs through int_list): not the host fallback, which converts its inputs
-        own = (self.backend.name, f"{self.backend.name}-generic")
-        readers: dict[Value, list[bool]] = {}
-        for s in self.steps:
-            native = s.placement in own
-            for i, v in enumerate(s.inputs):
-                if v is not None and v in self.consts:
-                    readers.setdefault(v, []).append(native and i in s.host_inputs)
+        """Constants some step reads as a host parameter (shapes, axes, sizes;
+        :meth:`takes_param`), as tuples: those steps get the tuple, other readers of the same
+        constant (exporters share one scalar between an axis and arithmetic) the array."""
         out = {}
-        for v, ok in readers.items():
-            c = v.const
-            if all(ok) and v not in self.graph.outputs and c.dtype.kind in "iuf" \
-                    and c.ndim <= 1:
-                cast = float if c.dtype.kind == "f" else int
-                out[v] = tuple(cast(x) for x in c.reshape(-1))
+        for s in self.steps:
+            for i, v in enumerate(s.inputs):
+                if v is None or v in out or v not in self.consts or not self.takes_param(s, i):
+                    continue
+                c = v.const
+                if c.dtype.kind in "iuf" and c.ndim <= 1:
+                    cast = float if c.dtype.kind == "f" else int
+                    out[v] = tuple(cast(x) for x in c.reshape(-1))
         return out
 
     def run_main(self, inputs: list, overrides: dict | None = None) -> list:

@@ -315,6 +315,17 @@ def pad2(x, *, mode="constant", pads=None, value=0.0):
     return _pad(x, list(pads), value, mode)
 
 
+def _in_range(idx, n: int):
+    """``idx`` when every index lies in [0, n), else an error (indexing would wrap a
+    negative one around). While torch.compile traces, the check is an assertion inside the
+    program: reading its result on the host would stop the trace."""
+    if torch.compiler.is_compiling():
+        torch._assert_async(((idx >= 0) & (idx < n)).all(),
+                            f"an index is out of range: indices must lie in [{-n}, {n - 1}]")
+        return idx
+    return in_range(torch, idx, n)
+
+
 @kernel("GatherND", 11)
 def gather_nd(data, indices, *, batch_dims=0):
     if indices.dtype not in (torch.int32, torch.int64):
@@ -333,7 +344,7 @@ def gather_nd(data, indices, *, batch_dims=0):
     for i in range(k):
         n = d.shape[1 + i]
         c = idx[..., i]
-        cols.append(in_range(torch, torch.where(c < 0, c + n, c), n))
+        cols.append(_in_range(torch.where(c < 0, c + n, c), n))
     bidx = torch.arange(nb, device=d.device).reshape(nb, 1)
     y = d[(bidx, *cols)]
     return y.reshape(tuple(indices.shape[:-1]) + tuple(data.shape[b + k:]))
