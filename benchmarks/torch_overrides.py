@@ -13,10 +13,10 @@ best-of-N per call with ``time.perf_counter``, the two kernels alternating block
 ``torch.inference_mode()``. Outputs must agree (``np.testing.assert_allclose``).
 
 Gain = generic time / torch time; an op version's gain is its best case's: the override
-pays off wherever a model hits that case. The table goes to stdout and, with the machine's
-description, to ``docs/torch_overrides.json``. The project keeps a torch kernel only where
-this gain is at least 1.15x, or where it is needed for results or dtypes (see
-``docs/architecture.md``, "Torch kernels kept, and why").
+pays off wherever a model hits that case. The table goes to stdout and, with the
+machine's description, to ``benchmarks/results/torch_overrides.json``. The project keeps a
+torch kernel only where this gain is at least 1.15x, or where it is needed for results or
+dtypes (see ``docs/architecture.md``, "Torch kernels kept, and why").
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ SEQ = (1, 16, 768)  # BERT-base hidden state, 16 tokens
 ATT = (1, 12, 16, 16)  # BERT-base attention scores
 HEADS = (1, 16, 12, 64)  # BERT-base hidden state split into heads
 KEEP_AT = 1.15
-JSON_OUT = os.path.join(os.path.dirname(__file__), "..", "docs", "torch_overrides.json")
+JSON_OUT = os.path.join(os.path.dirname(__file__), "results", "torch_overrides.json")
 
 _rng = np.random.default_rng(0)
 

@@ -18,9 +18,9 @@ cannot be reset per engine): each child imports every engine, notes its resident
 loads the model and runs it once; reported is the high-water mark above that baseline
 (weights, plans, activations, workspace).
 
-For a run of all models, writes ``docs/zoo_benchmark.json`` and the table between the
-``zoo-suite`` markers of ``docs/performance.md`` (elsewhere with ``--json``/``--doc``): a
-partial run does not replace the full table.
+For a run of all models, writes ``benchmarks/results/zoo_benchmark.json`` and the table
+between the ``zoo-suite`` markers of ``docs/performance.md`` (elsewhere with
+``--json``/``--doc``): a partial run does not replace the full table.
 """
 
 from __future__ import annotations
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rest", type=float, default=0.2, help="seconds of rest before a block")
     ap.add_argument("--no-memory", action="store_true")
     ap.add_argument("--json", help="where to write the results "
-                    "(default: docs/zoo_benchmark.json when --models all)")
+                    "(default: benchmarks/results/zoo_benchmark.json when --models all)")
     ap.add_argument("--doc", help="markdown file whose zoo-suite table to replace "
                     "(default: docs/performance.md when --models all)")
     ap.add_argument("--tmp", default="/tmp")
@@ -341,7 +341,8 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(b) for b in args.batches.split(",")]
     engines = engine_names(args.engines.split(","))
     full = args.models == "all"
-    json_path = args.json or (os.path.join(ROOT, "docs", "zoo_benchmark.json") if full else None)
+    default_json = os.path.join(ROOT, "benchmarks", "results", "zoo_benchmark.json")
+    json_path = args.json or (default_json if full else None)
     env = environment(args)
     records = []
     bar = progress_bar(len(names) * len(batches), "zoo suite", True)

@@ -89,7 +89,7 @@ def settle_openmp() -> None:
     neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY is set and KILN_OMP_SPIN is not "default".
     By default they spin for ~300,000 iterations: on a busy machine the spinning threads
     take the cores the others need, and default threads ran 4x slower than one thread
-    (benchmarks/busy_threads.py). Read by libgomp when torch loads: a process that
+    (docs/performance.md, "Threads"). Read by libgomp when torch loads: a process that
     imported torch before Kiln keeps what it had."""
     env = os.environ
     if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env or \

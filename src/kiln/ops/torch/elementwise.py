@@ -56,7 +56,7 @@ def _float_unary(fn):
 
 # The plain unary ops (Exp, Log, Sqrt, trigonometry, IsNaN/IsInf...) run the generic kernel:
 # since the namespace lookup is cached per array type, their torch kernels gained under
-# 1.15x. Those kept gain by more than skipping it. Gains: docs/torch_overrides.json.
+# 1.15x. Those kept gain by more than skipping it. Gains: benchmarks/results/torch_overrides.json.
 for _name, _since, _fn in [
     ("Sigmoid", 6, torch.sigmoid),  # 3.8x the generic kernel (fused op, not 1/(1+exp(-x)))
     ("Erf", 1, torch.erf),  # the reference is NumPy-only: without this, a CPU fallback
