@@ -82,8 +82,8 @@ def retype(model: Model, keep_declared: bool = True) -> None:
     refines what it is given). With ``keep_declared`` (the edit left the dims inside the
     model as they were), what the outputs declared fills in dims inference cannot find."""
     g = model.graph
-    declared = {v: v.type for v in g.outputs if isinstance(v.type, TensorType)} \
-        if keep_declared else {}
+    declared = {v: t for v in g.outputs
+                if isinstance(t := v.described_type(), TensorType)} if keep_declared else {}
     for n in g.nodes:
         for v in n.outputs:
             if v is not None and isinstance(v.type, TensorType):
@@ -121,8 +121,9 @@ def prune(g: Graph) -> None:
 
 
 def tensor_type(v: Value, what: str) -> TensorType:
-    """``v``'s tensor type, or a KilnError saying shape inference could not type it."""
-    t = v.type
+    """``v``'s tensor type (what the file declared where nothing inferred it yet), or a
+    KilnError saying shape inference could not type it."""
+    t = v.described_type()
     if not isinstance(t, TensorType) or t.dtype == DType.UNDEFINED:
         raise KilnError(f"{what} {v.name!r} has no known tensor type (shape inference could "
                         "not type it); give its shape and dtype explicitly")

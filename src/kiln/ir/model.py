@@ -77,6 +77,27 @@ class Value:
     def dtype(self):
         return self.type.dtype if isinstance(self.type, TensorType) else None
 
+    def described_type(self) -> ValueType | None:
+        """The type to describe this value by (onnxruntime's ``get_outputs``, a saved file):
+        the computed ``type``, taking the dim names of what the file declared
+        (``meta["declared"]``) where the two agree. Never used to compute anything: a file's
+        declaration is a claim, and where it contradicts the computed type it is dropped."""
+        t, said = self.type, self.meta.get("declared")
+        if said is None:
+            return t
+        if t is None:
+            return said
+        if not (isinstance(t, TensorType) and isinstance(said, TensorType)) or \
+                t.dtype != said.dtype or t.shape is None or said.shape is None or \
+                len(t.shape) != len(said.shape):
+            return t if t.shape is not None or not isinstance(said, TensorType) or \
+                t.dtype != said.dtype else said
+        if any(isinstance(a, int) and isinstance(b, int) and a != b
+               for a, b in zip(t.shape, said.shape)):
+            return t
+        return TensorType(t.dtype, tuple(a if isinstance(a, int) or b is None else b
+                                         for a, b in zip(t.shape, said.shape)))
+
     @property
     def uses(self) -> list[Use]:
         """Every ``(node, input index)`` reading this value, in the order they were made."""

@@ -131,12 +131,13 @@ def _graph(g: Graph, names: Names, top: bool = False) -> onnx.GraphProto:
     for n in g.nodes:
         gp.node.append(_node(n, names))
     for v in g.outputs:
-        gp.output.append(helper.make_value_info(names(v), type_proto(v.type)))
+        gp.output.append(helper.make_value_info(names(v), type_proto(v.described_type())))
     io = {id(v) for v in g.inputs} | {id(v) for v in g.outputs}
     for n in g.nodes:
         for v in n.outputs:
-            if v is not None and id(v) not in io and v.type is not None:
-                gp.value_info.append(helper.make_value_info(names(v), type_proto(v.type)))
+            t = v.described_type() if v is not None and id(v) not in io else None
+            if t is not None:
+                gp.value_info.append(helper.make_value_info(names(v), type_proto(t)))
     return gp
 
 

@@ -401,7 +401,7 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
             # accepts any size there, so those are unknown dims here, not fixed ones.
             shape = tuple(
                 d.dim_value if d.HasField("dim_value") and d.dim_value > 0 else
-                (parse_dim(text(d.dim_param, "a dim name")) if d.dim_param else None)
+                (_named_dim(text(d.dim_param, "a dim name")) if d.dim_param else None)
                 for d in t.shape.dim)
         return TensorType(dtype_of(t.elem_type, "a tensor type"), shape)
     if kind == "sequence_type":
@@ -412,6 +412,17 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
         return MapType(dtype_of(tp.map_type.key_type, "a map key"),
                        value_type(tp.map_type.value_type))
     return None
+
+
+def _named_dim(name: str):
+    """The dim a ``dim_param`` names. Exporters write an unknown dim as ``?`` or ``-1`` too
+    (PaddleOCR: ``x[-1,3,?,?]``): onnxruntime takes any size there, and two such dims are
+    not one shared dim, so a name without a letter or ``_`` is an unknown dim, as is one
+    that reads as a number."""
+    if not any(c.isalpha() or c == "_" for c in name):
+        return None
+    d = parse_dim(name)
+    return None if isinstance(d, int) else d
 
 
 class ModelImporter:
@@ -489,9 +500,16 @@ class ModelImporter:
         known = set(scope.keys())
         for np_, ins, outs in _toposort(list(gp.node), known, gp.name or "main graph"):
             g.nodes.append(self.node(np_, scope, ins, outs))
+        # What a file declares of a computed value (value_info, graph outputs) is a claim,
+        # never a fact: it goes in meta["declared"], where only descriptions (get_outputs,
+        # saving) read it, and shape inference computes the value's type from its inputs.
+        # Trusting it let a wrong declaration change a Reshape's or Expand's result.
         for vi in gp.value_info:
-            if vi.name in scope.maps[0] and scope[vi.name].type is None:
-                scope[vi.name].type = value_type(vi.type)
+            v = scope.maps[0].get(vi.name)
+            if v is not None and v.producer is not None:
+                declared = value_type(vi.type)
+                if declared is not None:
+                    v.meta["declared"] = declared
         for vo in gp.output:
             v = self._lookup(scope, vo.name, f"graph {gp.name!r} output")
             if not top and vo.name not in scope.maps[0]:
@@ -500,8 +518,11 @@ class ModelImporter:
                     "(onnxruntime refuses this too); put an Identity node between them")
             # onnxruntime refuses element type 0 on the model's outputs (not in subgraphs)
             declared = _declared_type(vo, "output") if top else value_type(vo.type)
-            if declared is not None and (v.type is None or not top or v.producer is not None):
-                v.type = declared
+            if declared is not None:
+                if v.producer is not None:
+                    v.meta["declared"] = declared
+                elif v.type is None:
+                    v.type = declared
             g.outputs.append(v)
         return g
 

@@ -40,7 +40,7 @@ def if_(ctx, cond, *, then_branch, else_branch):
 def _empty_stack(ctx, body, index: int):
     """The stacked result of zero iterations of body output ``index``: shape ``(0,) +
     element shape`` where the body declares a static element shape."""
-    t = body.graph.outputs[index].type
+    t = body.graph.outputs[index].described_type()  # no iteration: nothing else says
     dtype, shape = np.float32, ()
     if isinstance(t, TensorType):
         if t.dtype:

@@ -45,8 +45,9 @@ class NodeArg:
 
 
 def _node_arg(v: Value) -> NodeArg:
-    shape = plain_shape(v.type.shape) if isinstance(v.type, TensorType) else None
-    return NodeArg(v.name, shape, str(v.type) if v.type is not None else "unknown")
+    t = v.described_type()
+    shape = plain_shape(t.shape) if isinstance(t, TensorType) else None
+    return NodeArg(v.name, shape, str(t) if t is not None else "unknown")
 
 
 def _header(model: Model) -> Model:
