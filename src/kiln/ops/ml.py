@@ -91,8 +91,8 @@ def label_encoder_v1(x, *, classes_strings=None, default_int64=-1, default_strin
     classes = np.empty(len(classes_strings or []), dtype=object)
     classes[:] = classes_strings or []
     index = np.arange(len(classes), dtype=np.int64)
-    if x.dtype == object:
-        return _lookup(x, classes, index, default_int64)
+    if x.dtype.kind in "OUS":  # strings, as object or as NumPy's fixed-width str/bytes
+        return _lookup(x.astype(str).astype(object), classes, index, default_int64)
     return _lookup(x.astype(np.int64), index, classes, default_string)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from kiln.errors import ShapeError
 from kiln.ops.ml_trees import post_transform, transform_code
 from kiln.ops.registry import op
 
@@ -60,9 +61,11 @@ def linear_classifier(site):
     b = np.asarray(attrs.get("intercepts") or [0.0], np.float64)
     kind = transform_code(attrs.get("post_transform", "NONE"))
 
+    classes = len(attrs["intercepts"]) if attrs.get("intercepts") else 0
+
     def run(x):
         x = _rows(x)
-        wm = w.reshape(-1, x.shape[1])
+        wm = _weights(w, classes, x.shape[1])
         y = x.astype(np.float64) @ wm.T + b
         if wm.shape[0] == 1 and len(labels) == 2:
             s = y[:, 0]
@@ -76,6 +79,17 @@ def linear_classifier(site):
             return np.where(win, chosen, 0).astype(np.int64), s.astype(np.float32)
         return labels[np.argmax(y, axis=1)], post_transform(y, kind).astype(np.float32)
     return run
+
+
+def _weights(w: np.ndarray, classes: int, features: int) -> np.ndarray:
+    """The (classes, features) weight matrix. With intercepts, onnxruntime takes one row per
+    intercept and reads the first classes x features coefficients row by row (its own iris
+    example model carries 4 features' weights and is fed 2: only that prefix counts)."""
+    rows = classes or max(len(w) // max(features, 1), 1)
+    if len(w) < rows * features or (not classes and len(w) != rows * features):
+        raise ShapeError(f"LinearClassifier: {len(w)} coefficients do not fit {rows} classes "
+                         f"x {features} features")
+    return w[:rows * features].reshape(rows, features)
 
 
 # -- support-vector machines -----------------------------------------------------------

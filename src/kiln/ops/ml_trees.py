@@ -385,8 +385,9 @@ def tree_ensemble_classifier(site):
     """v1 and v3: (labels, scores). Class scores sum the leaf weights over trees plus
     base_values. With two classes and weights for one class only, that class's score ``s``
     decides as onnxruntime does (s > 0.5 when all weights are positive, else s > 0) and
-    the scores become (1-s, s), or (-s, s) post-transformed (LOGISTIC: sigmoid(-s),
-    sigmoid(s))."""
+    the scores become (1-s, s), or (-s, s); LOGISTIC always gives (sigmoid(-s),
+    sigmoid(s)), as onnxruntime does since its issue 27533, SOFTMAX and SOFTMAX_ZERO
+    change nothing (as in onnxruntime), PROBIT applies to both."""
     attrs = dict(site.attrs)
     forest = forest_v3(attrs, "class")
     labels = attrs.get("classlabels_strings") or attrs.get("classlabels_int64s") or []
@@ -406,13 +407,12 @@ def tree_ensemble_classifier(site):
             s = scorer(_float_input(x))[:, used[0]]
             s = s + (base[0] if len(base) else 0.0)
             win = s > (0.5 if positive else 0.0)
-            if positive:
-                z = np.stack([1 - s, s], axis=1)
-                z = z if kind in (0, 2) else post_transform(z, kind)
-            elif kind == 2:
+            if kind == 2:  # sigmoid(-s), sigmoid(s) whatever the weights' signs (the
+                # bug onnxruntime fixed in its issue 27533 left all-positive ones as 1-s, s)
                 z = post_transform(np.stack([-s, s], axis=1), 2)
-            else:
-                z = post_transform(np.stack([-s, s], axis=1), kind)
+            else:  # onnxruntime leaves SOFTMAX and SOFTMAX_ZERO out with one score
+                z = np.stack([1 - s, s] if positive else [-s, s], axis=1)
+                z = post_transform(z, kind) if kind == 4 else z
             return labels[win.astype(np.int64)], z.astype(np.float32)
         y = scorer(_float_input(x))
         if len(base):
