@@ -13,8 +13,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "kiln"
 
 # Lower layers first; a module may import its own layer and any layer before it.
-LAYERS = ["errors", "ir", "onnxio", "ops", "passes", "edit", "runtime", "ort", "train", "quantize",
-          "tools", "integrations", "zoo", "cli"]
+LAYERS = ["errors", "ir", "onnxio", "ops", "passes", "edit", "runtime", "ort", "onnxruntime",
+          "train", "quantize", "tools", "integrations", "zoo", "cli"]
 # Top-level modules that belong to a layer.
 MODULE_LAYER = {"optimize": "passes", "demo": "cli", "conformance": "cli", "__init__": "cli",
                 "__main__": "cli"}

@@ -15,6 +15,13 @@ _SHARED = np.random.default_rng()
 _SEEDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+def set_seed(seed: int) -> None:
+    """Reseed the process-wide generator that nodes without a ``seed`` draw from
+    (onnxruntime's ``set_seed``)."""
+    global _SHARED
+    _SHARED = np.random.default_rng(int(seed))
+
+
 def _rng(ctx, seed) -> np.random.Generator:
     if seed is None:
         return _SHARED

@@ -11,7 +11,7 @@ import os
 import threading
 from dataclasses import dataclass
 from datetime import datetime
-from time import perf_counter
+from time import perf_counter, time_ns
 from typing import Any
 
 import numpy as np
@@ -128,6 +128,9 @@ class Profiler:
         self.path = f"{prefix}_{datetime.now():%Y-%m-%d_%H-%M-%S}.json"
         self.provider = provider
         self.t0 = perf_counter()
+        self.start_ns = time_ns()
+        """When profiling started, in nanoseconds since the epoch (onnxruntime's
+        get_profiling_start_time_ns)."""
         self.events: list[dict[str, Any]] = []
         self.lock = threading.Lock()
 

@@ -1,0 +1,1 @@
+"""``onnxruntime.capi`` on Kiln: the layer onnxruntime implements in C++, here in Python."""
