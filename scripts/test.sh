@@ -19,6 +19,12 @@ if [ "${1:-}" = "--slow" ]; then
   select=()
   shift
 fi
+# A line per stage: the first run spends minutes in apt-get and pip before any test runs.
+echo "test.sh: [1/3] Chromium for the browser test (apt-get; skipped when installed)" >&2
 bash scripts/install_test_deps.sh
+echo "test.sh: [2/3] pip install -e \".[test]\" (PyTorch CPU, onnxruntime, ...: minutes the" \
+     "first time, seconds after)" >&2
 python3 -m pip install -q -e ".[test]"
+echo "test.sh: [3/3] pytest ${select[*]+${select[*]}} $* (the first run also builds the zoo" \
+     "models the tests use, ~3.5 min on 2 cores, a line each)" >&2
 python3 -m pytest -q ${select[@]+"${select[@]}"} "$@"

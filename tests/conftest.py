@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -70,6 +71,20 @@ def mlp_model() -> onnx.ModelProto:
 
 # (zoo cache folder, model name) -> model.onnx, for the models this run has made sure of.
 _ZOO_READY: dict[tuple[str, str], Path] = {}
+_PYTEST_CONFIG: list[pytest.Config] = []
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    _PYTEST_CONFIG.append(config)
+
+
+def _say(line: str) -> None:
+    """A line in pytest's own output (not captured): a first run building zoo models for
+    minutes says what it is doing instead of staying silent between the dots."""
+    tr = _PYTEST_CONFIG[0].pluginmanager.get_plugin("terminalreporter") \
+        if _PYTEST_CONFIG else None
+    if tr is not None:
+        tr.write_line(line)
 
 
 def zoo_model_path(name: str) -> Path:
@@ -94,7 +109,11 @@ def zoo_model_path(name: str) -> Path:
                 require_builder(get_entry(name))
             except MissingDependencyError as e:
                 pytest.skip(str(e))
+            _say(f"building zoo model {name} into {zoo.cache_dir()} "
+                 f"({stale_reason(name)}; once, then cached)")
+            t0 = time.perf_counter()
             zoo.build([name], force=True, progress=False)
+            _say(f"built zoo model {name} in {time.perf_counter() - t0:.0f} s")
             assert stale_reason(name) is None, f"{name}: {stale_reason(name)} after a build"
         _ZOO_READY[key] = zoo.path(name, progress=False)
     return _ZOO_READY[key]

@@ -50,7 +50,8 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
              block_size: int = 128, budget: Budget | str | None = None,
              backend: str = "numpy", measure_latency: bool = True,
              speed_aware: bool = False,
-             on_batch: Callable[[int, int], None] | None = None) -> Quantized:
+             on_batch: Callable[[int, int], None] | None = None,
+             on_stage: Callable[[str], None] | None = None) -> Quantized:
     """Quantize ``model`` (a path, bytes, ModelProto or Kiln Model) in QDQ format.
 
     ``mode``: ``"static"`` (int8 weights and activations, scales from ``calibration``),
@@ -75,8 +76,10 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     ``speed_aware``: time every quantized Conv/ConvTranspose/MatMul/Gemm alone, float and
     quantized, on ``backend`` on this machine (:mod:`kiln.quantize.speed`) and keep in
     float those whose quantized version was not faster; the report lists the times.
-    ``on_batch(done, total)`` follows calibration (a progress bar hooks in).
+    ``on_batch(done, total)`` follows calibration (a progress bar hooks in);
+    ``on_stage(text)`` is called as each stage starts (loading, calibrating, ...).
     """
+    stage = on_stage or (lambda text: None)
     if isinstance(budget, str):
         budget = Budget.parse(budget)
     if backend not in BACKENDS:
@@ -85,6 +88,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     if mode not in MODES:
         raise OptionError(f"unknown quantization mode {mode!r}; choose one of "
                           f"{', '.join(MODES)}")
+    stage("loading the model")
     original = as_model(model)
     infer_model(original)
     base = _at_opset(original, 21) if mode == "weight-only" else as_model(original)
@@ -105,6 +109,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         tensors = sorted({v.name for n in plan.quantized if n.op_type not in qdq.EMBEDDING_OPS
                           for v in list(n.inputs) + list(n.outputs)
                           if v is not None and v.const is None and v.dtype == DType.FLOAT})
+        stage(f"calibrating on {len(feeds)} batch(es) on {backend}")
         ranges = calibrate(base, tensors, feeds, method, percentile, backend, on_batch)
 
     def build(skip: set[str]) -> tuple[Model, qdq.Plan]:
@@ -118,12 +123,14 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         return m, plan
 
     check = (load_feeds(validation, inputs) if validation is not None else feeds)[:REPORT_FEEDS]
+    stage("quantizing")
     m, plan = build(exclude)
     reverted: dict[str, str] = {}
     if budget is not None:
         if not check:
             raise OptionError("an accuracy budget needs data to check it on: give "
                               "calibration or validation feeds")
+        stage(f"meeting the accuracy budget ({budget})")
         m, plan, reverted = _meet_budget(original, build, exclude, budget, check, backend)
     timings: dict[str, LayerTiming] = {}
     if speed_aware and mode != "weight-only":
@@ -133,6 +140,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         by_name = {n.name: n for n in base.graph.nodes if n.name}
         layers = [by_name[n.name] for n in plan.quantized
                   if n.op_type in qdq.COMPUTE_OPS and n.name in by_name]
+        stage(f"timing {len(layers)} layers float and quantized on {backend}")
         timings = time_layers(base, m, layers, check[0], backend)
         slower = {name: f"reverted to float, speed-aware: {t.quant_ms:.3f} ms quantized vs "
                         f"{t.float_ms:.3f} ms float on {backend}"
@@ -146,9 +154,11 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                             kept={**plan.kept, **reverted},
                             layer_times={k: (t.float_ms, t.quant_ms) for k, t in timings.items()})
     if check:
+        stage(f"measuring the error on {backend}")
         report.outputs = compare(original, m, check, backend)
         report.samples = sum(len(next(iter(f.values()))) for f in check)
         if measure_latency:
+            stage(f"timing the model before and after on {backend}")
             report.latency_before_ms = latency_ms(original, check[0], backend)
             report.latency_after_ms = latency_ms(m, check[0], backend)
     return Quantized(m, report)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import html
 import json
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -464,24 +465,31 @@ class HtmlReport:
 def report(model: Any, path: str | os.PathLike, profile: bool = False,
            backend: str = "numpy", device: str | None = None, runs: int = 5,
            feeds: dict | None = None, dims: dict[str, int] | None = None,
-           optimize: bool = True) -> HtmlReport:
+           optimize: bool = True,
+           on_stage: Callable[[str], None] | None = None) -> HtmlReport:
     """Write the HTML report of ``model`` to ``path``; returns an :class:`HtmlReport`
     saying where it is and what it shows (``render`` gives the page as a string).
 
     With ``profile=True`` the model is run ``runs`` times on ``backend`` and the graph
     drawn is the one the session ran (optimized unless ``optimize`` is False), each layer
     colored by its share of the time. Without, the model is drawn as the file has it.
+    ``on_stage(text)`` is called as each stage starts (for progress output).
     """
+    stage = on_stage or (lambda text: None)
     note = ""
     if profile:
+        stage(f"building the {backend} session")
         sess = session_for(model, backend, device, optimize=optimize)
+        stage(f"profiling {runs} run(s)")
         prof = run_profile(sess, feeds, runs=runs, dims=dims)
         prof.model = model_name(model)
         m: Model = sess.model
         if optimize:
             note = "The graph shown is the one Kiln ran, after its optimizer."
     else:
+        stage("loading the model")
         prof, m = None, load_model(model)
+    stage("drawing the graph")
     summary = inspect(m, backend=backend, device=device, dims=dims)
     summary.name = model_name(model)
     page = render(m.graph, summary, prof, note=note)

@@ -76,7 +76,8 @@ class StepReporter:
     With ``live`` (default: stderr is a terminal) it is a single line redrawn in place with
     the seconds elapsed, ticking even while one step runs for a long time (an ONNX export
     can take half a minute). Without, each step is a plain line, so logs show progress too.
-    Use as a context manager; :meth:`done` writes the final line.
+    Use as a context manager; :meth:`done` writes the final line. ``steps`` 0: not known
+    in advance (steps are then numbered without a total).
     """
 
     def __init__(self, title: str, steps: int, live: bool | None = None,
@@ -114,7 +115,15 @@ class StepReporter:
             if self.live:
                 self._draw()
             else:
-                self._line(f"{self.title}: [{self.k}/{self.steps}] {text}")
+                self._line(f"{self.title}: {self._count()} {text}")
+
+    def update(self, text: str) -> None:
+        """Say how the current step is going (``calibrating 3/16``): redrawn on a terminal,
+        not printed in a pipe (one line per step is enough there)."""
+        with self._lock:
+            self.text = text
+            if self.live:
+                self._draw()
 
     def done(self, text: str) -> None:
         """Finish with one final line ``title: text``."""
@@ -134,8 +143,11 @@ class StepReporter:
         self.stream.write(msg + "\n")
         self.stream.flush()
 
+    def _count(self) -> str:
+        return f"[{self.k}/{self.steps}]" if self.steps else f"[{self.k}]"
+
     def _draw(self) -> None:
-        self.stream.write(f"\r{self.title}: [{self.k}/{self.steps}] {self.text} "
+        self.stream.write(f"\r{self.title}: {self._count()} {self.text} "
                           f"({self.elapsed():.0f} s)\x1b[K")
         self.stream.flush()
 

@@ -1,0 +1,100 @@
+"""Long commands say what they are doing, in a pipe too (issue 47, items 2 and 3).
+
+Each command runs as a user's would, its stderr a pipe read line by line as it comes: the
+first stage line must arrive within a few seconds, every stage is a plain line (no
+carriage-return redraws in a log), and a command measured on the NumPy backend points to
+the faster torch backend with the figure it measured.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import kiln
+
+ROOT = Path(__file__).resolve().parent.parent
+DIGITS = str(Path(kiln.__file__).parent / "data" / "digits_cnn.onnx")
+FIRST_LINE_S = 10.0  # python + kiln's import is 1-3 s on a loaded 2-core machine
+
+
+def _stream(args: list[str], cwd: Path) -> tuple[list[tuple[float, str]], str, int]:
+    """Runs ``python -m kiln ARGS`` with pipes; returns (seconds, line) for each stderr
+    line as it arrived, stdout and the exit code."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), PYTHONUNBUFFERED="1")
+    t0 = time.perf_counter()
+    proc = subprocess.Popen([sys.executable, "-m", "kiln", *args], cwd=cwd, env=env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    lines = []  # bytes, decoded here: text mode would turn a redraw's "\r" into a newline
+    assert proc.stderr is not None and proc.stdout is not None
+    for line in proc.stderr:
+        lines.append((time.perf_counter() - t0, line.decode()))
+    out = proc.stdout.read().decode()
+    return lines, out, proc.wait(timeout=600)
+
+
+def _check_stages(lines: list[tuple[float, str]], title: str, stages: int) -> None:
+    text = "".join(line for _, line in lines)
+    assert "\r" not in text, f"a redrawn bar in a pipe:\n{text!r}"
+    staged = [(t, line) for t, line in lines if line.startswith(f"kiln {title}: [")]
+    assert len(staged) >= stages, f"expected {stages}+ stage lines:\n{text}"
+    assert staged[0][0] < FIRST_LINE_S, f"first stage line after {staged[0][0]:.1f} s"
+    assert any(line.startswith(f"kiln {title}: done in") for _, line in lines), text
+
+
+def test_profile_in_a_pipe_prints_a_line_per_stage(tmp_path):
+    lines, out, rc = _stream(["profile", DIGITS, "--runs", "5"], tmp_path)
+    assert rc == 0, lines
+    _check_stages(lines, "profile", 3)
+    assert "layers in run order" in out
+
+
+def test_report_profile_in_a_pipe_prints_a_line_per_stage(tmp_path):
+    lines, _, rc = _stream(["report", DIGITS, "-o", "r.html", "--profile"], tmp_path)
+    assert rc == 0, lines
+    _check_stages(lines, "report", 3)
+    assert (tmp_path / "r.html").stat().st_size > 10_000
+
+
+def test_quantize_in_a_pipe_prints_stages_and_the_torch_hint(tmp_path):
+    images = np.load(Path(DIGITS).parent / "digits_test.npz")["images"]
+    np.savez(tmp_path / "calib.npz", image=images[:64])
+    lines, out, rc = _stream(["quantize", DIGITS, "-o", "q.onnx", "--mode", "static",
+                              "--calibration", "calib.npz"], tmp_path)
+    assert rc == 0, lines
+    _check_stages(lines, "quantize", 4)
+    text = "".join(line for _, line in lines)
+    # The hint names the figure this run measured, the one the report printed.
+    hint = [line for _, line in lines if line.startswith("kiln: hint:")]
+    assert len(hint) == 1 and "--backend torch" in hint[0], text
+    latency = [line for line in out.splitlines() if line.startswith("latency on numpy")]
+    assert latency, out
+    before, after = (float(s.split()[0]) for s in
+                     latency[0].split(": ", 1)[1].split(" -> "))
+    assert f"{after:.2f} against {before:.2f} ms" in hint[0]
+
+
+@pytest.mark.parametrize("vs", [[], ["--vs", "onnxruntime"]])
+def test_bench_on_numpy_points_to_torch_with_its_figure(tmp_path, vs):
+    if vs:
+        pytest.importorskip("onnxruntime")
+    lines, out, rc = _stream(["bench", DIGITS, "--runs", "20", *vs], tmp_path)
+    assert rc == 0, lines
+    hint = [line for _, line in lines if line.startswith("kiln: hint:")]
+    assert len(hint) == 1 and "--backend torch" in hint[0], lines
+    if vs:  # the ratio bench printed is the one the hint quotes
+        ratio = float(out.rsplit("= ", 1)[1].rstrip(")\n"))
+        assert f"took {ratio:.2f}x onnxruntime's time" in hint[0]
+
+
+def test_bench_on_torch_gives_no_hint(tmp_path):
+    pytest.importorskip("torch")
+    lines, _, rc = _stream(["bench", DIGITS, "--runs", "5", "--backend", "torch"], tmp_path)
+    assert rc == 0, lines
+    assert not [line for _, line in lines if "hint" in line]
