@@ -162,3 +162,16 @@ def test_install_refuses_after_the_real_onnxruntime_was_imported():
     assert "onnxruntime" in sys.modules  # this test module imported it
     with pytest.raises(kiln.KilnError, match="install"):
         kort.install()
+
+
+def test_sequence_outputs_are_described_and_returned():
+    # get_outputs() on a sequence output raised AttributeError (declared-type merge).
+    t = [oh.make_tensor_value_info(n, TensorProto.INT64, [2]) for n in ("a", "b")]
+    s = oh.make_tensor_sequence_value_info("s", TensorProto.INT64, None)
+    graph = oh.make_graph([oh.make_node("SequenceConstruct", ["a", "b"], ["s"])], "g", t, [s])
+    model = oh.make_model(graph, opset_imports=[oh.make_opsetid("", 17)]).SerializeToString()
+    feed = {"a": np.array([1, 2]), "b": np.array([3, 4])}
+    want, got = ort.InferenceSession(model), kort.InferenceSession(model)
+    assert [o.type for o in got.get_outputs()] == [o.type for o in want.get_outputs()]
+    for g, w in zip(got.run(None, feed)[0], want.run(None, feed)[0]):
+        np.testing.assert_array_equal(g, w)

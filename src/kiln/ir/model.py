@@ -87,6 +87,8 @@ class Value:
             return t
         if t is None:
             return said
+        if not isinstance(t, TensorType):  # sequences, maps, optionals: as computed
+            return t
         if not (isinstance(t, TensorType) and isinstance(said, TensorType)) or \
                 t.dtype != said.dtype or t.shape is None or said.shape is None or \
                 len(t.shape) != len(said.shape):
