@@ -66,10 +66,14 @@ class OrtValue:
 def _at_pointer(device_type: str, device_id: int, element_type, shape, ptr: int):
     """An array viewing ``ptr`` (no copy): NumPy on the CPU, a torch tensor on CUDA."""
     dtype = np.dtype(element_type)
-    iface = {"shape": tuple(int(d) for d in shape), "typestr": dtype.str,
+    # ml_dtypes' types (bfloat16, float8) have typestrs NumPy's interface cannot read
+    typestr = dtype.str if dtype.type.__module__ == "numpy" else f"|V{dtype.itemsize}"
+    iface = {"shape": tuple(int(d) for d in shape), "typestr": typestr,
              "data": (int(ptr), False), "version": 3}
     if device_type == "cpu":
-        return np.asarray(type("Buffer", (), {"__array_interface__": iface})())
+        arr = np.asarray(type("Buffer", (), {"__array_interface__": iface})())
+        # bfloat16 and float8 (ml_dtypes) travel as raw void items: view them as what they are
+        return arr if arr.dtype == dtype else arr.view(dtype)
     if device_type != "cuda":
         raise OptionError(f"device_type must be 'cpu' or 'cuda', got {device_type!r}")
     holder = type("Buffer", (), {"__cuda_array_interface__": iface})()
