@@ -52,3 +52,14 @@ def test_mkl_runs_in_cnr_mode_auto_on_amd_cpus():
 
 def test_a_users_mkl_cbwr_is_kept():
     assert _cnr_mode("COMPATIBLE") == "COMPATIBLE"
+
+
+def test_mkl_runs_in_cnr_mode_auto_when_torch_was_imported_first():
+    probe = "import torch\n" + _PROBE
+    env = {k: v for k, v in os.environ.items() if k != "MKL_CBWR"}
+    out = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                         text=True, timeout=120, check=True)
+    modes = re.findall(r"SGEMM\(.*CNR:(\S+)", out.stdout + out.stderr)
+    if not modes:
+        pytest.skip("torch's BLAS is not MKL, or MKL printed no verbose line")
+    assert modes[0] == ("AUTO" if _vendor() in ("AuthenticAMD", "HygonGenuine") else "OFF")

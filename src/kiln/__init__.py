@@ -35,13 +35,10 @@ from kiln.ort import (
 )
 from kiln.quantize import convert_float16, quantize
 from kiln.runtime import NodeArg, Session
-from kiln.runtime.backend import settle_openmp
 from kiln.tools import bench, inspect, profile, report
 from kiln.train import to_torch
 
 __version__ = "0.1.0"
-
-settle_openmp()  # importing kiln imports no torch, so libgomp, loaded later, reads this
 
 __all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLevel",
            "IOBinding", "OrtValue", "RunCancelledError", "RunOptions", "SessionOptions",

@@ -80,24 +80,6 @@ def usable_cores() -> int:
     return max(1, n)
 
 
-SPIN_COUNT = "2000"
-"""OpenMP's spin-wait before a thread sleeps, set for torch unless the user chose one."""
-
-
-def settle_openmp() -> None:
-    """Let torch's OpenMP threads sleep soon after a parallel region (GOMP_SPINCOUNT) when
-    neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY is set and KILN_OMP_SPIN is not "default".
-    By default they spin for ~300,000 iterations: on a busy machine the spinning threads
-    take the cores the others need, and default threads ran 4x slower than one thread
-    (docs/performance.md, "Threads"). Read by libgomp when torch loads: a process that
-    imported torch before Kiln keeps what it had."""
-    env = os.environ
-    if "GOMP_SPINCOUNT" in env or "OMP_WAIT_POLICY" in env or \
-            env.get("KILN_OMP_SPIN") == "default":
-        return
-    env["GOMP_SPINCOUNT"] = SPIN_COUNT
-
-
 def limit_blas_threads(threads: int | None) -> None:
     """Set NumPy's BLAS thread pool to ``threads`` (process-wide, as torch's
     set_num_threads); None only lowers it to the usable cores."""
@@ -116,8 +98,13 @@ def _thread_pools():
     # Scanning the process's libraries costs ~5 ms once torch and onnxruntime are loaded,
     # more than a small model's whole session; NumPy's BLAS is loaded with NumPy, before
     # any session, so one scan per process sees it.
+    # threadpoolctl sets KMP_DUPLICATE_LIB_OK in the environment when imported; Kiln
+    # leaves the environment as the user gave it (it only reads libraries already loaded).
+    had = os.environ.get("KMP_DUPLICATE_LIB_OK")
     from threadpoolctl import ThreadpoolController
 
+    if had is None:
+        os.environ.pop("KMP_DUPLICATE_LIB_OK", None)
     return ThreadpoolController()
 
 
