@@ -48,6 +48,7 @@ from kiln.passes import (
     FuseLayerNorm,
     FuseQuant,
     FuseRoPE,
+    Identities,
     InferShapes,
     MergeMatMuls,
     OptimizeReport,
@@ -70,7 +71,7 @@ STAGES = (1, 2, 3, 4)
 
 def _rule_passes() -> list[RulePass]:
     """The rewriting passes, in the order their rules are tried on a node."""
-    return [FoldConstants(), Freeze(), Simplify(), FuseBatchNorm(),
+    return [FoldConstants(), Freeze(), Identities(), Simplify(), FuseBatchNorm(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
             FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseIntegerOps(),
             FuseChannelShuffle(), FuseRoPE(), FuseActivation(), RoundTrips(), MergeMatMuls()]

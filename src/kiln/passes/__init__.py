@@ -22,6 +22,7 @@ from kiln.passes.fuse_layernorm import FuseLayerNorm
 from kiln.passes.fuse_quant import FuseQuant, RoundTrips
 from kiln.passes.fuse_rope import FuseRoPE
 from kiln.passes.fuse_shuffle import FuseChannelShuffle
+from kiln.passes.identities import Identities
 from kiln.passes.infer_shapes import InferShapes
 from kiln.passes.merge_matmuls import MergeMatMuls
 from kiln.passes.pin_host import PinHost
@@ -31,6 +32,6 @@ from kiln.passes.simplify import Simplify
 __all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputShapes",
            "FoldConstants", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
            "FuseChannelShuffle", "FuseGelu", "FuseIntegerOps", "FuseLayerNorm", "FuseQuant",
-           "FuseRoPE", "InferShapes", "MergeMatMuls",
+           "FuseRoPE", "Identities", "InferShapes", "MergeMatMuls",
            "OptimizeReport", "Pass", "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass",
            "RoundTrips", "Simplify", "clone_model", "run_rules"]
