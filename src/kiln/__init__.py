@@ -6,6 +6,7 @@ and save them back.
     (y,) = sess.run(None, {"x": x})
 """
 
+from kiln import model_names
 from kiln.edit import add_tail, compose, cut, preprocess, rename, set_batch
 from kiln.errors import (
     ExternalDataError,
@@ -39,6 +40,8 @@ from kiln.tools import bench, inspect, profile, report
 from kiln.train import to_torch
 
 __version__ = "0.1.0"
+
+model_names.register()  # zoo names for the tools (the zoo is above them)
 
 __all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLevel",
            "IOBinding", "OrtValue", "RunCancelledError", "RunOptions", "SessionOptions",

@@ -28,7 +28,7 @@ from kiln.passes import (
     shape_rules,  # noqa: F401 - registers the standard ops' symbolic rules
     symdim,
 )
-from kiln.passes.base import Pass, PassRecord, graphs
+from kiln.passes.core import Pass, PassRecord, const_value, graphs
 from kiln.passes.symdim import InferContext, merge_dim
 
 log = logging.getLogger(__name__)
@@ -170,7 +170,6 @@ def _call_rule(fn, n: Node, ctx: InferContext):
 
 def _data_of(v: Value) -> np.ndarray | None:
     """Small integer contents ONNX's data-dependent inference (Reshape, Expand...) can use."""
-    from kiln.passes.base import const_value
 
     c = const_value(v)
     if c is not None:

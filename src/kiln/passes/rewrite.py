@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 from kiln.ir import DType, Graph, Model, Node, TensorType, Value
-from kiln.passes.base import PassRecord, add_const, adopt_const, graphs
+from kiln.passes.core import PassRecord, add_const, adopt_const, graphs
 
 NEIGHBOURHOOD = 4
 """Hops up and down from a change whose nodes are visited again (the longest pattern's

@@ -233,7 +233,7 @@ class Session:
     def _prepare_run(self, output_names, input_feed, output_type: str, run_options=None):
         if output_type not in ("numpy", "torch"):
             raise InputError(f"output_type must be 'numpy' or 'torch', got {output_type!r}")
-        inputs = self._check_feed(input_feed)
+        inputs = self.check_feed(input_feed)
         target = self._main
         if output_names is not None and any(n not in self._outputs for n in output_names):
             target = self._variant(output_names)
@@ -287,7 +287,10 @@ class Session:
         with self._lock:
             return self._variants.setdefault(key, _Target.of(plan))
 
-    def _check_feed(self, feed: dict[str, Any]) -> list:
+    def check_feed(self, feed: dict[str, Any]) -> list:
+        """The graph inputs of ``feed`` (name -> array), in order, as this backend's arrays,
+        each checked against its declared type and shape (InputError if one does not fit,
+        is missing or unknown, or inputs sharing a symbolic dim disagree on it)."""
         if not isinstance(feed, dict):
             raise InputError("input_feed must be a dict mapping input names to arrays")
         unknown = [n for n in feed if n not in self._by_name and n not in self._overridable]

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import onnx
 
-from kiln.errors import InputError, KilnError, ModelLoadError
+from kiln.errors import InputError, KilnError
 from kiln.ir import DType, Model, SymDim, TensorType, Value, parse_dim, plain_shape
 from kiln.onnxio import load, to_proto
 
@@ -19,29 +20,28 @@ from kiln.onnxio import load, to_proto
 
 
 
-def resolve_path(model: Any, progress: bool | None = None) -> Any:
-    """``model`` as given, or the cached zoo file when it is a zoo model name (``resnet18``)
-    rather than an existing path; a zoo model not built yet is built first, saying so on
-    stderr (``progress``: see :func:`kiln.zoo.path`).
+MODEL_NAMES: list[Callable[[str, bool | None], Any]] = []
+"""Resolvers of model names that are not paths, tried in order: ``resolve(name,
+progress)`` returns a path, None (not one of its names) or raises ModelLoadError. The zoo,
+a layer above the tools, registers its own (:mod:`kiln.model_names`)."""
 
-    A name that is neither a file nor a zoo model raises ``ModelLoadError``, suggesting
-    the zoo names it is close to (``resnet`` -> ``resnet18``)."""
+
+def resolve_path(model: Any, progress: bool | None = None) -> Any:
+    """``model`` as given, or the file a registered resolver finds for it when it is a
+    name (``resnet18``, a zoo model, built first if it is not yet, saying so on stderr;
+    ``progress``: see :func:`kiln.zoo.path`) rather than an existing path.
+
+    A name close to a zoo model's raises ``ModelLoadError`` suggesting it (``resnet`` ->
+    ``resnet18``)."""
     if not isinstance(model, (str, os.PathLike)) or os.path.exists(model):
         return model
     name = str(model)
     if os.sep in name or name.endswith(".onnx"):
         return model
-    try:
-        from kiln import zoo
-    except ImportError:
-        return model
-    if name in {e.name for e in zoo.list_models()}:
-        return zoo.path(name, progress=progress)
-    close = zoo.close_names(name)
-    if close:
-        raise ModelLoadError(
-            f"no model file at {name} and no zoo model of that name; did you mean the zoo "
-            f"model {' or '.join(close)}? (`kiln zoo list` shows them all)")
+    for resolve in MODEL_NAMES:
+        found = resolve(name, progress)
+        if found is not None:
+            return found
     return model
 
 

@@ -170,7 +170,7 @@ def profile(model_or_session: Any, feeds: dict | None = None, runs: int = 10,
     if feeds is None:
         feeds = random_feeds(sess.model, dims, seed)
     be = sess.backend
-    inputs = sess._check_feed(feeds)
+    inputs = sess.check_feed(feeds)
     plan = sess.plan
     index = {s: i for i, s in enumerate(plan.steps)}
     layers = [LayerTime(i, s.node.name or f"{s.node.op_type}_{i}", s.node.op_type, None,
