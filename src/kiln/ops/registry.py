@@ -38,9 +38,9 @@ REFERENCE = "numpy"
 # definitions; it happens on first use (see :func:`load_backend`), so ``import kiln`` does
 # not import torch, and what a backend supports is known without constructing it.
 BACKEND_MODULES: dict[str, tuple[str, ...]] = {
-    "torch": tuple(f"kiln.ops.torch.{m}" for m in ("elementwise", "nn", "shape", "fused",
-                                                    "control", "microsoft", "training",
-                                                    "quant")),
+    "torch": tuple(f"kiln.ops.torch.{m}" for m in ("native", "elementwise", "nn", "shape",
+                                                    "fused", "control", "microsoft",
+                                                    "training", "quant")),
 }
 _loaded: set[str] = set()
 

@@ -12,9 +12,6 @@ from __future__ import annotations
 from functools import partial
 
 from kiln.ops import registry
-from kiln.ops.torch import native
-
-native.settle()  # before any kernel module computes: MKL takes its mode only then
 
 kernel = partial(registry.kernel, "torch")
 """``@kernel("Relu", 6)`` / ``@kernel("Conv", 1, prepare=True)``: a torch kernel for the op

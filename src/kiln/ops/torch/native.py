@@ -148,3 +148,7 @@ def _cpu_vendor() -> str:
     except OSError:
         pass
     return platform.processor()
+
+
+settle()  # loaded first of the torch kernel modules (registry.BACKEND_MODULES), before any
+# of them computes: MKL takes its mode only before its first call
