@@ -361,6 +361,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="int8 activations around 0 instead of uint8 with a zero point")
     p.add_argument("--exclude", action="append", default=[], metavar="OP_OR_LAYER",
                    help="an op type or layer name to keep in float (repeatable)")
+    p.add_argument("--reduce-range", choices=["auto", "on", "off"], default="auto",
+                   help="7-bit weights (on) for x86 CPUs without VNNI, full 8-bit (off); "
+                        "auto: what this machine's CPU needs (default)")
     p.add_argument("--bits", type=int, choices=[4, 8], default=4,
                    help="weight-only: bits per weight (default: 4)")
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=128,
@@ -728,6 +731,7 @@ def cmd_quantize(args) -> int:
                      method=args.method, per_channel=not args.per_tensor,
                      symmetric=args.symmetric, exclude=args.exclude,
                      validation=args.validation, bits=args.bits, block_size=args.block_size,
+                     reduce_range={"auto": None, "on": True, "off": False}[args.reduce_range],
                      budget=args.accuracy_budget, backend=args.backend,
                      speed_aware=args.speed_aware, on_stage=stages.step,
                      on_batch=lambda done, total: stages.update(

@@ -15,6 +15,7 @@ from kiln.passes import FoldConstants
 from kiln.passes.infer_shapes import infer_model
 from kiln.quantize import qdq, weight_only
 from kiln.quantize.calibrate import calibrate, load_feeds
+from kiln.quantize.cpu import weight_range
 from kiln.quantize.engines import BACKENDS
 from kiln.quantize.fp16 import as_model
 from kiln.quantize.report import QuantizeReport, compare, latency_ms, model_bytes
@@ -45,7 +46,7 @@ class Quantized:
 def quantize(model, mode: str = "static", calibration=None, *, method: str = "minmax",
              per_channel: bool = True, symmetric: bool = False,
              op_types: Iterable[str] | None = None, exclude: Iterable[str] = (),
-             reduce_range: bool = True, validation=None, percentile: float = 99.99,
+             reduce_range: bool | None = None, validation=None, percentile: float = 99.99,
              bits: int = 4,
              block_size: int = 128, budget: Budget | str | None = None,
              backend: str = "numpy", measure_latency: bool = True,
@@ -61,9 +62,12 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     feeds; required for static. ``method``: ``minmax``, ``percentile`` or ``entropy``.
     ``symmetric``: int8 activations around 0 instead of uint8 with a zero point.
     ``reduce_range``: weights in -63..63, so that no pair of 8-bit x int8 products
-    overflows the 16-bit sums of AVX2 integer kernels without VNNI (onnxruntime's and
+    overflows the 16-bit sums of x86 integer kernels without VNNI (onnxruntime's and
     fbgemm's); full-range weights give wrong results there (measured: digits CNN off by
-    up to 3.5 logits uint8, 13 int8 in onnxruntime 1.32).
+    up to 3.5 logits uint8, 13 int8 in onnxruntime 1.32). ``None`` (default): what this
+    machine's CPU needs (:func:`kiln.quantize.cpu.weight_range`: 8-bit weights with VNNI
+    or on ARM, 7-bit on x86 without VNNI); the report says which and why. Quantizing for
+    another machine, pass what that one needs.
     ``op_types``/``exclude``: which op types to consider / layer names or op types to keep
     in float. ``validation`` (default: the calibration data) is what the report's error
     and top-1 agreement are measured on. ``backend`` (``numpy``, ``torch`` or
@@ -89,6 +93,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         raise OptionError(f"unknown quantization mode {mode!r}; choose one of "
                           f"{', '.join(MODES)}")
     stage("loading the model")
+    wrange = weight_range(reduce_range)
     original = as_model(model)
     infer_model(original)
     base = _at_opset(original, 21) if mode == "weight-only" else as_model(original)
@@ -119,7 +124,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
             weight_only.rewrite_weight_only(m, plan, block_size, bits)
         else:
             plan = qdq.plan_layers(m, mode, types, skip)
-            qdq.rewrite(m, plan, mode, ranges, per_channel, symmetric, 7 if reduce_range else 8)
+            qdq.rewrite(m, plan, mode, ranges, per_channel, symmetric, wrange.bits)
         return m, plan
 
     check = (load_feeds(validation, inputs) if validation is not None else feeds)[:REPORT_FEEDS]
@@ -152,7 +157,9 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                             size_after=model_bytes(m), backend=backend,
                             quantized=[_label(n) for n in plan.quantized],
                             kept={**plan.kept, **reverted},
-                            layer_times={k: (t.float_ms, t.quant_ms) for k, t in timings.items()})
+                            layer_times={k: (t.float_ms, t.quant_ms) for k, t in timings.items()},
+                            weight_bits=None if mode == "weight-only" else wrange.bits,
+                            weight_bits_reason=wrange.reason)
     if check:
         stage(f"measuring the error on {backend}")
         report.outputs = compare(original, m, check, backend)

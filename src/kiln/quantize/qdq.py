@@ -262,7 +262,7 @@ class _Editor:
 def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
             per_channel: bool, symmetric: bool, weight_bits: int = 8) -> None:
     """Insert the Q/DQ nodes for ``plan`` into ``m`` (in place). ``weight_bits=7`` keeps
-    weights in -63..63 (see :data:`kiln.quantize.api.REDUCE_RANGE`)."""
+    weights in -63..63 (see :mod:`kiln.quantize.cpu`)."""
     ed = _Editor(m.graph, weight_bits)
     per_channel = per_channel and m.opset >= 13
     inner = _activation_inputs(m.graph, plan) if mode == "static" else set()

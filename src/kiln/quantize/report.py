@@ -43,6 +43,9 @@ class QuantizeReport:
     latency_after_ms: float | None = None
     layer_times: dict[str, tuple[float, float]] = field(default_factory=dict)
     """Speed-aware mode: per layer, (float ms, quantized ms) measured alone."""
+    weight_bits: int | None = None
+    """INT8 weights' range: 8 (-127..127) or 7 (-63..63, reduce_range)."""
+    weight_bits_reason: str = ""
 
     def worst_rel(self) -> float:
         """The largest relative error over the outputs (0 when nothing was measured)."""
@@ -59,6 +62,10 @@ class QuantizeReport:
                  f"{self.size_after / mb:.2f} MB "
                  f"({self.size_before / max(self.size_after, 1):.2f}x smaller)",
                  f"layers quantized: {len(self.quantized)}, kept in float: {len(self.kept)}"]
+        if self.weight_bits is not None:
+            span = 2 ** (self.weight_bits - 1) - 1
+            lines.insert(1, f"weights: {self.weight_bits}-bit (-{span}..{span}): "
+                            f"{self.weight_bits_reason}")
         for name, why in list(self.kept.items())[:20]:
             lines.append(f"  kept {name}: {why}")
         if len(self.kept) > 20:

@@ -1,0 +1,93 @@
+"""Quantization and half precision on trained models that pip packages ship
+(tests/trained_models.py): task agreement with the fp32 model on an evaluation set kept
+apart from the calibration set, against onnxruntime's own quantization tool on the same
+calibration data, and onnxruntime running the files Kiln writes."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+import pytest
+
+import kiln
+import trained_models as tm
+from kiln.onnxio import to_proto
+from kiln.quantize.cpu import cpu_flags, weight_range
+
+ZEN5 = ("processor\t: 0\nvendor_id\t: AuthenticAMD\nflags\t\t: fpu sse2 avx avx2 avx512f "
+        "avx512bw avx512_vnni avx512_bf16\n")
+ALDER_LAKE = "flags\t\t: fpu sse2 avx avx2 avx_vnni\n"
+HASWELL = "flags\t\t: fpu sse2 avx avx2 fma\n"
+GRAVITON = "Features\t: fp asimd evtstrm aes asimddp i8mm\n"
+
+
+@pytest.mark.parametrize("cpuinfo,bits", [(ZEN5, 8), (ALDER_LAKE, 8), (HASWELL, 7),
+                                          (GRAVITON, 8)])
+def test_weight_bits_follow_cpu_flags(cpuinfo, bits):
+    chosen = weight_range(None, cpuinfo)
+    assert chosen.bits == bits
+    assert ("VNNI" in chosen.reason or "vnni" in chosen.reason or "int32" in chosen.reason)
+    assert weight_range(True, cpuinfo).bits == 7 and weight_range(False, cpuinfo).bits == 8
+
+
+def test_default_follows_this_machine_and_the_report_says_so(tmp_path):
+    with open("/proc/cpuinfo") as f:
+        flags = cpu_flags(f.read())[1]
+    vnni = bool(flags & {"avx512_vnni", "avx_vnni"})
+    from onnx import TensorProto, helper
+
+    from conftest import make_model
+    w = helper.make_tensor("w", TensorProto.FLOAT, [4, 3],
+                           np.linspace(-1, 1, 12, dtype=np.float32).tolist())
+    model = make_model([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3])], [w])
+    q = kiln.quantize(model, "dynamic", measure_latency=False)
+    want = 8 if vnni or "avx2" not in flags else 7
+    assert q.report.weight_bits == want
+    assert f"weights: {want}-bit" in str(q.report)
+
+
+def _model(name: str) -> tm.TrainedModel:
+    m = tm.get(name)
+    if m.path is None:
+        pytest.skip(f"{m.package} (which ships {name}) is not installed")
+    return m
+
+
+def _agreement(m: tm.TrainedModel, model_bytes, ev, ref, engine: str = "onnxruntime"):
+    if engine == "onnxruntime":
+        s = ort.InferenceSession(model_bytes)
+    else:
+        s = kiln.InferenceSession(model_bytes, backend=engine)
+    return m.agreement(ref, [s.run(None, f) for f in ev])
+
+
+def test_magika_static_default_beats_onnxruntime_tool(tmp_path):
+    """The file-type classifier, static INT8 with the CPU's default weight range: its file,
+    run by onnxruntime, agrees with fp32 on at least 95% of real files (onnxruntime's own
+    quantize_static on the same calibration files: below 10%, it quantizes the
+    LayerNorm arithmetic too), and onnxruntime and Kiln run it alike (with 8-bit weights
+    chosen on a VNNI CPU, onnxruntime's int8 kernels do not overflow)."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    m = _model("magika")
+    cal, ev = m.make_feeds(96, 160)
+    ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
+    q = kiln.quantize(m.path, "static", cal, measure_latency=False)
+    blob = to_proto(q.model).SerializeToString()
+    ours = _agreement(m, blob, ev, ref)
+    assert ours >= 0.95
+    assert abs(_agreement(m, blob, ev, ref, "numpy") - ours) <= 0.02
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(cal)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(m.path, str(tmp_path / "ort.onnx"), Reader(),
+                    quant_format=QuantFormat.QDQ, per_channel=True)
+    theirs = _agreement(m, str(tmp_path / "ort.onnx"), ev, ref)
+    assert ours >= theirs - 0.02

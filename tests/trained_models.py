@@ -1,0 +1,275 @@
+"""Trained ONNX models that pip packages ship in their wheels, with realistic inputs and a
+task metric, for tests and benchmarks (quantization, fp16, real-model speed).
+
+Each :class:`TrainedModel` finds its file inside an installed package (``None`` when the
+package is missing: callers skip), makes inputs from real data (files on this machine,
+text lines rendered with PIL, synthesized audio) split into calibration and evaluation
+sets that share no sample, and scores a converted model by *task agreement* with the fp32
+model: the fraction of evaluation samples where both give the same answer (label, string,
+mask pixel, speech decision). Packages are found, never imported (several pull OpenCV).
+
+Used by tests/test_quantize_trained.py and benchmarks/quantization_trained.py.
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import os
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["MODELS", "TrainedModel", "available", "get"]
+
+
+def _package_file(package: str, rel: str) -> str | None:
+    spec = importlib.util.find_spec(package)
+    if spec is None or spec.origin is None:
+        return None
+    path = os.path.join(os.path.dirname(spec.origin), rel)
+    return path if os.path.exists(path) else None
+
+
+@dataclass
+class TrainedModel:
+    """One shipped model: where it is, how to feed it, how to score agreement."""
+
+    name: str
+    package: str
+    rel_path: str
+    task: str
+    """What agreement means, in words (for tables)."""
+    make_feeds: Callable[[int, int], tuple[list[dict], list[dict]]]
+    """(n_calibration, n_evaluation) -> (calibration feeds, evaluation feeds), disjoint."""
+    answers: Callable[[list[np.ndarray]], list]
+    """A run's outputs (one feed) -> its per-sample task answers."""
+
+    @property
+    def path(self) -> str | None:
+        """The model file, or None when the package is not installed."""
+        return _package_file(self.package, self.rel_path)
+
+    def agreement(self, ref_outputs: list[list[np.ndarray]],
+                  outputs: list[list[np.ndarray]]) -> float:
+        """Fraction of samples whose task answer equals the reference's."""
+        same = total = 0
+        for r, o in zip(ref_outputs, outputs):
+            for a, b in zip(self.answers(r), self.answers(o)):
+                same += bool(np.array_equal(a, b))
+                total += 1
+        return same / max(total, 1)
+
+
+# --- magika: a file-type classifier (Conv1D, GlobalMaxPool, LayerNorm) on file bytes ----
+
+def _real_files(limit: int) -> list[str]:
+    """Files of many kinds on any Python installation: sources, data, binaries, docs."""
+    roots = [os.path.dirname(os.__file__), sys.prefix]
+    seen: list[str] = []
+    kinds: dict[str, int] = {}
+    for root in roots:
+        for path in sorted(glob.glob(os.path.join(root, "**", "*"), recursive=True)):
+            if not os.path.isfile(path) or os.path.islink(path) or "__pycache__" in path:
+                continue
+            ext = os.path.splitext(path)[1].lower() or os.path.basename(path)
+            if kinds.get(ext, 0) >= 6:  # spread over kinds, not 1,000 .py files
+                continue
+            if os.path.getsize(path) < 64:
+                continue
+            kinds[ext] = kinds.get(ext, 0) + 1
+            seen.append(path)
+            if len(seen) >= limit:
+                return seen
+    return seen
+
+
+def _magika_features(path: str, size: int = 1024, pad: int = 256) -> np.ndarray:
+    """Magika v3's input: the first and last ``size`` bytes after stripping whitespace,
+    padded with ``pad`` (its config: beg_size=end_size=1024, padding_token=256)."""
+    with open(path, "rb") as f:
+        head = f.read(4096)
+        f.seek(max(0, os.path.getsize(path) - 4096))
+        tail = f.read(4096)
+    head, tail = head.lstrip(), tail.rstrip()
+    beg = np.full(size, pad, np.int32)
+    end = np.full(size, pad, np.int32)
+    b = np.frombuffer(head[:size], np.uint8)
+    e = np.frombuffer(tail[-size:], np.uint8) if tail else np.zeros(0, np.uint8)
+    beg[:b.size] = b
+    end[size - e.size:] = e
+    return np.concatenate([beg, end])
+
+
+def _magika_feeds(n_cal: int, n_eval: int, batch: int = 8):
+    files = _real_files(n_cal + n_eval)
+    x = np.stack([_magika_features(p) for p in files])
+    rng = np.random.default_rng(0)
+    x = x[rng.permutation(len(x))]
+    def feeds(a):
+        return [{"bytes": a[i:i + batch]} for i in range(0, len(a), batch)]
+    return feeds(x[:n_cal]), feeds(x[n_cal:n_cal + n_eval])
+
+
+# --- rendered text lines (PIL) for the OCR models ---------------------------------------
+
+_WORDS = ("invoice total amount due date paid shipping order number customer account "
+          "balance kiln quantize model layer tensor float integer scale zero point Q3 2026 "
+          "42.50 EUR 1,337 #A-17 hello world receipt station platform gate 09:45").split()
+
+
+def _text_lines(n: int, h: int, w: int, seed: int, flip_half: bool = False) -> np.ndarray:
+    """``n`` RGB images (n, 3, h, w) in [-1, 1] of dark text on light paper, the
+    normalization PaddleOCR's classifier and recognizer expect."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    out = np.empty((n, 3, h, w), np.float32)
+    for i in range(n):
+        words = " ".join(rng.choice(_WORDS, size=int(rng.integers(2, 5))))
+        size = int(rng.integers(h // 2, h - 8))
+        try:
+            font = ImageFont.load_default(size=size)
+        except TypeError:  # Pillow < 10.1
+            font = ImageFont.load_default()
+        bg = tuple(int(v) for v in rng.integers(200, 256, 3))
+        fg = tuple(int(v) for v in rng.integers(0, 70, 3))
+        img = Image.new("RGB", (w, h), bg)
+        ImageDraw.Draw(img).text((int(rng.integers(2, 12)), (h - size) // 2 - 2), words,
+                                 fill=fg, font=font)
+        if flip_half and i % 2:
+            img = img.rotate(180)
+        a = np.asarray(img, np.float32) / 255.0
+        a += rng.normal(0, 0.02, a.shape).astype(np.float32)  # scanner noise
+        out[i] = ((a - 0.5) / 0.5).transpose(2, 0, 1)
+    return out
+
+
+def _batched(x: np.ndarray, name: str, batch: int) -> list[dict]:
+    return [{name: x[i:i + batch]} for i in range(0, len(x), batch)]
+
+
+def _ocr_cls_feeds(n_cal: int, n_eval: int):
+    return (_batched(_text_lines(n_cal, 48, 192, 1, True), "x", 8),
+            _batched(_text_lines(n_eval, 48, 192, 2, True), "x", 8))
+
+
+def _ocr_rec_feeds(n_cal: int, n_eval: int):
+    return (_batched(_text_lines(n_cal, 48, 320, 3), "x", 4),
+            _batched(_text_lines(n_eval, 48, 320, 4), "x", 4))
+
+
+def _ctc_strings(outs: list[np.ndarray]) -> list:
+    """Greedy CTC decode of (batch, time, classes) scores: the label sequence read."""
+    ids = outs[0].argmax(-1)
+    res = []
+    for row in ids:
+        keep = [int(c) for j, c in enumerate(row) if c != 0 and (j == 0 or c != row[j - 1])]
+        res.append(tuple(keep))
+    return res
+
+
+def _page(h: int, w: int, seed: int) -> np.ndarray:
+    """A page (3, h, w) with several rendered text lines, normalized like PaddleOCR's
+    detector input (ImageNet mean/std)."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    img = Image.new("RGB", (w, h), tuple(int(v) for v in rng.integers(215, 256, 3)))
+    d = ImageDraw.Draw(img)
+    y = int(rng.integers(4, 20))
+    while y < h - 24:
+        size = int(rng.integers(14, 30))
+        try:
+            font = ImageFont.load_default(size=size)
+        except TypeError:
+            font = ImageFont.load_default()
+        words = " ".join(rng.choice(_WORDS, size=int(rng.integers(2, 6))))
+        d.text((int(rng.integers(4, w // 3)), y), words,
+               fill=tuple(int(v) for v in rng.integers(0, 80, 3)), font=font)
+        y += size + int(rng.integers(6, 30))
+    a = np.asarray(img, np.float32) / 255.0
+    mean = np.array([0.485, 0.456, 0.406], np.float32)
+    std = np.array([0.229, 0.224, 0.225], np.float32)
+    return ((a - mean) / std).transpose(2, 0, 1)
+
+
+def _ocr_det_feeds(n_cal: int, n_eval: int):
+    cal = [{"x": _page(256, 320, 100 + i)[None]} for i in range(n_cal)]
+    ev = [{"x": _page(256, 320, 500 + i)[None]} for i in range(n_eval)]
+    return cal, ev
+
+
+def _text_mask(outs: list[np.ndarray]) -> list:
+    """Per page, the text/background mask at PaddleOCR's binarization threshold 0.3,
+    kept as one answer per 8x8 block (a block agrees when its text pixels agree)."""
+    prob = outs[0][:, 0]
+    mask = prob > 0.3
+    n, h, w = mask.shape
+    blocks = mask[:, :h // 8 * 8, :w // 8 * 8].reshape(n, h // 8, 8, w // 8, 8)
+    return [b for page in blocks.any(axis=(2, 4)) for b in page.reshape(-1)]
+
+
+# --- silero VAD: speech probability of 512-sample windows of synthesized audio ----------
+
+def _vad_audio(n: int, seed: int) -> list[np.ndarray]:
+    """``n`` windows of 512 samples at 16 kHz: voiced vowels (harmonics with a formant
+    envelope and jitter), noise, silence and tones."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(512) / 16000.0
+    out = []
+    for i in range(n):
+        kind = i % 4
+        if kind == 0:
+            f0 = rng.uniform(90, 250)
+            x = sum(np.sin(2 * np.pi * f0 * k * t * (1 + rng.normal(0, 0.002))) *
+                    np.exp(-((f0 * k - rng.uniform(500, 900)) / 400) ** 2) for k in range(1, 30))
+        elif kind == 1:
+            x = rng.normal(0, rng.uniform(0.01, 0.3), 512)
+        elif kind == 2:
+            x = rng.normal(0, 1e-4, 512)
+        else:
+            x = np.sin(2 * np.pi * rng.uniform(200, 3000) * t)
+        x = np.asarray(x, np.float64)
+        x = x / max(np.abs(x).max(), 1e-9) * rng.uniform(0.05, 0.9)
+        out.append(x.astype(np.float32))
+    return out
+
+
+def _vad_feeds(n_cal: int, n_eval: int):
+    def feeds(wins):
+        return [{"input": w[None], "state": np.zeros((2, 1, 128), np.float32),
+                 "sr": np.array(16000, np.int64)} for w in wins]
+    return feeds(_vad_audio(n_cal, 7)), feeds(_vad_audio(n_eval, 8))
+
+
+MODELS: dict[str, TrainedModel] = {m.name: m for m in [
+    TrainedModel("magika", "magika", "models/standard_v3_3/model.onnx",
+                 "file type (top-1 label) of real files", _magika_feeds,
+                 lambda o: list(o[0].argmax(-1))),
+    TrainedModel("ppocr_cls", "rapidocr_onnxruntime",
+                 "models/ch_ppocr_mobile_v2.0_cls_infer.onnx",
+                 "text orientation (0/180) of rendered lines", _ocr_cls_feeds,
+                 lambda o: list(o[0].argmax(-1))),
+    TrainedModel("ppocr_rec_v4", "rapidocr_onnxruntime", "models/ch_PP-OCRv4_rec_infer.onnx",
+                 "line read exactly like fp32 (greedy CTC) on rendered lines",
+                 _ocr_rec_feeds, _ctc_strings),
+    TrainedModel("ppocr_det_v4", "rapidocr_onnxruntime", "models/ch_PP-OCRv4_det_infer.onnx",
+                 "text mask (8x8 blocks at threshold 0.3) of rendered pages",
+                 _ocr_det_feeds, _text_mask),
+    TrainedModel("silero_vad", "silero_vad", "data/silero_vad.onnx",
+                 "speech decision (p > 0.5) of 32 ms windows of synthesized audio",
+                 _vad_feeds, lambda o: list((o[0] > 0.5).reshape(-1))),
+]}
+
+
+def get(name: str) -> TrainedModel:
+    """The model called ``name`` (a key of :data:`MODELS`)."""
+    return MODELS[name]
+
+
+def available() -> list[str]:
+    """Names of the models whose package is installed here."""
+    return [k for k, m in MODELS.items() if m.path is not None]
