@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> dict:
     for epoch in range(1, args.epochs + 1):
         model.train()
         batches = torch.randperm(len(xt)).split(32)
-        bar = progress_bar(len(batches), f"epoch {epoch}/{args.epochs}", unit="batch")
+        # a bar on a terminal only (None in a pipe or log: the table below says it all)
+        bar = progress_bar(len(batches), f"epoch {epoch}/{args.epochs}", enabled=None,
+                           unit="batch")
         total = 0.0
         for idx in batches:
             opt.zero_grad()
@@ -63,8 +65,10 @@ def main(argv: list[str] | None = None) -> dict:
             loss.backward()
             opt.step()
             total += loss.item() * len(idx)
-            bar.update(1)
-        bar.close()
+            if bar is not None:
+                bar.update(1)
+        if bar is not None:
+            bar.close()
         sched.step()
         rows.append((epoch, total / len(xt), accuracy(model, x_te, y_te)))
     kiln.save(model, args.out)

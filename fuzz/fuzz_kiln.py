@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import faulthandler
 import json
 import os
 import random
@@ -377,6 +378,10 @@ class Worker:
             resource.setrlimit(resource.RLIMIT_AS, (MEMORY_LIMIT, MEMORY_LIMIT))
             # onnxruntime prints its provider fallbacks to stdout; results go through a pipe
             os.dup2(os.open(os.devnull, os.O_WRONLY), 1)
+            # A crash here is a finding the parent classes from the worker's status
+            # (oracle_crash, crash) and reruns by seed; the fault handler pytest or
+            # -X faulthandler enabled would print a 40-line stack into the test log.
+            faulthandler.disable()
             _stage = lambda name: os.write(replies, f"@{name}\n".encode())  # noqa: E731
             while True:
                 b = os.read(requests, 9)

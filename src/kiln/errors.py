@@ -52,6 +52,16 @@ class MissingDependencyError(KilnError, ImportError):
         self.needed_for = needed_for
 
 
+class SaveError(KilnError, OSError):
+    """A file could not be written (disk full, no permission, no such folder); the message
+    says what to do, and a file that was at the path before is unchanged. Also an
+    ``OSError`` with the system's ``errno``."""
+
+    def __init__(self, message: str, errno: int | None = None):
+        super().__init__(message)
+        self.errno = errno
+
+
 class OptionError(KilnError, ValueError):
     """An option that is not valid: an unknown backend, a device or precision the backend
     does not offer. The message says which values are accepted."""

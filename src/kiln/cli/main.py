@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kiln.errors import InputError, KilnError
+from kiln.errors import InputError, KilnError, OptionError
 
 USAGE_ERROR = 2
 
@@ -568,6 +568,9 @@ def cmd_run(args) -> int:
     from kiln.cli.format import array_summary, run_words, table
     from kiln.tools.common import load_model, random_feeds, session_for
 
+    if args.output and not Path(args.output).resolve().parent.is_dir():
+        raise InputError(f"cannot save {args.output}: the folder "
+                         f"{Path(args.output).resolve().parent} does not exist")
     model = load_model(args.model)
     feeds = _feeds(args, model, args.random) if args.input else {}
     missing = [v.name for v in model.graph.inputs if v.name not in feeds]
@@ -588,7 +591,8 @@ def cmd_run(args) -> int:
     how = run_words(args.precision, compiled)
     if args.output:
         arrays = {n: np.asarray(o) for n, o in zip(names, outs) if not isinstance(o, list)}
-        np.savez(args.output, **arrays)
+        with open(args.output, "wb") as f:  # the name given: np.savez would add ".npz"
+            np.savez(f, **arrays)
     rows = [array_summary(n, o) for n, o in zip(names, outs)]
     if args.json:
         _emit_json({"ms": dt, "backend": args.backend, "precision": args.precision or "fp32",
@@ -701,6 +705,7 @@ def cmd_convert(args) -> int:
     from kiln.tools.common import resolve_path
 
     src = resolve_path(args.model)
+    _check_layer_names(src, args.block, "--block")
     out = convert_float16(src, keep_io_types=not args.half_io, block_list=args.block,
                           bf16=args.bf16)
     save(out, args.output)
@@ -708,6 +713,25 @@ def cmd_convert(args) -> int:
     print(f"{args.model} -> {args.output}: {kind}, {os.path.getsize(src) / 1e6:.1f} MB -> "
           f"{os.path.getsize(args.output) / 1e6:.1f} MB")
     return 0
+
+
+def _check_layer_names(model: Any, names: list[str], flag: str) -> None:
+    """Each of ``names`` is an op type or a layer name of ``model``: a misspelt one would
+    otherwise block or exclude nothing, silently."""
+    if not names:
+        return
+    from kiln.tools.common import load_model
+
+    g = load_model(model).graph
+    known = {n.op_type for n in g.nodes} | {n.name for n in g.nodes if n.name}
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        import difflib
+
+        close = [c for n in unknown for c in difflib.get_close_matches(n, known, 2)]
+        raise OptionError(f"{flag} {', '.join(unknown)}: no op type or layer of that name in "
+                          "the model" + (f"; did you mean {' or '.join(close)}?" if close
+                                         else " (`kiln inspect MODEL` lists the layers)"))
 
 
 def cmd_batch(args) -> int:
@@ -726,6 +750,7 @@ def cmd_quantize(args) -> int:
     from kiln.quantize import quantize
     from kiln.tools.common import resolve_path
 
+    _check_layer_names(resolve_path(args.model), args.exclude, "--exclude")
     with _stages("quantize", 0) as stages:
         q = quantize(resolve_path(args.model), args.mode, args.calibration,
                      method=args.method, per_channel=not args.per_tensor,

@@ -25,6 +25,7 @@ from kiln.errors import KilnError
 from kiln.ir import Model, Node, TensorType, Value, as_dim
 from kiln.onnxio import load, to_proto
 from kiln.passes.base import add_const
+from kiln.passes.infer_shapes import infer_model
 
 DEFAULT_PREFIX = "second/"
 
@@ -52,6 +53,7 @@ def compose(first: ModelLike, second: ModelLike | onnx.GraphProto,
         b = private_copy(second)
     a, b = _same_opset(a, b)
     ga, gb = a.graph, b.graph
+    infer_model(a)  # the outputs' types, to check what io_map joins
     a_out = {v.name: v for v in ga.outputs}
     b_in = {v.name: v for v in gb.inputs}
     for out, inp in io_map:
@@ -59,6 +61,7 @@ def compose(first: ModelLike, second: ModelLike | onnx.GraphProto,
             raise unknown_name(out, "an output (of the first model, in io_map)", a_out)
         if inp not in b_in:
             raise unknown_name(inp, "an input (of the second model, in io_map)", b_in)
+        _check_joinable(a_out[out], b_in[inp])
     connected_in = {inp for _, inp in io_map}
     connected_out = {out for out, _ in io_map}
     taken = all_names(ga) | {v.name for v in ga.outputs}
@@ -144,6 +147,30 @@ def rename(model: ModelLike, names: Mapping[str, str]) -> Model:
 TAILS = ("Softmax", "ArgMax", "TopK")
 
 
+def _check_joinable(out: Value, inp: Value) -> None:
+    """Refuse joining an output to an input it cannot feed: another element type, another
+    rank, or a fixed dim that differs (symbolic dims may be anything)."""
+    to = out.type if isinstance(out.type, TensorType) else out.described_type()
+    ti = inp.type if isinstance(inp.type, TensorType) else inp.described_type()
+    if not isinstance(to, TensorType) or not isinstance(ti, TensorType):
+        return
+    if to.dtype != ti.dtype:
+        raise KilnError(f"io_map joins {out.name!r} ({to.dtype.name}) to {inp.name!r}, "
+                        f"which takes {ti.dtype.name}")
+    if to.shape is None or ti.shape is None:
+        return
+    differs = [i for i, (a, b) in enumerate(zip(to.shape, ti.shape))
+               if isinstance(a, int) and isinstance(b, int) and a != b]
+    if len(to.shape) != len(ti.shape) or differs:
+        raise KilnError(f"io_map joins {out.name!r} of shape {_dims(to.shape)} to "
+                        f"{inp.name!r}, which takes {_dims(ti.shape)}: add a Reshape between "
+                        "them, or join names whose shapes agree")
+
+
+def _dims(shape) -> str:
+    return "(" + ", ".join(str(getattr(d, "name", d)) for d in shape) + ")"
+
+
 def add_tail(model: ModelLike, op: str, output: str | None = None, *, axis: int = -1,
              k: int = 1, name: str | None = None, keep_output: bool = False) -> Model:
     """``model`` with ``op`` (one of :data:`TAILS`) applied to an output (``output``, or
@@ -167,6 +194,10 @@ def add_tail(model: ModelLike, op: str, output: str | None = None, *, axis: int 
     if op == "TopK":
         if k < 1:
             raise KilnError(f"TopK needs k >= 1 (got {k})")
+        size = rank[axis] if rank is not None else None
+        if isinstance(size, int) and k > size:
+            raise KilnError(f"TopK k={k} is more than the {size} values of output "
+                            f"{output!r} along axis {axis}; give k <= {size}")
         new = [Value(unique_name(taken, f"{base}_values")),
                Value(unique_name(taken, f"{base}_indices"))]
         if m.opset >= 10:
@@ -192,6 +223,9 @@ def set_batch(model: ModelLike, batch: int | str,
     number fixes it, a name makes it symbolic. Types are inferred afresh from there."""
     if isinstance(batch, int) and batch < 1:
         raise KilnError(f"batch must be at least 1 or a name (got {batch})")
+    if isinstance(batch, str) and not batch.isidentifier():
+        raise KilnError(f"batch {batch!r}: give a number of at least 1 or a name such as N "
+                        "(letters, digits and _, not starting with a digit)")
     m = private_copy(model)
     g = m.graph
     by_name = {v.name: v for v in g.inputs}

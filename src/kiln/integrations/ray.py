@@ -203,6 +203,18 @@ def read_files(patterns: list[str], input_name: str | None = None) -> tuple[Any,
     Files are read by Ray tasks that reserve no CPU: the scoring actors may hold every
     CPU of a small cluster, and a reader waiting for one would wait forever."""
     ray = _ray()
+    files = input_files(patterns, input_name)
+
+    def read(batch: dict[str, np.ndarray]) -> Any:
+        return _read_file(str(batch["item"][0]), input_name)
+
+    ds = ray.data.from_items(files, override_num_blocks=len(files))
+    return ds.map_batches(read, batch_size=1, batch_format="numpy", num_cpus=0), len(files)
+
+
+def input_files(patterns: list[str], input_name: str | None = None) -> list[str]:
+    """The files matching ``patterns``, checked to be ones :func:`read_files` can read
+    (no Ray needed: a bad path is refused before a cluster starts)."""
     files = sorted({os.path.abspath(f) for p in patterns for f in glob.glob(p)})
     if not files:
         raise InputError(f"no file matches {patterns}")
@@ -212,12 +224,19 @@ def read_files(patterns: list[str], input_name: str | None = None) -> tuple[Any,
     if ".npy" in kinds and input_name is None:
         raise InputError("a .npy file feeds a model with one input only; use .npz with one "
                          "array per input name, or parquet")
+    return files
 
-    def read(batch: dict[str, np.ndarray]) -> Any:
-        return _read_file(str(batch["item"][0]), input_name)
 
-    ds = ray.data.from_items(files, override_num_blocks=len(files))
-    return ds.map_batches(read, batch_size=1, batch_format="numpy", num_cpus=0), len(files)
+def _check_address(address: str | None) -> None:
+    """``None``, ``auto``, ``local``, ``HOST:PORT`` or ``ray://HOST:PORT``, or an
+    OptionError saying so (Ray's own error comes after seconds of start-up, as a
+    ValueError)."""
+    if address is None or address in ("auto", "local"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise OptionError(f"--address {address!r}: give 'auto' (a running cluster on this "
+                          "machine), HOST:PORT or ray://HOST:PORT")
 
 
 def _read_file(path: str, input_name: str | None) -> Any:
@@ -242,17 +261,30 @@ def batch_files(model: Any, patterns: list[str], output: str, *, address: str | 
                 device: str | None = None, threads: int = 1, num_gpus: float = 0,
                 optimize: bool = True) -> BatchResult:
     """Score the files matching ``patterns`` on Ray (a running cluster at ``address``,
-    ``"auto"`` to find it, else a local one) and write parquet under ``output``."""
+    ``"auto"`` to find it, else a local one) and write parquet under ``output``.
+
+    The model, files, output folder and options are checked before Ray starts."""
+    if concurrency < 1 or batch_size < 1 or threads < 1:
+        raise OptionError("concurrency, batch size and threads must be at least 1")
+    if num_gpus < 0:
+        raise OptionError(f"GPUs per actor must be 0 or more, not {num_gpus}")
+    _check_address(address)
+    if os.path.isdir(output) and os.listdir(output):
+        raise InputError(f"{output} is not empty: give a new or empty output folder")
+    if os.path.exists(output) and not os.path.isdir(output):
+        raise InputError(f"{output} is a file: give a new or empty output folder")
+    parent = os.path.dirname(os.path.abspath(output))
+    if not os.path.isdir(parent):
+        raise InputError(f"the folder {parent} (where {output} goes) does not exist: "
+                         "create it first")
+    data = model_bytes(model)
+    names = [v.name for v in load_model(data).graph.inputs]
+    input_name = names[0] if len(names) == 1 else None
+    input_files(patterns, input_name)
     ray = _ray()
     if not ray.is_initialized():
         ray.init(address=address, log_to_driver=False)
-    if concurrency < 1 or batch_size < 1 or threads < 1:
-        raise OptionError("concurrency, batch size and threads must be at least 1")
-    if os.path.isdir(output) and os.listdir(output):
-        raise InputError(f"{output} is not empty: give a new or empty output folder")
-    data = model_bytes(model)
-    names = [v.name for v in load_model(data).graph.inputs]
-    ds, nfiles = read_files(patterns, names[0] if len(names) == 1 else None)
+    ds, nfiles = read_files(patterns, input_name)
     t0 = time.perf_counter()
     scored = predict(ds, data, concurrency=concurrency, batch_size=batch_size,
                      backend=backend, device=device, threads=threads, num_gpus=num_gpus,

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import re
+import socket
 import tempfile
+import time
 import uuid
 from collections.abc import Callable
 from pathlib import Path
@@ -18,7 +21,7 @@ from onnx.external_data_helper import (
     write_external_data_tensors,
 )
 
-from kiln.errors import InputError
+from kiln.errors import InputError, SaveError
 from kiln.ir import (
     AttrRef,
     Function,
@@ -239,7 +242,12 @@ def save(model: Model, path: str | os.PathLike, external_data: bool | None = Non
     at any point leaves the previous model or the new one, each loadable. Re-saving over a
     model with external data writes the weights under a fresh name
     (``<file>.<token>.data``), because the old model keeps reading its own data file until
-    the new model replaces it; the old data file is removed afterwards."""
+    the new model replaces it; the old data file is removed afterwards.
+
+    The folder must exist (a typo in it is not silently created). A failed write (disk
+    full, no permission) raises :class:`~kiln.errors.SaveError` and leaves the previous
+    file as it was; temporary folders that killed saves of ``path`` left behind
+    (``.<file>.*``) are removed by the next save."""
     path = Path(path)
     if not isinstance(model, Model):
         model = _converted(model)
@@ -247,9 +255,80 @@ def save(model: Model, path: str | os.PathLike, external_data: bool | None = Non
     if external_data is None:
         external_data = proto.ByteSize() > 1_800_000_000
     folder = path.parent
-    folder.mkdir(parents=True, exist_ok=True)
+    if not folder.is_dir():
+        raise SaveError(f"cannot save {path}: the folder {folder} does not exist "
+                        f"(create it first: mkdir -p {folder})", errno.ENOENT)
+    if path.is_dir():
+        raise SaveError(f"cannot save {path}: it is a folder; give a file name "
+                        f"({path / 'model.onnx'}, say)", errno.EISDIR)
+    _remove_stale_temps(path)
+    try:
+        _write(proto, path, external_data, size_threshold)
+    except OSError as e:
+        if isinstance(e, SaveError):
+            raise
+        why = {errno.ENOSPC: "the disk is full: free space or save elsewhere",
+               errno.EDQUOT: "the disk quota is exceeded: free space or save elsewhere",
+               errno.EACCES: "no permission to write there: save elsewhere",
+               errno.EROFS: "the file system is read-only: save elsewhere"}.get(
+                   e.errno, f"{e.strerror or e}")
+        kept = " The file that was there is unchanged." if path.exists() else ""
+        raise SaveError(f"could not save {path}: {why}.{kept}", e.errno) from e
+    return path
+
+
+# A save's temporary folder holds this file naming its host and process, so that a later
+# save can tell a folder a killed save left from one a running save is writing.
+_OWNER = ".kiln-save-owner"
+_STALE_AFTER_S = 24 * 3600  # a folder without a readable owner, untouched this long
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Removes ``.<name>.*`` folders earlier saves of ``path`` left when they were killed:
+    those whose owner process (on this host) is gone, or, without an owner file, untouched
+    for a day. A running save's folder is never removed."""
+    import shutil
+
+    pattern = re.compile(r"\." + re.escape(path.name) + r"\.[A-Za-z0-9_]{8}")
+    try:
+        entries = list(path.parent.iterdir())
+    except OSError:
+        return
+    for d in entries:
+        if not pattern.fullmatch(d.name) or not d.is_dir() or d.is_symlink():
+            continue
+        if _abandoned(d):
+            shutil.rmtree(d, ignore_errors=True)
+
+
+def _abandoned(folder: Path) -> bool:
+    try:
+        host, _, pid = (folder / _OWNER).read_text().partition(":")
+    except OSError:
+        try:
+            return time.time() - folder.stat().st_mtime > _STALE_AFTER_S
+        except OSError:
+            return False
+    if host != socket.gethostname() or not pid.isdigit():
+        try:  # another machine's save (a shared folder): only by age
+            return time.time() - folder.stat().st_mtime > _STALE_AFTER_S
+        except OSError:
+            return False
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return True
+    except OSError:  # alive, owned by another user
+        return False
+    return False
+
+
+def _write(proto: onnx.ModelProto, path: Path, external_data: bool,
+           size_threshold: int) -> None:
+    folder = path.parent
     stale = _kiln_data_files(path)
     with tempfile.TemporaryDirectory(prefix=f".{path.name}.", dir=folder) as tmp:
+        (Path(tmp) / _OWNER).write_text(f"{socket.gethostname()}:{os.getpid()}")
         moves: list[tuple[Path, Path]] = []
         if external_data:
             location = path.name + ".data"
@@ -271,7 +350,6 @@ def save(model: Model, path: str | os.PathLike, external_data: bool | None = Non
         _fsync(folder)
     for old in stale:  # data the replaced model read; nothing references it now
         old.unlink(missing_ok=True)
-    return path
 
 
 def _converted(obj: Any) -> Model:
@@ -279,8 +357,8 @@ def _converted(obj: Any) -> Model:
         got = convert(obj)
         if got is not None:
             return got
-    raise InputError(f"kiln.save writes a kiln Model or a module built on kiln.to_torch, "
-                     f"not {type(obj).__name__}")
+    raise InputError(f"kiln.save writes a kiln Model, what kiln.quantize returns or a "
+                     f"module built on kiln.to_torch, not {type(obj).__name__}")
 
 
 def _kiln_data_files(path: Path) -> set[Path]:

@@ -63,6 +63,10 @@ def load(source: str | os.PathLike | bytes | onnx.ModelProto, base_dir=None) -> 
             proto, raw = _parse(rest, "<bytes>"), RawData(spans, buffer=data)
     else:
         path = Path(source)
+        if path.is_dir():
+            inside = sorted(p.name for p in path.glob("*.onnx"))[:5]
+            raise ModelLoadError(f"{path} is a folder, not a model file; give the .onnx file"
+                                 + (f" (it holds {', '.join(inside)})" if inside else ""))
         if not path.is_file():
             raise ModelLoadError(f"no model file at {path}")
         base_dir = path.parent if base_dir is None else base_dir

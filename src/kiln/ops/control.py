@@ -8,6 +8,8 @@ device between iterations."""
 
 from __future__ import annotations
 
+import time
+
 import numpy as np
 
 from kiln.errors import KernelError
@@ -20,6 +22,16 @@ MAX_LOOP_ITERATIONS = 1_000_000
 """A Loop stops with KernelError after this many iterations (exporters write INT64_MAX as
 the trip count of while-loops, so the count itself is no bound). Set this module attribute
 to allow longer loops."""
+
+MAX_LOOP_SCAN_BYTES = 2 << 30
+"""A Loop stops with KernelError once its scan outputs hold more than this many bytes
+(2 GiB): a runaway loop stacking 4 MiB an iteration would otherwise grow until the
+process is killed for memory. Set this module attribute to allow more."""
+
+MAX_LOOP_SECONDS = 300.0
+"""A Loop stops with KernelError after running this long (a million iterations of a small
+body take 14-40 s; a loop that runs minutes is almost always one that never ends). Set
+this module attribute to allow longer; ``RunOptions.terminate`` stops any run sooner."""
 
 
 def _scalar(ctx, x):
@@ -72,18 +84,31 @@ def loop(ctx, max_trip_count, cond, *v_initial, body):
     num_scan = len(body.graph.outputs) - 1 - n
     scans: list[list] = [[] for _ in range(num_scan)]
     to_backend = ctx.backend.from_numpy
-    i = 0
+    i, held = 0, 0
+    start = time.monotonic()
     while keep_going and (trip is None or i < trip):
         if i >= MAX_LOOP_ITERATIONS:
             raise KernelError(
                 f"Loop ran {i} iterations (trip count {trip}) without finishing; raise "
                 "kiln.ops.control.MAX_LOOP_ITERATIONS if the model really loops this long")
+        if i % 256 == 255 and time.monotonic() - start > MAX_LOOP_SECONDS:
+            raise KernelError(
+                f"Loop ran for more than {MAX_LOOP_SECONDS:g} s ({i} iterations, trip count "
+                f"{trip}) without finishing; raise kiln.ops.control.MAX_LOOP_SECONDS if the "
+                "model really loops this long")
         out = ctx.run(body, [to_backend(np.array(i, np.int64)),
                              to_backend(np.array(keep_going)), *carried])
         keep_going = bool(_scalar(ctx, out[0]))
         carried = out[1:1 + n]
         for acc, x in zip(scans, out[1 + n:]):
             acc.append(x)
+            held += int(getattr(x, "nbytes", 0))
+        if held > MAX_LOOP_SCAN_BYTES:
+            raise KernelError(
+                f"Loop's scan outputs reached {held / 2**20:,.0f} MiB after {i + 1} "
+                f"iterations (trip count {trip}), over the {MAX_LOOP_SCAN_BYTES / 2**20:,.0f}"
+                " MiB bound; raise kiln.ops.control.MAX_LOOP_SCAN_BYTES if the model really "
+                "stacks this much")
         i += 1
     stacked = [_stack(acc) if acc else _empty_stack(ctx, body, 1 + n + k)
                for k, acc in enumerate(scans)]

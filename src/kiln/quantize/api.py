@@ -11,6 +11,7 @@ import onnx.version_converter
 from kiln.errors import OptionError
 from kiln.ir import DType, Model
 from kiln.onnxio import load, save, to_proto
+from kiln.onnxio.exporter import register_converter
 from kiln.passes import FoldConstants
 from kiln.passes.infer_shapes import infer_model
 from kiln.quantize import qdq, weight_only
@@ -253,3 +254,7 @@ def _at_opset(m: Model, opset: int) -> Model:
     if m.opset >= opset:
         return as_model(m)
     return load(onnx.version_converter.convert_version(to_proto(m), opset))
+
+
+# kiln.save(kiln.quantize(...), path) writes the quantized model, as Quantized.save does.
+register_converter(lambda obj: obj.model if isinstance(obj, Quantized) else None)

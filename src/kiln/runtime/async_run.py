@@ -9,6 +9,7 @@ blocking and outputs read back to host through pinned memory without stalling th
 
 from __future__ import annotations
 
+import sys
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -48,16 +49,21 @@ class AsyncRun:
     def readback(self) -> AsyncRun:
         """A handle whose result is these outputs as NumPy arrays, copied device -> host
         without blocking this thread (through pinned buffers on CUDA)."""
-        import torch
-
-        from kiln.ops.torch.arrays import to_numpy
-
         out: Future = Future()
         state: dict[str, Any] = {}
 
         def start(f: Future) -> None:
             try:
                 values = f.result()
+                # Outputs are torch tensors only where torch was imported to make them: a
+                # NumPy session's readback must not import it (an ImportError without
+                # torch, seconds with it).
+                torch = sys.modules.get("torch")
+                if torch is None:
+                    out.set_result(list(values))
+                    return
+                from kiln.ops.torch.arrays import to_numpy
+
                 ev = self._event(block=True)
                 host, events = [], []
                 for v in values:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 import onnx
 
 from kiln.edit import cut
+from kiln.errors import MissingDependencyError
 from kiln.ir import Model
 from kiln.onnxio.exporter import register_converter
 
@@ -33,7 +34,13 @@ def to_torch(model_or_path: Model | str | os.PathLike | bytes | onnx.ModelProto,
     model's own graph with the new weights. ``device``: "cpu" or "cuda[:N]", fixed when the
     module is built.
     """
-    from kiln.train.module import KilnModule
+    try:
+        from kiln.train.module import KilnModule
+    except ModuleNotFoundError as e:
+        if (e.name or "").split(".")[0] != "torch":
+            raise
+        raise MissingDependencyError("torch", 'pip install -e ".[torch]"',
+                                     "kiln.to_torch") from None
 
     # a private copy, typed by shape inference (a head is exported on the cut's output)
     model = cut(model_or_path, outputs=outputs, last_layers=last_layers)
