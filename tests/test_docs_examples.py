@@ -25,6 +25,7 @@ from __future__ import annotations
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -36,8 +37,9 @@ ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINKED = ("src", "examples", "benchmarks", "scripts")
 RUNNABLE = {"python", "console", "bash", "sh"}
-# Files whose blocks rebuild zoo models with --force: they get a zoo folder of their own, so
-# the shared cache other runs read is never rewritten under them.
+# Files whose blocks rebuild zoo models with --force: they get a zoo folder of their own (the
+# shared cache's files hard-linked into it, so only what is forced is built), so the shared
+# cache other runs read is never rewritten under them.
 OWN_ZOO = {"docs/zoo.md"}
 NOT_RUN = {  # command prefix -> why the test does not run it
     "pip install": "installs packages: the test runs in the environment it would make",
@@ -201,8 +203,21 @@ def test_doc_blocks_run(path: Path, clone: Path):
 @pytest.mark.parametrize("path", list(_file_cases(slow=True)))
 def test_slow_doc_blocks_run(path: Path, clone: Path, monkeypatch: pytest.MonkeyPatch):
     if str(path.relative_to(ROOT)) in OWN_ZOO:
-        monkeypatch.setenv("KILN_ZOO_DIR", str(clone / "zoo"))
+        from kiln.zoo import cache_dir
+
+        shared, own = cache_dir(), clone / "zoo"
+        if shared.is_dir():
+            shutil.copytree(shared, own, copy_function=_link_or_copy,
+                            ignore=shutil.ignore_patterns(".*"))
+        monkeypatch.setenv("KILN_ZOO_DIR", str(own))
     _run_file(path, clone, slow=True)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:  # another file system
+        shutil.copy2(src, dst)
 
 
 def test_skipped_blocks_are_few_and_say_why():
