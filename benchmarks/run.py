@@ -31,7 +31,10 @@ SUITE: dict[str, tuple[str, str]] = {
     "preprocess": ("preprocess_fold.py", "what embedded preprocessing costs at run time"),
     "ray": ("ray_batch.py", "rows per second of `kiln batch` on Ray Data"),
     "torch-overrides": ("torch_overrides.py", "does each torch kernel beat the generic one"),
+    "hops": ("run_hops.py", "the Python frames from Session.run to a kernel"),
     "gpu": ("gpu_run.sh", "everything on a CUDA machine: check|quick|speed|accuracy"),
+    "gpu-speed": ("gpu_speed.py", "on CUDA: Kiln against the PyTorch module (gpu_run.sh speed)"),
+    "gpu-accuracy": ("gpu_accuracy.py", "on CUDA: each zoo model's error per precision"),
 }
 
 
