@@ -92,3 +92,172 @@ def test_question_mark_and_minus_one_dims_are_never_one_shared_dim(backend):
     feed = {"x": np.random.default_rng(0).standard_normal((2, 3, 4, 7), np.float32)}
     want = _ort(m, feed)[0]
     np.testing.assert_array_equal(_kiln(m, feed, backend)[0], want)
+
+
+# -- attribute values ONNX does not define are refused at load -----------------------------
+
+def _one(node: onnx.NodeProto, x_shape, opset: int = 17, inits=(), x_type=TP.FLOAT,
+         out_type=TP.FLOAT) -> onnx.ModelProto:
+    graph = helper.make_graph(
+        [node], "g", [helper.make_tensor_value_info("x", x_type, x_shape)],
+        [helper.make_tensor_value_info(o, out_type, None) for o in node.output if o],
+        list(inits))
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+def _ort_refuses(m: onnx.ModelProto, feed: dict) -> bool:
+    try:
+        _ort(m, feed)
+    except Exception:  # noqa: BLE001 - any refusal counts
+        return True
+    return False
+
+
+_I = onnx.numpy_helper.from_array
+_AXIS_CASES = {  # op -> (node inputs, initializers, an axis past the rank-3 input's range)
+    "ArgMax": (["x"], [], -4), "ArgMin": (["x"], [], -4), "Concat": (["x", "x"], [], -4),
+    "Flatten": (["x"], [], -4), "Split": (["x"], [], -4),
+    "GatherElements": (["x", "i"], [_I(np.zeros((2, 3, 4), np.int64), "i")], -4),
+    "ScatterElements": (["x", "i", "x"], [_I(np.zeros((2, 3, 4), np.int64), "i")], -4),
+    "Compress": (["x", "c"], [_I(np.array([True, False]), "c")], -4),
+    "Softmax": (["x"], [], 3), "LogSoftmax": (["x"], [], 3), "Hardmax": (["x"], [], 3),
+}
+
+
+@pytest.mark.parametrize("known_rank", [True, False], ids=["rank-known", "rank-unknown"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,opset", [(op, 17) for op in _AXIS_CASES] +
+                         [("Softmax", 11), ("LogSoftmax", 11), ("Hardmax", 11)])
+def test_an_axis_outside_the_rank_is_refused_as_onnxruntime_does(op, opset, backend,
+                                                                 known_rank):
+    ins, inits, ax = _AXIS_CASES[op]
+    outs = ["y", "z"] if op == "Split" else ["y"]
+    m = _one(helper.make_node(op, ins, outs, axis=ax, **({"num_outputs": 2} if op == "Split"
+                                                          and opset >= 18 else {})),
+             [2, 3, 4] if known_rank else None, opset, inits,
+             out_type=TP.INT64 if op.startswith("Arg") else TP.FLOAT)
+    feed = {"x": np.arange(24, dtype=np.float32).reshape(2, 3, 4)}
+    assert _ort_refuses(m, feed)
+    for optimize in (True, False):
+        with pytest.raises(kiln.KilnError, match=r"(?i)axis|dimension"):
+            _kiln(m, feed, backend, optimize)
+
+
+def test_onehot_axis_past_the_output_rank_is_refused():
+    m = _one(helper.make_node("OneHot", ["x", "d", "v"], ["y"], axis=-5), [2, 3, 4], 17,
+             [_I(np.array(3, np.int64), "d"), _I(np.array([0, 1], np.float32), "v")],
+             x_type=TP.INT64)
+    feed = {"x": np.zeros((2, 3, 4), np.int64)}
+    assert _ort_refuses(m, feed)
+    with pytest.raises(kiln.errors.InvalidAttributeError, match=r"'axis' is -5.*\[-4, 3\]"):
+        kiln.load(m)
+    m.graph.node[0].attribute[0].i = -4  # the lowest valid axis still runs, as onnxruntime
+    np.testing.assert_array_equal(_kiln(m, feed, "numpy")[0], _ort(m, feed)[0])
+
+
+_BAD_VALUES = [  # (node, input shape, opset, attribute, extra initializers)
+    (helper.make_node("SoftmaxCrossEntropyLoss", ["x", "l"], ["y"], reduction="bogus"),
+     [2, 3], 17, "reduction", [_I(np.zeros(2, np.int64), "l")]),
+    (helper.make_node("NegativeLogLikelihoodLoss", ["x", "l"], ["y"], reduction="Mean"),
+     [2, 3], 17, "reduction", [_I(np.zeros(2, np.int64), "l")]),
+    (helper.make_node("Resize", ["x", "", "sc"], ["y"], mode="bilinear"), [1, 1, 2, 2], 17,
+     "mode", [_I(np.array([1, 1, 2, 2], np.float32), "sc")]),
+    (helper.make_node("GridSample", ["x", "g"], ["y"], mode="bilinear"), [1, 1, 2, 2], 20,
+     "mode", [_I(np.zeros((1, 2, 2, 2), np.float32), "g")]),
+    (helper.make_node("GridSample", ["x", "g"], ["y"], padding_mode="wrap"), [1, 1, 2, 2], 17,
+     "padding_mode", [_I(np.zeros((1, 2, 2, 2), np.float32), "g")]),
+    (helper.make_node("Upsample", ["x", "sc"], ["y"], mode="cubic"), [1, 1, 2, 2], 9, "mode",
+     [_I(np.array([1, 1, 2, 2], np.float32), "sc")]),
+    (helper.make_node("ReduceSum", ["x"], ["y"], noop_with_empty_axes=2), [2, 3], 17,
+     "noop_with_empty_axes", []),
+    (helper.make_node("MaxPool", ["x"], ["y"], kernel_shape=[2, 2], ceil_mode=-1),
+     [1, 1, 4, 4], 17, "ceil_mode", []),
+    (helper.make_node("Conv", ["x", "w"], ["y"], auto_pad="SAME"), [1, 1, 4, 4], 17,
+     "auto_pad", [_I(np.ones((1, 1, 3, 3), np.float32), "w")]),
+    (helper.make_node("TopK", ["x", "k"], ["y", "i"], sorted=5), [2, 3], 17, "sorted",
+     [_I(np.array([1], np.int64), "k")]),
+    (helper.make_node("DepthToSpace", ["x"], ["y"], blocksize=2, mode="dcr"), [1, 4, 2, 2],
+     17, "mode", []),
+]
+
+
+@pytest.mark.parametrize("case", _BAD_VALUES, ids=lambda c: f"{c[0].op_type}.{c[3]}"
+                         if isinstance(c, tuple) else str(c))
+def test_an_attribute_value_onnx_does_not_define_is_refused_naming_what_is_allowed(case):
+    node, shape, opset, attribute, inits = case
+    node.name = "the_node"
+    m = _one(node, shape, opset, inits)
+    with pytest.raises(kiln.errors.InvalidAttributeError,
+                       match=rf"the_node.*'{attribute}'.*allows") as e:
+        kiln.load(m)
+    assert e.value.attribute == attribute and e.value.allowed
+
+
+def test_bitshift_direction_and_is_causal_and_interleaved_are_refused():
+    cases = [
+        (helper.make_node("BitShift", ["x", "x"], ["y"], direction="UP"), 17, TP.UINT8,
+         "direction"),
+        (helper.make_node("Attention", ["x", "x", "x"], ["y"], is_causal=3), 23, TP.FLOAT,
+         "is_causal"),
+        (helper.make_node("RotaryEmbedding", ["x", "c", "c"], ["y"], interleaved=2), 23,
+         TP.FLOAT, "interleaved"),
+    ]
+    for node, opset, t, attribute in cases:
+        m = _one(node, None, opset, [_I(np.ones((1, 1), np.float32), "c")], x_type=t,
+                 out_type=t)
+        with pytest.raises(kiln.errors.InvalidAttributeError, match=f"'{attribute}'"):
+            kiln.load(m)
+
+
+def test_the_value_tables_agree_with_onnx_schemas():
+    """Every rule names an attribute ONNX defines on that op, with the type the rule reads,
+    and each schema default is an allowed value: the tables cannot refuse a valid model's
+    defaults, nor check a name ONNX does not use."""
+    from kiln.onnxio import rules
+
+    by_op: dict = {}
+    for s in onnx.defs.get_all_schemas_with_history():
+        by_op.setdefault((s.domain, s.name), []).append(s)
+    A = onnx.AttributeProto
+    for name in rules.FLAGS:
+        uses = [(s, s.attributes[name]) for ss in by_op.values() for s in ss
+                if s.domain == "" and name in s.attributes]
+        assert uses, name
+        for s, a in uses:
+            assert a.type == A.INT and a.default_value.i in (0, 1), (s.name, name)
+    for (domain, op), attrs in rules.ENUMS.items():
+        for name, versions in attrs.items():
+            for since, allowed in versions:
+                have = [s for s in by_op[(domain, op)] if name in s.attributes]
+                assert have, (op, name)
+                for s in have:
+                    a = s.attributes[name]
+                    assert a.type in (A.STRING, A.STRINGS), (op, name)
+                    d = a.default_value.s.decode() if a.default_value.HasField("s") else None
+                    if d and s.since_version >= since:
+                        assert d in rules._at(versions, s.since_version), (op, name, d)
+    for op, (name, _, _) in rules.AXES.items():
+        assert any(name in s.attributes for s in by_op[("", op)]), (op, name)
+
+
+def test_a_huge_layernorm_axis_is_refused_before_onnx_shape_inference_can_crash():
+    """Issue 39 item 10: onnx's C++ inference segfaulted on this node (axis >= 2^31 with the
+    Mean and InvStdDev outputs); a subprocess, so a crash fails the test, not the run."""
+    import subprocess
+    import sys
+
+    code = (
+        "import numpy as np, onnx, kiln\n"
+        "from onnx import helper as h, TensorProto as T\n"
+        "g = h.make_graph([h.make_node('LayerNormalization', ['x', 's'], ['y', 'm', 'r'],"
+        " axis=2**31)], 'g', [h.make_tensor_value_info('x', T.FLOAT, [2, 3]),"
+        " h.make_tensor_value_info('s', T.FLOAT, [3])],"
+        " [h.make_tensor_value_info(o, T.FLOAT, None) for o in 'ymr'])\n"
+        "m = h.make_model(g, opset_imports=[h.make_opsetid('', 17)])\n"
+        "try:\n"
+        "    kiln.InferenceSession(m.SerializeToString())\n"
+        "except kiln.errors.InvalidAttributeError:\n"
+        "    print('refused')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=120)
+    assert r.returncode == 0 and "refused" in r.stdout, (r.returncode, r.stderr[-500:])

@@ -10,6 +10,16 @@ class ModelLoadError(KilnError):
     """The model file or bytes could not be read: malformed, truncated, or inconsistent."""
 
 
+class InvalidAttributeError(ModelLoadError):
+    """A node's attribute has a value its op does not define: outside an enumeration, a
+    flag other than 0 or 1, an axis outside its input's rank. ``node``, ``attribute`` and
+    ``allowed`` say which and what would be accepted."""
+
+    def __init__(self, message: str, node: str = "", attribute: str = "", allowed: str = ""):
+        super().__init__(message)
+        self.node, self.attribute, self.allowed = node, attribute, allowed
+
+
 class ExternalDataError(ModelLoadError):
     """An external-data reference is refused (outside the model's folder) or unreadable."""
 

@@ -33,7 +33,7 @@ from kiln.ir import (
     collector_paused,
     parse_dim,
 )
-from kiln.onnxio import schema_file
+from kiln.onnxio import rules, schema_file
 from kiln.onnxio.tensors import raw_array, sparse_to_array, to_array
 from kiln.onnxio.wire import Malformed, split_initializers
 
@@ -306,11 +306,13 @@ class _NodeWhere:
 
 def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
                where: str | _NodeWhere, input_names: list[str], output_names: list[str],
-               local_functions: Container[tuple[str, str]] = ()) -> None:
+               local_functions: Container[tuple[str, str]] = ()) -> int | None:
     """The op exists (in ONNX's own domains), input/output counts and required ones named,
     attribute names (unknown, repeated, required) and attribute types against the op's
     schema (onnxruntime rejects the same graphs); the schema lookup is cached per op type
-    and opset. ``input_names``/``output_names`` are the node's, read from it once."""
+    and opset. ``input_names``/``output_names`` are the node's, read from it once. Returns
+    the op version the node runs (its schema's), None where no schema checks it; the
+    attributes' values are checked against :mod:`kiln.onnxio.rules` once they are read."""
     # A model that imports no default-domain opset runs its ONNX ops at opset 1 (Model.opset)
     version = opsets.get(domain, 1 if domain == "" else None)
     schema = None if version is None else _schema(np_.op_type, domain, version)
@@ -325,7 +327,7 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
         if len(set(names)) < len(names):
             raise ModelLoadError(f"{where}: an attribute appears twice in {names}; the model "
                                  "is malformed")
-        return
+        return None
     for kind, names, (lo, hi), singles in (
             ("inputs", input_names, schema.inputs, schema.single_inputs),
             ("outputs", output_names, schema.outputs, schema.single_outputs)):
@@ -352,11 +354,6 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
             # Names starting with "__" are ONNX's internal symbols, which schemas never check.
             if schema.closed and not (isinstance(name, str) and name.startswith("__")):
                 raise ModelLoadError(_unknown_attribute(np_, name, schema, where))
-        elif name == "keepdims" and a.type == A.INT and a.i not in (0, 1):
-            # A flag ONNX defines as 0 or 1: onnxruntime reads other values as 0, ONNX's
-            # reference as 1. Guessing would give one of them wrong shapes.
-            raise ModelLoadError(f"{where}: attribute 'keepdims' is {a.i}, but ONNX defines "
-                                 "only 0 and 1; set it to one of them")
         elif want_type is not None and a.type != want_type and not a.ref_attr_name:
             got = A.AttributeType.Name(a.type) if a.type in A.AttributeType.values() else a.type
             raise ModelLoadError(
@@ -366,6 +363,7 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
         missing = ", ".join(map(repr, sorted(schema.required - seen)))
         raise ModelLoadError(f"{where} lacks {np_.op_type}-{schema.since}'s required "
                              f"attribute {missing}; the model is malformed")
+    return schema.since
 
 
 def _unknown_attribute(np_: onnx.NodeProto, name: str | bytes, schema: _Schema,
@@ -416,6 +414,11 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
         return MapType(dtype_of(tp.map_type.key_type, "a map key"),
                        value_type(tp.map_type.value_type))
     return None
+
+
+def _rank(v: Value | None) -> int | None:
+    t = v.type if v is not None else None
+    return len(t.shape) if isinstance(t, TensorType) and t.shape is not None else None
 
 
 def _named_dim(name: str):
@@ -541,8 +544,8 @@ class ModelImporter:
         domain = "" if domain == "ai.onnx" else text(domain, "op domain")
         name = text(np_.name, "node name")
         where = _NodeWhere(name, op_type)
-        check_node(np_, domain, self.opsets, where, input_names, output_names,
-                   self.function_keys)
+        since = check_node(np_, domain, self.opsets, where, input_names, output_names,
+                           self.function_keys)
         local = scope.maps[0]
         inputs = []
         for n in input_names:
@@ -554,6 +557,9 @@ class ModelImporter:
         for a in np_.attribute:
             attrs[a.name] = AttrRef(a.ref_attr_name) if a.ref_attr_name else \
                 self.attr_value(a, scope)
+        if since is not None and attrs:
+            rules.check_values(op_type, domain, since, attrs, where)
+            rules.check_axes(op_type, domain, attrs, [_rank(v) for v in inputs], where)
         outputs = []
         for n in output_names:
             if not n:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import numpy as np
 from array_api_compat import array_namespace
 
+from kiln.errors import KernelError
+
 _NUMPY_NS = array_namespace(np.zeros(0))
 
 
@@ -35,6 +37,11 @@ def ints(x) -> list[int]:
     return [int(v) for v in np.asarray(x).reshape(-1)]
 
 
-def axis(a: int, rank: int) -> int:
-    """Normalize a possibly negative axis."""
+def axis(a: int, rank: int, high: int = 0) -> int:
+    """Normalize a possibly negative axis of a rank-``rank`` array, refusing one outside
+    ``[-rank, rank - 1 + high]`` (``high=1`` where the axis may name the end, as Flatten's):
+    wrapping it would run a model the spec and onnxruntime refuse."""
+    if not -rank <= a < rank + high:
+        raise KernelError(f"axis {a} is outside [{-rank}, {rank - 1 + high}], the range of a "
+                          f"rank-{rank} input; fix the model's axis attribute")
     return a + rank if a < 0 else a

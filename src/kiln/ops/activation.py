@@ -8,6 +8,7 @@ import math
 import numpy as np
 
 from kiln.ops import cost
+from kiln.ops._array import axis as norm_axis
 from kiln.ops._array import namespace
 from kiln.ops._numeric import erf, keep_dtype
 from kiln.ops.registry import op
@@ -213,7 +214,7 @@ def _coerced_2d(fn):
         xp = namespace(x)
         if x.ndim == 0:
             return fn(xp, xp.reshape(x, (1, 1)), 1)[0, 0]
-        ax = axis + x.ndim if axis < 0 else axis
+        ax = norm_axis(axis, x.ndim)
         rows = math.prod(x.shape[:ax])
         flat = xp.reshape(x, (rows, math.prod(x.shape[ax:])))
         return xp.reshape(fn(xp, flat, 1), x.shape)
@@ -229,7 +230,7 @@ def _per_axis(fn):
         xp = namespace(x)
         if x.ndim == 0:
             return fn(xp, xp.reshape(x, (1,)), 0)[0]
-        return fn(xp, x, axis + x.ndim if axis < 0 else axis)
+        return fn(xp, x, norm_axis(axis, x.ndim))
 
     kernel.__name__ = kernel.__qualname__ = fn.__name__.lstrip("_")
     return kernel

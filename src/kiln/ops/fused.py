@@ -22,6 +22,7 @@ import numpy as np
 from kiln.ir import TensorType
 from kiln.ir.symbolic import broadcast
 from kiln.ops import cost, registry
+from kiln.ops._array import axis as norm_axis
 from kiln.ops.conv import CONV_ATTRS, convolve, prepare_winograd
 from kiln.ops.function_body import NoBody, function_body
 from kiln.ops.registry import KILN_DOMAIN, op
@@ -371,7 +372,7 @@ def _same_as_first(x, *rest, **attrs):
 @_in_float32
 def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     """LayerNormalization (ONNX opset 17's op) for models of older opsets."""
-    axis = axis + x.ndim if axis < 0 else axis
+    axis = norm_axis(axis, x.ndim)
     axes = tuple(range(axis, x.ndim))
     d = x - x.mean(axis=axes, keepdims=True)
     var = np.square(d).mean(axis=axes, keepdims=True)
@@ -390,7 +391,7 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
 def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-5):
     """x / sqrt(mean(x^2 over the axes from ``axis``) + epsilon) [* scale]: ONNX opset
     23's RMSNormalization (scale optional) for models of older opsets."""
-    axis = axis + x.ndim if axis < 0 else axis
+    axis = norm_axis(axis, x.ndim)
     ms = np.square(x).mean(axis=tuple(range(axis, x.ndim)), keepdims=True)
     ms += x.dtype.type(epsilon)
     np.sqrt(ms, out=ms)
@@ -562,7 +563,7 @@ def _norm_axes(b) -> list[int]:
     """The axes from the ``axis`` attribute on, as a function body's ReduceMean takes them."""
     axis, rank = b.attrs.get("axis", -1), b.rank(0)
     if rank is not None:
-        return list(range(axis % rank, rank))
+        return list(range(norm_axis(axis, rank), rank))
     if axis < 0 and b.opset >= 11:  # negative axes need no rank from opset 11 on
         return list(range(axis, 0))
     return list(range(axis, b.need_rank(0)))

@@ -136,7 +136,7 @@ for _name in _REDUCTIONS:
 
 def _arg(fn, x, axis, keepdims, select_last_index):
     xp = namespace(x)
-    axis = axis + x.ndim if axis < 0 else axis
+    axis = norm_axis(axis, x.ndim)
     if select_last_index:  # search the flipped axis, then map indices back
         idx = fn(xp.flip(x, axis=axis), axis=axis, keepdims=bool(keepdims))
         idx = (x.shape[axis] - 1) - idx

@@ -40,7 +40,7 @@ def reshape(x, shape, *, allowzero=0):
 
 @op("Flatten", 1, generic=True)
 def flatten(x, *, axis=1):
-    ax = norm_axis(axis, x.ndim)
+    ax = norm_axis(axis, x.ndim, high=1)
     shape = tuple(x.shape)
     return namespace(x).reshape(x, (math.prod(shape[:ax]), math.prod(shape[ax:])))
 

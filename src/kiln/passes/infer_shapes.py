@@ -22,6 +22,7 @@ import logging
 import numpy as np
 
 from kiln.ir import DType, Graph, Model, Node, SequenceType, TensorType, Value
+from kiln.onnxio import rules
 from kiln.onnxio.infer import onnx_infer
 from kiln.ops import registry
 from kiln.passes import (
@@ -61,6 +62,9 @@ def infer_node(n: Node, model: Model) -> int:
     """Infer ``n``'s output types (and nested graphs); returns how many got refined."""
     opset = model.opset_of(n.domain)
     changed = 0
+    # Axes the importer could not check (their input's rank was unknown there) are checked
+    # on the inferred ranks before any rule or ONNX's C++ inference reads them.
+    rules.check_axes(n.op_type, n.domain, n.attrs, [_rank(v) for v in n.inputs], n)
     ctx = InferContext(n, opset)
     if any(True for _ in n.subgraphs()):
         types, changed = _control_flow(n, model)
@@ -82,6 +86,11 @@ def infer_node(n: Node, model: Model) -> int:
         else:
             v.meta.pop("sym", None)
     return changed
+
+
+def _rank(v: Value | None) -> int | None:
+    t = v.type if v is not None else None
+    return len(t.shape) if isinstance(t, TensorType) and t.shape is not None else None
 
 
 def settled(n: Node) -> bool:

@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from kiln.ir import DType
+from kiln.ops._array import axis  # noqa: F401 - the shared range-checking one
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -81,10 +82,6 @@ def scalar(x):
     if isinstance(x, (int, float)):
         return x
     return np.asarray(x).reshape(-1)[0].item()
-
-
-def axis(a: int, rank: int) -> int:
-    return a + rank if a < 0 else a
 
 
 def const_tensor(site, i: int, dtype: torch.dtype | None = None):

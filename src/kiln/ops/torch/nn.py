@@ -16,6 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.nn.functional as F
 
+from kiln.ops._array import axis as norm_axis
 from kiln.ops.conv import conv_pads, out_size
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
@@ -712,5 +713,5 @@ def resize(site):
 
 @kernel("Flatten", 1)  # Tensor op, not array_api_compat's wrapper
 def flatten(x, *, axis=1):
-    a = axis + x.dim() if axis < 0 else axis
+    a = norm_axis(axis, x.dim(), high=1)
     return x.reshape(math.prod(x.shape[:a]), math.prod(x.shape[a:]))

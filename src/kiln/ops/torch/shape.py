@@ -12,6 +12,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kiln.ops._array import axis as norm_axis
 from kiln.ops.indexing import in_range
 from kiln.ops.registry import KILN_DOMAIN
 from kiln.ops.torch import kernel
@@ -226,7 +227,7 @@ def _take_rows(x, indices):
 def _gather(x, indices, axis: int):
     if indices.dtype not in (torch.int32, torch.int64):
         return NI
-    a = axis + x.dim() if axis < 0 else axis
+    a = norm_axis(axis, x.dim())
     if indices.device != x.device:
         indices = indices.to(x.device)
     # index_select on the flattened indices: any index rank, and traceable (a 0-d tensor
@@ -241,7 +242,7 @@ def _gather(x, indices, axis: int):
 def gather_elements(data, indices, *, axis=0):  # on the host, which stops torch.compile
     if indices.dtype not in (torch.int32, torch.int64) or indices.device != data.device:
         return NI
-    a = axis + data.dim() if axis < 0 else axis
+    a = norm_axis(axis, data.dim())
     # torch.gather raises on an index outside [0, n): so does ONNX after the wrap
     idx = torch.where(indices < 0, indices + data.shape[a], indices)
     return torch.gather(data, a, idx if idx.dtype == torch.int64 else idx.long())
@@ -473,7 +474,7 @@ def _arg_kernel(fn):
     def run(x, *, axis=0, keepdims=1, select_last_index=0):
         if x.dtype == torch.bool or x.dtype.is_complex or x.numel() == 0:
             return NI
-        a = axis + x.dim() if axis < 0 else axis
+        a = norm_axis(axis, x.dim())
         if select_last_index:
             r = x.shape[a] - 1 - fn(torch.flip(x, (a,)), dim=a, keepdim=bool(keepdims))
             return r
@@ -491,7 +492,7 @@ def topk(x, k, *, axis=-1, largest=1, sorted=1):  # noqa: A002
     if x.dtype not in FLOATS + _INTS:
         return NI
     kk = ints(k)[0]
-    a = axis + x.dim() if axis < 0 else axis
+    a = norm_axis(axis, x.dim())
     # a stable sort keeps equal values in index order, as ONNX asks
     vals, idx = torch.sort(x, dim=a, descending=bool(largest), stable=True)
     return vals.narrow(a, 0, kk), idx.narrow(a, 0, kk)

@@ -1,0 +1,191 @@
+"""Value rules ONNX's schemas do not encode but its spec states: the allowed values of
+enumerated string attributes, int attributes that are 0/1 flags, and axes against the rank
+of the input they index. One table each, checked for every node of every graph when the
+model is loaded (before ONNX's own C++ shape inference sees the node) and again, for
+ranks only inference finds, when the optimizer types the graph.
+
+A file that breaks one has no single meaning (onnxruntime, ``onnx.reference`` and PyTorch
+read such values differently, or crash), so it is refused with
+:class:`~kiln.errors.InvalidAttributeError` naming the node, the attribute and what is
+allowed. ``tests/test_never_silently_wrong.py`` checks every table entry against ONNX's
+schemas (each name exists with the type used here) and the refusals against onnxruntime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+from kiln.errors import InvalidAttributeError
+
+_AUTO_PAD = frozenset({"NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"})
+_LOSS_REDUCTION = frozenset({"none", "sum", "mean"})
+_POST_TRANSFORM = frozenset({"NONE", "SOFTMAX", "LOGISTIC", "SOFTMAX_ZERO", "PROBIT"})
+_RNN_DIRECTION = frozenset({"forward", "reverse", "bidirectional"})
+_RESIZE_COORDS = frozenset({"half_pixel", "pytorch_half_pixel", "align_corners",
+                            "asymmetric", "tf_crop_and_resize"})
+
+# (domain, op) -> attribute -> [(since opset, allowed values)], the last entry whose
+# ``since`` is at most the node's op version applies. Values are exact (case-sensitive), as
+# onnxruntime compares them. A STRINGS attribute is checked element by element.
+ENUMS: dict[tuple[str, str], dict[str, list[tuple[int, frozenset]]]] = {
+    ("", "SoftmaxCrossEntropyLoss"): {"reduction": [(1, _LOSS_REDUCTION)]},
+    ("", "NegativeLogLikelihoodLoss"): {"reduction": [(1, _LOSS_REDUCTION)]},
+    ("", "ScatterElements"): {"reduction": [(16, frozenset({"none", "add", "mul"})),
+                                            (18, frozenset({"none", "add", "mul", "max",
+                                                            "min"}))]},
+    ("", "ScatterND"): {"reduction": [(16, frozenset({"none", "add", "mul"})),
+                                      (18, frozenset({"none", "add", "mul", "max", "min"}))]},
+    ("", "BitShift"): {"direction": [(11, frozenset({"LEFT", "RIGHT"}))]},
+    ("", "Resize"): {
+        "mode": [(10, frozenset({"nearest", "linear"})),
+                 (11, frozenset({"nearest", "linear", "cubic"}))],
+        "coordinate_transformation_mode": [
+            (11, _RESIZE_COORDS | {"tf_half_pixel_for_nn"}),
+            (13, _RESIZE_COORDS),
+            (19, _RESIZE_COORDS | {"half_pixel_symmetric"})],
+        "nearest_mode": [(11, frozenset({"round_prefer_floor", "round_prefer_ceil", "floor",
+                                         "ceil"}))],
+        "keep_aspect_ratio_policy": [(18, frozenset({"stretch", "not_larger",
+                                                     "not_smaller"}))]},
+    ("", "Upsample"): {"mode": [(1, frozenset({"nearest", "bilinear"})),
+                                (7, frozenset({"nearest", "linear"}))]},
+    ("", "GridSample"): {"mode": [(16, frozenset({"bilinear", "nearest", "bicubic"})),
+                                  (20, frozenset({"linear", "nearest", "cubic"}))],
+                         "padding_mode": [(16, frozenset({"zeros", "border", "reflection"}))]},
+    ("", "Pad"): {"mode": [(1, frozenset({"constant", "reflect", "edge"})),
+                           (19, frozenset({"constant", "reflect", "edge", "wrap"}))]},
+    ("", "DepthToSpace"): {"mode": [(11, frozenset({"DCR", "CRD"}))]},
+    ("", "StringNormalizer"): {"case_change_action": [(10, frozenset({"LOWER", "UPPER",
+                                                                      "NONE"}))]},
+    ("", "Gelu"): {"approximate": [(20, frozenset({"none", "tanh"}))]},
+    ("", "RoiAlign"): {"mode": [(10, frozenset({"avg", "max"}))],
+                       "coordinate_transformation_mode": [
+                           (16, frozenset({"half_pixel", "output_half_pixel"}))]},
+    ("", "TfIdfVectorizer"): {"mode": [(9, frozenset({"TF", "IDF", "TFIDF"}))]},
+    ("", "ImageDecoder"): {"pixel_format": [(20, frozenset({"RGB", "BGR", "Grayscale"}))]},
+    **{("", op): {"direction": [(1, _RNN_DIRECTION)]} for op in ("RNN", "LSTM")},
+    # GRU-1's schema spells its default "foward"; files of that version may carry it
+    ("", "GRU"): {"direction": [(1, _RNN_DIRECTION | {"foward"}), (3, _RNN_DIRECTION)]},
+    **{("", op): {"auto_pad": [(1, _AUTO_PAD)]}
+       for op in ("Conv", "ConvTranspose", "ConvInteger", "QLinearConv", "AveragePool",
+                  "MaxPool", "LpPool")},
+    **{("ai.onnx.ml", op): {"post_transform": [(1, _POST_TRANSFORM)]}
+       for op in ("LinearClassifier", "LinearRegressor", "SVMClassifier", "SVMRegressor",
+                  "TreeEnsembleClassifier", "TreeEnsembleRegressor")},
+    ("ai.onnx.ml", "Normalizer"): {"norm": [(1, frozenset({"MAX", "L1", "L2"}))]},
+}
+
+FLAGS = frozenset({
+    "keepdims", "noop_with_empty_axes", "is_causal", "sorted", "interleaved", "ceil_mode",
+    "count_include_pad", "exclusive", "reverse", "select_last_index", "largest", "allowzero",
+    "onesided", "inverse", "linear_before_reset", "input_forget", "transA", "transB",
+    "new_axis", "fmod", "exclude_outside", "center_point_box", "upper", "detect_negative",
+    "detect_positive", "layout", "training_mode", "saturate", "storage_order"})
+"""INT attributes the spec defines as 0 or 1 on every standard op that has them (a test
+checks each is an INT with default 0 or 1 wherever ONNX's schemas use the name).
+Implementations read other values differently: onnxruntime treats ``keepdims=7`` as 0, the
+reference as 1."""
+
+INT_CHOICES: dict[tuple[str, str], dict[str, frozenset[int]]] = {
+    ("", "LpNormalization"): {"p": frozenset({1, 2})},
+    ("", "ReverseSequence"): {"batch_axis": frozenset({0, 1}), "time_axis": frozenset({0, 1})},
+}
+
+# op -> (attribute, input whose rank bounds it, how far past the rank it may reach below and
+# above). An axis of a rank-r input lies in [-r - low, r - 1 + high]; "unsqueeze" widens the
+# rank by the number of axes first. Ops missing here either have no axis or ignore it in some
+# cases (QuantizeLinear with a scalar scale).
+AXES: dict[str, tuple[str, int, tuple[int, int] | str]] = {
+    **{op: ("axis", 0, (0, 0)) for op in (
+        "ArgMax", "ArgMin", "Compress", "Concat", "Gather", "GatherElements", "Hardmax",
+        "LogSoftmax", "Softmax", "LayerNormalization", "LpNormalization", "RMSNormalization",
+        "Scatter", "ScatterElements", "Split", "SplitToSequence", "TopK", "Unique")},
+    **{op: ("axes", 0, (0, 0)) for op in (
+        "ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp", "ReduceMax", "ReduceMean",
+        "ReduceMin", "ReduceProd", "ReduceSum", "ReduceSumSquare", "Squeeze",
+        "MeanVarianceNormalization")},
+    "Flatten": ("axis", 0, (0, 1)),  # axis == rank flattens to [n, 1]
+    "OneHot": ("axis", 0, (1, 1)),  # the output has one dim more than the indices
+    "Unsqueeze": ("axes", 0, "unsqueeze"),
+}
+
+_INT32 = 2**31
+
+
+def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, object],
+                 where: object) -> None:
+    """Enumerations, 0/1 flags and int choices of one node's plain attribute values
+    (``attrs``: name -> Python value; references to a function's attributes are skipped).
+    An axis too large for any tensor's rank is refused here too, before ONNX's C++ shape
+    inference (which crashes on an axis past 2^31) can see it."""
+    for name, value in attrs.items():
+        if name in FLAGS and isinstance(value, int) and value not in (0, 1) and \
+                (domain == "" or name == "keepdims"):
+            _refuse(where, op_type, name, value, "only 0 and 1")
+    enums = ENUMS.get((domain, op_type))
+    if enums:
+        for name, versions in enums.items():
+            value = attrs.get(name)
+            if value is None:
+                continue
+            allowed = _at(versions, since)
+            for v in value if isinstance(value, list) else (value,):
+                if isinstance(v, str) and v not in allowed and not (
+                        name == "auto_pad" and v == ""):
+                    _refuse(where, op_type, name, v, _listed(allowed))
+    choices = INT_CHOICES.get((domain, op_type))
+    if choices:
+        for name, allowed in choices.items():
+            value = attrs.get(name)
+            if isinstance(value, int) and value not in allowed:
+                _refuse(where, op_type, name, value, _listed(allowed))
+    if domain == "" and op_type in AXES:
+        name = AXES[op_type][0]
+        value = attrs.get(name)
+        for a in value if isinstance(value, list) else (value,):
+            if isinstance(a, int) and not -_INT32 <= a < _INT32:
+                _refuse(where, op_type, name, a, "an axis of its input's rank")
+
+
+def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
+               ranks: Sequence[int | None], where: object) -> None:
+    """The node's axis attribute against the rank of the input it indexes, where that rank
+    is known (``ranks[i]``: input i's rank or None)."""
+    if domain != "" or op_type not in AXES:
+        return
+    name, i, extra = AXES[op_type]
+    value = attrs.get(name)
+    if value is None or i >= len(ranks) or ranks[i] is None:
+        return
+    axes = value if isinstance(value, list) else [value]
+    if not all(isinstance(a, int) for a in axes):
+        return
+    rank = ranks[i]
+    if extra == "unsqueeze":
+        rank, extra = rank + len(axes), (0, 0)
+    lo, hi = -rank - extra[0], rank - 1 + extra[1]
+    for a in axes:
+        if not lo <= a <= hi:
+            _refuse(where, op_type, name, a,
+                    f"an axis in [{lo}, {hi}] for its rank-{ranks[i]} input")
+
+
+def _at(versions: list[tuple[int, frozenset]], since: int) -> frozenset:
+    allowed = versions[0][1]
+    for v, values in versions:
+        if v <= since:
+            allowed = values
+    return allowed
+
+
+def _listed(values) -> str:
+    return ", ".join(repr(v) for v in sorted(values))
+
+
+def _refuse(where: object, op_type: str, name: str, value: object, allowed: str) -> None:
+    if hasattr(where, "inputs"):  # an IR node
+        where = f"node {where.name or op_type!r} ({op_type})"
+    raise InvalidAttributeError(
+        f"{where}: attribute {name!r} is {value!r}, but {op_type} allows {allowed}; ONNX "
+        "gives no meaning to other values (implementations disagree on them), so fix the "
+        "model", node=str(where), attribute=name, allowed=allowed)
