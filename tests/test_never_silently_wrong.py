@@ -227,7 +227,7 @@ def test_the_value_tables_agree_with_onnx_schemas():
             assert a.type == A.INT and a.default_value.i in (0, 1), (s.name, name)
     for (domain, op), attrs in rules.ENUMS.items():
         for name, versions in attrs.items():
-            for since, allowed in versions:
+            for since, _allowed in versions:
                 have = [s for s in by_op[(domain, op)] if name in s.attributes]
                 assert have, (op, name)
                 for s in have:
