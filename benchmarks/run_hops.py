@@ -4,8 +4,9 @@ torch backend's own, a shared array-API kernel on torch tensors, and the NumPy k
 
     python benchmarks/run_hops.py
 
-Prints the frames, innermost last, for one Relu (torch kernel), one Neg (shared kernel on
-torch) and one Relu on NumPy.
+Prints the frames, innermost last, for Relu on NumPy; on torch for Relu and Neg (torch
+kernels), Exp (the shared array-API kernel on tensors) and EyeLike (the NumPy kernel, its
+values moved to the host and back).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from onnx import TensorProto, helper
 
 def _model(op: str):
     g = helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4])])
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
@@ -38,7 +39,7 @@ def hops(backend: str, op: str, module_of_kernel: str) -> list[str]:
     import kiln
 
     sess = kiln.Session(_model(op), backend=backend, optimize=False)
-    x = np.ones((1, 4), np.float32)
+    x = np.ones((4, 4), np.float32)
     sess.run(None, {"x": x})
     frames: list[str] = []
 
@@ -66,7 +67,8 @@ def hops(backend: str, op: str, module_of_kernel: str) -> list[str]:
 def main() -> None:
     for backend, op, mod in (("numpy", "Relu", "kiln.ops"),
                              ("torch", "Relu", "kiln.ops"),
-                             ("torch", "Neg", "kiln.ops")):
+                             ("torch", "Neg", "kiln.ops"), ("torch", "Exp", "kiln.ops"),
+                             ("torch", "EyeLike", "kiln.ops")):
         fr = hops(backend, op, mod)
         print(f"{backend} {op}: {len(fr)} hops: " + " -> ".join(fr))
 

@@ -136,6 +136,12 @@ class Backend:
         returns the first kernel itself)."""
         return None
 
+    def transfers(self, chain: list[Candidate], node) -> tuple[Callable, Callable] | None:
+        """Where the plan itself moves a node's values: (applied to each input before its
+        kernel, applied to the kernel's result) — explicit transfer steps around a kernel
+        of another device. None (here: every kernel runs on this backend's arrays)."""
+        return None
+
     def finish(self, plan) -> None:
         """Called once a plan's kernels are all prepared (torch: constants' placement)."""
 
@@ -146,9 +152,13 @@ class Backend:
         """The context a plan runs in (torch: inference mode)."""
         return contextlib.nullcontext()
 
-    def execute(self, plan, inputs: list, overrides: dict | None = None) -> list:
-        """Run the main plan once."""
-        return plan.run_main(inputs, overrides)
+    def start_run(self) -> Any:
+        """Called as a main run starts; what it returns goes to :meth:`end_run` (torch:
+        the run's record of transfers and fallback calls)."""
+        return None
+
+    def end_run(self, token: Any) -> None:
+        """Called as a main run ends, however it ends."""
 
     def stats(self) -> RunStats:
         """This thread's current run's record (a throwaway one, on NumPy)."""

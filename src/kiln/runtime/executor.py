@@ -174,6 +174,11 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
             args = f"k{j}, {args}" if args else f"k{j}"
         outs = list(s.outputs)
         body: list[str] = []
+        fcall = f"f{j}({args})"
+        if s.transfers is not None:  # the kernel of another device: values moved around it
+            glb[f"t{j}"], glb[f"u{j}"] = s.transfers
+            moved = ", ".join("None" if v is None else f"t{j}({names[v]})" for v in s.inputs)
+            fcall = f"u{j}(f{j}({moved}))"
         direct = s.direct if not module else None
         if direct is not None:
             # The first kernel called here, the rest of the chain only when it declines
@@ -185,7 +190,7 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
             # two calls (unwrap a 1-tuple, normalize) per layer.
             names[outs[0]] = v = f"v{j}_0"
             if direct is None:
-                body.append(f"{v} = f{j}({args})")
+                body.append(f"{v} = {fcall}")
                 body.append(f"if {v}.__class__ is not _T: {v} = _n(_one({v}))")
             else:
                 body.append(f"{v} = {call}")
@@ -193,10 +198,10 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
                             f"{v} = _n(_one(f{j}({args}) if {v} is _NI else {v}))")
         elif len(outs) == 1:
             names[outs[0]] = f"v{j}_0"
-            body.append(f"v{j}_0 = _one(f{j}({args}))")
+            body.append(f"v{j}_0 = _one({fcall})")
         else:
             if direct is None:
-                body.append(f"r{j} = f{j}({args})")
+                body.append(f"r{j} = {fcall}")
             else:
                 body.append(f"r{j} = {call}")
                 body.append(f"if r{j} is _NI: r{j} = f{j}({args})")

@@ -48,6 +48,10 @@ class Step:
     """(first kernel, whether it takes the context, the rest of ``fn``'s chain) where the
     straight-line executor may call the first kernel itself and hand a NotImplemented to
     the rest (:meth:`Backend.direct`); None: every call goes through ``fn``."""
+    transfers: tuple[Callable, Callable] | None = None
+    """(to the kernel's device, back): transfer steps the plan runs around ``fn`` on each
+    input and on the result (:meth:`Backend.transfers`); None: values are used as they
+    are."""
 
     @property
     def placement(self) -> str:
@@ -150,14 +154,33 @@ class Plan:
 
     def run_main(self, inputs: list, overrides: dict | None = None) -> list:
         """Run as the session's main graph: the shape-specialized program when there is
-        one for these inputs, else the plan itself in the backend's run context."""
-        if self.specializer is not None and not overrides:
-            out = self.specializer(inputs)
-            if out is not None:
-                self.backend.stats().compiled = True
-                return out
-        with self.backend.run_context():
-            return self.run(inputs, None, overrides)
+        one for these inputs, else the plan's straight-line program (called here, with
+        no layer in between: a failing kernel's error names its layer), else the plan
+        step by step, in the backend's run context."""
+        be = self.backend
+        st = be.start_run()
+        try:
+            if self.specializer is not None and not overrides:
+                out = self.specializer(inputs)
+                if out is not None:
+                    be.stats().compiled = True
+                    return out
+            prog = self.program
+            with be.run_context():
+                if prog is None or prog.memo is not None or overrides or \
+                        run_state.control is not None:
+                    return self.run(inputs, None, overrides)
+                try:
+                    return prog.fn(*inputs)
+                except KilnError:
+                    raise
+                except Exception as e:
+                    step = prog.failing_step(e)
+                    if step is None:
+                        raise
+                    raise layer_error(step.node, e) from e
+        finally:
+            be.end_run(st)
 
     def run(self, inputs: list, outer: dict | None = None, overrides: dict | None = None,
             observer: Callable[[Step, float, float, Any], None] | None = None) -> list:
@@ -202,7 +225,10 @@ class Plan:
             if observer is not None:
                 t0 = perf_counter()
             try:
-                if s.wants_ctx:
+                if s.transfers is not None:  # never with a context (Backend.transfers)
+                    down, up = s.transfers
+                    result = up(s.fn(*[None if a is None else down(a) for a in args]))
+                elif s.wants_ctx:
                     ctx = KernelContext(len(s.outputs), s.opset, env, self, s.node, self.backend)
                     result = s.fn(ctx, *args)
                 else:
@@ -246,9 +272,9 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
     be = compiler.backend
     opdef = registry.lookup(node.domain, node.op_type, opset)
     if opdef is not None:
-        fn, wants_ctx, layer, direct = bind(opdef, Site(node, opset, attrs, be), be)
+        fn, wants_ctx, layer, direct, moves = bind(opdef, Site(node, opset, attrs, be), be)
         return Step(fn=fn, wants_ctx=wants_ctx, layer=layer, host_inputs=opdef.host_inputs,
-                    direct=direct, **common)
+                    direct=direct, transfers=moves, **common)
     func = compiler.functions.get((node.domain, node.op_type))
     if func is None:
         from kiln.onnxio.schema_functions import spec_function
@@ -264,10 +290,11 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
 
 
 def bind(opdef: OpDef, site: Site, backend: Backend
-         ) -> tuple[Callable, bool, LayerPlacement, tuple | None]:
+         ) -> tuple[Callable, bool, LayerPlacement, tuple | None, tuple | None]:
     """Prepare ``site``'s node on ``backend``: each kernel the backend would use, in its
     order of preference, prepared once; the backend chains those that accepted (and says
-    whether the first may be called directly: ``Step.direct``)."""
+    whether the first may be called directly, ``Step.direct``, and which transfers the
+    plan runs around it, ``Step.transfers``)."""
     chain: list[Candidate] = []
     for how, kernel, why in backend.candidates(opdef):
         site.notes = []
@@ -279,7 +306,7 @@ def bind(opdef: OpDef, site: Site, backend: Backend
         raise UnsupportedOpError(f"no kernel accepts layer {site.node.name!r} "
                                  f"({site.node.op_type})", [site.node.op_type])
     return (*backend.chain(chain, site.node, opdef.host_inputs),
-            backend.direct(chain, site.node))
+            backend.direct(chain, site.node), backend.transfers(chain, site.node))
 
 
 class FunctionCall:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import difflib
+import functools
 import inspect
 import os
 import threading
@@ -196,12 +197,24 @@ class Session:
         (name -> array); returns the outputs in the order asked for, as NumPy arrays or,
         with ``output_type="torch"``, as torch tensors left where they were computed
         (zero-copy; they also speak DLPack)."""
-        return self._prepare_run(output_names, input_feed, output_type, run_options)()
+        plan, inputs, overrides, picks, convert, check = self._prepare_run(
+            output_names, input_feed, output_type, run_options)
+        # Inline rather than through _execute: a run is Session.run -> execute_plan ->
+        # Plan.run_main -> the plan's program -> the kernel.
+        if check is None:
+            values = self.execute_plan(plan, inputs, overrides)
+        else:
+            with controlled(check):
+                check()  # also stops runs of compiled programs, which have no layers
+                values = self.execute_plan(plan, inputs, overrides)
+        if picks is not None:
+            values = [values[i] for i in picks]
+        return [convert(x) for x in values]
 
     def execute_plan(self, plan: Plan, inputs: list, overrides: dict | None) -> list:
         """Run ``plan`` once on checked inputs: the step every run goes through (a
         subclass wraps it to record runs, as onnxruntime's profiling does)."""
-        return self.backend.execute(plan, inputs, overrides)
+        return plan.run_main(inputs, overrides)
 
     def check_input(self, name: str, value: Any):
         """``value`` as this backend's array for input ``name``, checked against its
@@ -217,7 +230,8 @@ class Session:
         """Queue a run and return at once an :class:`~kiln.runtime.async_run.AsyncRun`
         handle (``done()``, ``result()``, ``readback()``); runs execute in order. Feeds
         are checked now, so bad feeds raise here."""
-        job = self._prepare_run(output_names, input_feed, output_type, run_options)
+        job = functools.partial(self._execute, *self._prepare_run(
+            output_names, input_feed, output_type, run_options))
         if getattr(self, "_async", None) is None:
             from kiln.runtime.async_run import AsyncRunner
             self._async = AsyncRunner(self.backend)
@@ -245,19 +259,20 @@ class Session:
         else:
             convert = self.backend.to_numpy
         check = None if run_options is None else stop_check(run_options)
-        execute = self.execute_plan
+        return target.plan, inputs, overrides, picks, convert, check
 
-        def job() -> list:
-            if check is None:
-                values = execute(target.plan, inputs, overrides)
-            else:
-                with controlled(check):
-                    check()  # also stops runs of compiled programs, which have no layers
-                    values = execute(target.plan, inputs, overrides)
-            if picks is not None:
-                values = [values[i] for i in picks]
-            return [convert(x) for x in values]
-        return job
+    def _execute(self, plan: Plan, inputs: list, overrides: dict, picks: list[int] | None,
+                 convert, check) -> list:
+        """What :meth:`run` does with what :meth:`_prepare_run` returned (queued runs)."""
+        if check is None:
+            values = self.execute_plan(plan, inputs, overrides)
+        else:
+            with controlled(check):
+                check()
+                values = self.execute_plan(plan, inputs, overrides)
+        if picks is not None:
+            values = [values[i] for i in picks]
+        return [convert(x) for x in values]
 
     def _variant(self, output_names: list[str]) -> _Target:
         """The plan of the model with the intermediate values ``output_names`` kept as

@@ -240,14 +240,19 @@ class TorchBackend(Backend):
                     "outputs uploaded"))
         return out
 
-    def chain(self, chain: list[Candidate], node, host_inputs: frozenset[int] = frozenset()):
+    def chain(self, chain: list[Candidate], node, host_inputs: frozenset[int] = frozenset(),
+              declined: bool = False):
         """Each candidate hands the calls it declines (NumPy-only inputs, NotImplemented)
-        to the next; the last is the NumPy fallback behind conversions."""
+        to the next; the last is the NumPy fallback behind conversions, unless the plan
+        moves the values itself (:meth:`transfers`; not for ``declined`` calls, which a
+        kernel before hands on at run time)."""
         host = _host_step(node)
         first = chain[0]
         ctx = any(c.wants_ctx for c in chain)
         fns = [_with_ctx(c.fn, c.wants_ctx) if ctx else c.fn for c in chain]
-        if chain[-1].how == "cpu-fallback":
+        if not declined and self._planned_fallback(chain):
+            pass  # the plan moves its inputs and outputs: see transfers()
+        elif chain[-1].how == "cpu-fallback":
             fns[-1] = self._fallback(fns[-1], ctx, host)
         run = fns[-1]
         for fn in reversed(fns[:-1]):
@@ -258,6 +263,31 @@ class TorchBackend(Backend):
                            and first.how != "cpu-fallback" else "")
         return run, ctx, LayerPlacement.of(node, where, first.how, why)
 
+    def _planned_fallback(self, chain: list[Candidate]) -> bool:
+        """Whether the node runs its NumPy kernel alone, with its inputs and outputs moved
+        by explicit transfers in the plan (a kernel taking a context, and the modules of
+        kiln.train, which check gradients on the way, keep the converting wrapper)."""
+        return len(chain) == 1 and chain[0].how == "cpu-fallback" and \
+            not chain[0].wants_ctx and not self.module and not self.tracing
+
+    def transfers(self, chain: list[Candidate], node) -> tuple[Callable, Callable] | None:
+        """For a node planned on the NumPy fallback: (to host, back) — the first applied
+        to each input, the second to the kernel's result (a tuple for several outputs)."""
+        if not self._planned_fallback(chain):
+            return None
+        host, backend = _host_step(node), self
+
+        def down(x):
+            return backend.download(x, backend.stats())
+
+        def up(r):
+            st = backend.stats()
+            st.fallback_calls += 1
+            if isinstance(r, tuple):
+                return tuple(backend.upload(x, st, host) for x in r)
+            return backend.upload(r, st, host)
+        return down, up
+
     def direct(self, chain: list[Candidate], node) -> tuple[Callable, bool, Callable] | None:
         # The guard's per-call test for NumPy inputs (0.15 us of a 1 us layer) is needed
         # only where one can arrive: every value of a dtype torch has is a tensor here
@@ -267,7 +297,7 @@ class TorchBackend(Backend):
                     v is None or (isinstance(v.type, TensorType) and v.type.dtype in TORCH_OF)
                     for v in node.inputs):
             return None
-        rest, rest_ctx, _ = self.chain(chain[1:], node)
+        rest, rest_ctx, _ = self.chain(chain[1:], node, declined=True)
 
         def declined(*args):  # a KernelContext passes _arrays unchanged
             return rest(*_arrays(args))
@@ -369,12 +399,12 @@ class TorchBackend(Backend):
             return torch.inference_mode()
         return _cuda_run("tf32" if self.precision == "tf32" else "ieee")
 
-    def execute(self, plan, inputs: list, overrides: dict | None = None) -> list:
+    def start_run(self) -> RunStats:
         st = self._tls.stats = RunStats()
-        try:
-            return plan.run_main(inputs, overrides)
-        finally:
-            self._last = st
+        return st
+
+    def end_run(self, token: RunStats) -> None:
+        self._last = token
 
     def finish(self, plan) -> None:
         """Constants that only host-side readers use stay on the host (CUDA)."""
