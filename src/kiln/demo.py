@@ -13,6 +13,7 @@ from importlib import resources
 import numpy as np
 
 import kiln
+from kiln.runtime.backends import backend_names
 
 _SHADES = " .:-=+*#%@"
 
@@ -25,7 +26,7 @@ def ascii_digit(img: np.ndarray) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kiln.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"])
+    ap.add_argument("--backend", default="numpy", choices=backend_names())
     args = ap.parse_args(argv)
     data = resources.files("kiln") / "data"
     with resources.as_file(data / "digits_cnn.onnx") as path:

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import InputError, KilnError, OptionError
+from kiln.runtime.backends import backend_names
 
 USAGE_ERROR = 2
 
@@ -110,7 +111,7 @@ def _add_backend(p: argparse.ArgumentParser, runs: bool = True) -> None:
                         "nothing is run (default: numpy)")
         device_help = "torch device to describe placement for: cpu, cuda or cuda:N " \
                       "(default: cpu)"
-    p.add_argument("--backend", choices=["numpy", "torch"], default="numpy",
+    p.add_argument("--backend", choices=backend_names(), default="numpy",
                    help=backend_help)
     p.add_argument("--device", default=None, help=device_help)
 
@@ -372,7 +373,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="revert the most sensitive layers to float until the error holds: "
                         "rel=0.01 (max relative output error), top1=0.995 (top-1 agreement "
                         "with the float model)")
-    p.add_argument("--backend", choices=["numpy", "torch", "onnxruntime"], default="numpy",
+    p.add_argument("--backend", choices=[*backend_names(), "onnxruntime"], default="numpy",
                    help="engine that calibrates and on which the report, the accuracy budget "
                         "and --speed-aware measure (the one the file will run on)")
     p.add_argument("--speed-aware", action="store_true",

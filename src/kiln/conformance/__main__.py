@@ -14,12 +14,13 @@ from collections import Counter
 from functools import partial
 
 from kiln.conformance.runner import KINDS, collect, run_case
+from kiln.runtime.backends import backend_names
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kiln.conformance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="numpy", choices=["numpy", "torch"])
+    ap.add_argument("--backend", default="numpy", choices=backend_names())
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
                     help="where the torch backend runs (cuda: needs a GPU)")
     ap.add_argument("--kind", action="append", choices=KINDS,

@@ -9,6 +9,7 @@ import onnx
 from onnx.backend.base import Backend, BackendRep
 
 from kiln.ort import InferenceSession
+from kiln.runtime.backends import backend_entry
 
 
 class KilnRep(BackendRep):
@@ -36,16 +37,18 @@ class KilnBackend(Backend):
     @classmethod
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> KilnRep:
         options = {}
-        if cls.backend_name == "torch":
+        if "device" in backend_entry(cls.backend_name).options:
             options["device"] = "cuda" if device.upper().startswith("CUDA") else "cpu"
         return KilnRep(InferenceSession(model, backend=cls.backend_name, **options))
 
     @classmethod
     def supports_device(cls, device: str) -> bool:
         if device.upper().startswith("CUDA"):
+            if "cuda" not in backend_entry(cls.backend_name).devices:
+                return False
             try:
                 import torch
-                return cls.backend_name == "torch" and torch.cuda.is_available()
+                return torch.cuda.is_available()
             except ImportError:
                 return False
         return device.upper() == "CPU"

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import OptionError
+from kiln.runtime.backends import backend_entry
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -177,7 +178,7 @@ def configure(sess_options: SessionOptions | None, providers, provider_options,
     chosen = _choose_provider(providers, provider_options)
     name, popts = chosen
     if name == CUDA:
-        if backend not in (None, "torch"):
+        if backend is not None and "cuda" not in backend_entry(backend).devices:
             raise OptionError(f"CUDAExecutionProvider runs on the torch backend, not "
                               f"{backend!r}; drop backend= or use the CPUExecutionProvider")
         backend = "torch"

@@ -13,8 +13,9 @@ from kiln.errors import OptionError
 from kiln.ir import Model
 from kiln.onnxio import to_proto
 from kiln.ort import InferenceSession
+from kiln.runtime.backends import backend_names
 
-BACKENDS = ("numpy", "torch", "onnxruntime")
+BACKENDS = (*backend_names(), "onnxruntime")
 
 
 def open_session(model: Model, backend: str, optimize: bool = True):

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import difflib
 import functools
-import inspect
 import os
 import threading
 import warnings
@@ -21,18 +20,16 @@ import onnx
 from kiln.errors import (
     InputError,
     KilnError,
-    MissingDependencyError,
     OptionError,
     RunCancelledError,
 )
 from kiln.ir import DType, Graph, Model, SymDim, TensorType, Value, plain_shape
 from kiln.onnxio import load
 from kiln.runtime import memory
-from kiln.runtime.backend import Backend, limit_blas_threads, usable_cores
+from kiln.runtime.backends import make_backend
 from kiln.runtime.executor import controlled
 from kiln.runtime.placement import PlacementReport
 from kiln.runtime.plan import Plan, compile_model
-from kiln.runtime.threads import default_threads
 
 
 @dataclass(frozen=True)
@@ -57,46 +54,6 @@ def _header(model: Model) -> Model:
     return replace(model, graph=Graph(name=model.graph.name, doc=model.graph.doc),
                    opset_imports=dict(model.opset_imports), functions={},
                    metadata=dict(model.metadata))
-
-
-TORCH_INSTALL = 'pip install -e ".[torch]"'
-"""How to get the torch backend's dependency (named when it is missing)."""
-
-
-def make_backend(name: str, **options: Any) -> Backend:
-    """The backend object for ``name`` ("numpy", or "torch" when installed)."""
-    threads = options.get("threads")
-    if threads is not None and (not isinstance(threads, int) or threads < 1):
-        raise OptionError(f"threads must be a positive int, got {threads!r}")
-    if name == "numpy":
-        device = options.pop("device", "cpu")
-        threads = options.pop("threads", None)
-        if device != "cpu":
-            raise OptionError(f"the numpy backend runs on the CPU only; for device "
-                              f"{device!r} use backend='torch'")
-        if options:
-            raise OptionError(f"the numpy backend takes only threads (got {sorted(options)}); "
-                              "precision and compile are the torch backend's")
-        if threads is None:  # never raise what the process set (Ray sets OMP_NUM_THREADS=1)
-            cores = usable_cores()
-            free = default_threads(cores)
-            threads = None if free == cores else free
-        limit_blas_threads(threads)
-        return Backend()
-    if name == "torch":
-        try:
-            from kiln.runtime.torch_backend import TorchBackend
-        except ImportError as e:  # torch missing, or an install that cannot be imported
-            if (e.name or "torch").split(".")[0] != "torch":
-                raise
-            raise MissingDependencyError("torch", TORCH_INSTALL, "the torch backend") from None
-        unknown = sorted(set(options) - set(inspect.signature(TorchBackend).parameters))
-        if unknown:
-            raise OptionError(f"the torch backend has no option {', '.join(unknown)}; it takes "
-                              "device, precision, compile, threads and channels_last")
-        return TorchBackend(**options)
-    hint = " (a GPU is backend='torch', device='cuda')" if name.startswith("cuda") else ""
-    raise OptionError(f"unknown backend {name!r}; choose 'numpy' or 'torch'{hint}")
 
 
 @dataclass
