@@ -4,6 +4,7 @@ onnxruntime running the fp32 original and the converted file, and against onnx.c
 from __future__ import annotations
 
 import warnings
+from importlib import resources
 
 import numpy as np
 import onnx
@@ -201,3 +202,143 @@ def test_cli_convert(tmp_path, mlp_model, capsys):
     x = np.random.default_rng(6).standard_normal((2, 4)).astype(np.float32)
     (ref,), (got,) = ort_run(mlp_model, {"x": x}), ort_run(str(out), {"x": x})
     np.testing.assert_allclose(got, ref, atol=1e-2)
+
+
+def _run(proto: onnx.ModelProto, feeds: dict, backend: str) -> list[np.ndarray]:
+    if backend == "onnxruntime":
+        return ort_run(proto, feeds)
+    return kiln.InferenceSession(proto.SerializeToString(), backend=backend).run(None, feeds)
+
+
+def _bn_model(after_conv: bool) -> onnx.ModelProto:
+    """Conv (or Relu) then BatchNormalization whose running variance is 9.79e7, as a
+    trained text detector's: beyond float16's 65504."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32)
+                                     * 50, "w"),
+             numpy_helper.from_array(np.ones(4, np.float32), "g"),
+             numpy_helper.from_array(np.zeros(4, np.float32), "b"),
+             numpy_helper.from_array(np.full(4, 50.0, np.float32), "mean"),
+             numpy_helper.from_array(np.array([9.79e7, 4e4, 1.0, 2e5], np.float32), "var")]
+    first = helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1, 1, 1]) \
+        if after_conv else helper.make_node("Relu", ["x"], ["c"], name="relu")
+    chans = 4 if after_conv else 3
+    if not after_conv:
+        inits = inits[1:]
+        inits = [numpy_helper.from_array(numpy_helper.to_array(t)[:3], t.name) for t in inits]
+    nodes = [first, helper.make_node("BatchNormalization", ["c", "g", "b", "mean", "var"],
+                                     ["y"], name="bn")]
+    return make_model(nodes,
+                      [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 8, 8])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT,
+                                                     [1, chans, 8, 8])], inits)
+
+
+@pytest.mark.parametrize("after_conv", [True, False])
+@pytest.mark.parametrize("backend", ["onnxruntime", "numpy", "torch"])
+def test_batchnorm_beyond_fp16_range_is_folded_or_kept(after_conv, backend):
+    """Folded into the Conv (the variance never becomes a float16 constant) or, alone,
+    kept float32 with a warning naming it; never clamped to 65504 (#48.5)."""
+    src = _bn_model(after_conv)
+    x = np.random.default_rng(4).standard_normal((1, 3, 8, 8)).astype(np.float32) * 10
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        proto = _checked(kiln.convert_float16(src))
+    said = " ".join(str(w.message) for w in caught)
+    assert "clamped" not in said
+    if not after_conv:
+        assert "bn (its constants exceed the half range" in said
+    (ref,), (got,) = ort_run(src, {"x": x}), _run(proto, {"x": x}, backend)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=0, atol=5e-3 * np.abs(ref).max())
+
+
+def _loud_frontend() -> onnx.ModelProto:
+    """int16-scale audio framed and 'transformed' (a MatMul with a cosine basis, as an STFT
+    is), then power and log: the transform's output reaches ~5e5, beyond float16."""
+    n = 64
+    k = np.arange(n)
+    basis = np.cos(2 * np.pi * np.outer(k, k[: n // 2]) / n).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "basis"], ["spec"], name="stft"),
+             helper.make_node("Abs", ["spec"], ["mag"], name="abs"),
+             helper.make_node("Add", ["mag", "one"], ["mag1"], name="add_one"),
+             helper.make_node("Log", ["mag1"], ["y"], name="log")]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, n])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, n // 2])],
+                      [numpy_helper.from_array(basis, "basis"),
+                       numpy_helper.from_array(np.array(1.0, np.float32), "one")])
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "numpy", "torch"])
+def test_calibration_keeps_overflowing_layers_float32(backend):
+    """With calibration data, the layers that meet values beyond float16's range stay
+    float32 (warned by name) and no output is Inf or NaN; without it the output overflows
+    (which is what the calibration is for) (#48.5)."""
+    src = _loud_frontend()
+    rng = np.random.default_rng(5)
+    t = np.arange(64) / 16000
+
+    def audio(seed):
+        r = np.random.default_rng(seed)
+        return (np.cos(2 * np.pi * 250 * t)[None] * 30000 +
+                r.normal(0, 200, (4, 64))).astype(np.float32)
+    cal = [{"x": audio(s)} for s in range(4)]
+    x = audio(99)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        proto = _checked(kiln.convert_float16(src, calibration=cal))
+    said = " ".join(str(w.message) for w in caught)
+    assert "stft (" in said and "reaches" in said
+    (ref,), (got,) = ort_run(src, {"x": x}), _run(proto, {"x": x}, backend)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, ref, rtol=2e-3, atol=1e-2)
+    unsafe = to_proto(kiln.convert_float16(src, block_list=["Nothing"]))
+    (bad,) = _run(unsafe, {"x": x}, "numpy")
+    assert not np.isfinite(bad).all() or np.abs(bad - ref).max() > 1e-1
+    del rng
+
+
+@pytest.fixture(scope="module")
+def digits_path() -> str:
+    """The digits CNN Kiln ships (examples/train_digits.py)."""
+    return str(resources.files("kiln") / "data" / "digits_cnn.onnx")
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_fused_model_converts_every_layer(digits_path, backend):
+    """``convert_float16(kiln.optimize(m))``: Kiln's fused layers are expanded and
+    converted, so every float weight becomes float16 (#39.6: 37,632 of 38,282 stayed
+    float32), and the file runs within float16 error of onnxruntime on the original."""
+    proto = _checked(kiln.convert_float16(kiln.optimize(digits_path)))
+    weights = [t for t in proto.graph.initializer if t.data_type in
+               (TensorProto.FLOAT, TensorProto.FLOAT16) and len(t.dims) >= 2]
+    assert weights and all(t.data_type == TensorProto.FLOAT16 for t in weights)
+    images = np.load(digits_path.replace("digits_cnn.onnx", "digits_test.npz"))["images"][:64]
+    (ref,) = ort_run(digits_path, {"image": images})
+    (got,) = _run(proto, {"image": images}, backend)
+    assert (got.argmax(1) == ref.argmax(1)).mean() >= 0.98
+    np.testing.assert_allclose(got, ref, rtol=0, atol=2e-2 * np.abs(ref).max())
+
+
+def test_bf16_below_opset_13_converts_and_says_so():
+    """An opset-11 model: bfloat16 needs opset 13, so the model is upgraded and converted
+    instead of coming back as the float32 model unchanged (#48.6); the warning says so,
+    and says when onnxruntime cannot run the file."""
+    src = _conv_relu_matmul()
+    src.opset_import[0].version = 11
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        proto = _checked(kiln.convert_float16(src, bf16=True))
+    said = " ".join(str(w.message) for w in caught)
+    assert "opset 13" in said
+    types = _elem_types(proto)
+    # ONNX defines Conv for bfloat16 only from opset 22: it stays float32.
+    assert types["m"] == types["r"] == TensorProto.BFLOAT16 and types["w"] == TensorProto.FLOAT
+    x = np.random.default_rng(1).standard_normal((1, 3, 6, 6)).astype(np.float32)
+    (ref,) = ort_run(src, {"x": x})
+    (got,) = _run(proto, {"x": x}, "numpy")
+    np.testing.assert_allclose(got, ref, atol=3e-2 * np.abs(ref).max())
+    try:
+        ort_run(proto, {"x": x})
+    except Exception:
+        assert "runs on Kiln only" in said

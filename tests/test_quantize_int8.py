@@ -433,3 +433,17 @@ def test_zoo_static_within_top1_budget(zoo_model, name):
             rows += len(r2)
     assert agree / rows >= 0.99
     assert q.report.quantized, "every layer was reverted: the file is the float model"
+
+
+def test_optimized_model_quantizes_every_layer(digits):
+    """#39.6: ``kiln.quantize(kiln.optimize(m))`` reported 1 layer quantized (the fused
+    FusedConv/FusedGemm were skipped silently); the fused layers are expanded first, so
+    the same layers are quantized as from the original file, and the result runs in
+    onnxruntime as accurately."""
+    path, feeds, images, labels = digits
+    plain = kiln.quantize(path, "static", feeds[:2], measure_latency=False)
+    fused = kiln.quantize(kiln.optimize(path), "static", feeds[:2], measure_latency=False)
+    assert len(fused.report.quantized) == len(plain.report.quantized) >= 8
+    assert not fused.report.kept
+    (got,) = ort_run(to_proto(fused.model), {"image": images})
+    assert _accuracy(got, labels) > 0.95

@@ -312,6 +312,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="an op type or layer name to keep in float32 (repeatable)")
     p.add_argument("--half-io", action="store_true",
                    help="make float32 inputs and outputs half too (no Casts at the boundary)")
+    p.add_argument("--calibration", metavar="DATA.npz",
+                   help="inputs to run the float32 model on: layers meeting values beyond "
+                        "float16's range stay float32")
     p.set_defaults(func=cmd_convert, parser=p)
 
     p = sub.add_parser("batch", help="score parquet/.npz files on a Ray cluster, write "
@@ -708,7 +711,7 @@ def cmd_convert(args) -> int:
     src = resolve_path(args.model)
     _check_layer_names(src, args.block, "--block")
     out = convert_float16(src, keep_io_types=not args.half_io, block_list=args.block,
-                          bf16=args.bf16)
+                          bf16=args.bf16, calibration=args.calibration)
     save(out, args.output)
     kind = "bfloat16" if args.bf16 else "float16"
     print(f"{args.model} -> {args.output}: {kind}, {os.path.getsize(src) / 1e6:.1f} MB -> "

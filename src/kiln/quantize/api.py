@@ -6,11 +6,9 @@ import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-import onnx.version_converter
-
 from kiln.errors import OptionError
 from kiln.ir import DType, Model
-from kiln.onnxio import load, save, to_proto
+from kiln.onnxio import save
 from kiln.onnxio.exporter import register_converter
 from kiln.passes import FoldConstants
 from kiln.passes.infer_shapes import infer_model
@@ -18,7 +16,7 @@ from kiln.quantize import qdq, weight_only
 from kiln.quantize.calibrate import calibrate, load_feeds
 from kiln.quantize.cpu import weight_range
 from kiln.quantize.engines import BACKENDS
-from kiln.quantize.fp16 import as_model
+from kiln.quantize.fp16 import as_model, at_opset, standard_ops
 from kiln.quantize.report import QuantizeReport, compare, latency_ms, model_bytes
 from kiln.quantize.speed import LayerTiming, time_layers
 
@@ -95,9 +93,12 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                           f"{', '.join(MODES)}")
     stage("loading the model")
     wrange = weight_range(reduce_range)
-    original = as_model(model)
+    # Kiln's fused ops (kiln.optimize's output) are expanded into standard ops first, so
+    # every Conv/MatMul/Gemm inside them is planned like any other (a session fuses the
+    # quantized layers again); those without a standard body are counted as kept.
+    original, opaque = standard_ops(as_model(model))
     infer_model(original)
-    base = _at_opset(original, 21) if mode == "weight-only" else as_model(original)
+    base = at_opset(original, 21) if mode == "weight-only" else as_model(original)
     # Constant nodes (Clip's bounds, exporters' scalars) become initializers: a layer
     # reading one is then quantized like one reading a constant, not left in float as if
     # it read a computed tensor.
@@ -157,7 +158,9 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     report = QuantizeReport(mode=mode, size_before=model_bytes(original),
                             size_after=model_bytes(m), backend=backend,
                             quantized=[_label(n) for n in plan.quantized],
-                            kept={**plan.kept, **reverted},
+                            kept={**plan.kept, **reverted,
+                                  **{name: "a Kiln op with no standard-ONNX body"
+                                     for name in opaque}},
                             layer_times={k: (t.float_ms, t.quant_ms) for k, t in timings.items()},
                             weight_bits=None if mode == "weight-only" else wrange.bits,
                             weight_bits_reason=wrange.reason)
@@ -246,14 +249,6 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
 
 def _label(n) -> str:
     return n.name or f"{n.op_type}({n.outputs[0].name})"
-
-
-def _at_opset(m: Model, opset: int) -> Model:
-    """``m`` at default-domain opset >= ``opset`` (ONNX's version converter rewrites the
-    ops whose signature changed on the way, such as Reduce*'s axes becoming an input)."""
-    if m.opset >= opset:
-        return as_model(m)
-    return load(onnx.version_converter.convert_version(to_proto(m), opset))
 
 
 # kiln.save(kiln.quantize(...), path) writes the quantized model, as Quantized.save does.

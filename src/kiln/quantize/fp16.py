@@ -7,6 +7,18 @@ compute a shape, size or scale some other node reads on the host (Reshape's shap
 Resize's scales, Range's bounds: halving those changes the model's geometry). Everything
 else keeps float32, and a Cast goes wherever a value crosses between the two worlds,
 graph inputs and outputs included when ``keep_io_types``.
+
+Before that, what would break in half precision is taken out of its reach:
+
+- Kiln's fused ops (what ``kiln.optimize`` writes) are expanded into their standard-ONNX
+  bodies, so every layer converts (a session fuses them again);
+- BatchNormalization is folded into the Conv/Gemm before it (a running variance beyond
+  65504 would otherwise be clamped);
+- range-sensitive layers stay float32: reductions and normalizations, and the arithmetic
+  on their statistics (E[x^2] - E[x]^2 cancels in float16); with calibration data, every
+  layer that reads or writes a value beyond half of float16's range (an STFT of int16-scale
+  audio); a BatchNormalization left unfolded whose constants exceed the range.
+  A warning names them.
 """
 
 from __future__ import annotations
@@ -16,15 +28,20 @@ from collections.abc import Iterable
 
 import numpy as np
 import onnx.defs
+import onnx.inliner
+import onnx.version_converter
 
 from kiln.ir import DType, Model, Node, TensorType, Value
-from kiln.onnxio import load
+from kiln.onnxio import load, to_proto
+from kiln.ops.registry import KILN_DOMAIN
 from kiln.passes.base import clone_model
+from kiln.passes.fuse_batchnorm import FuseBatchNorm
 from kiln.passes.infer_shapes import infer_model
 from kiln.passes.pin_host import STOP as SHAPE_ONLY
 from kiln.passes.pin_host import host_read_inputs
 
-__all__ = ["FP16_MAX", "as_model", "convert_float16"]
+__all__ = ["FP16_MAX", "RANGE_SENSITIVE", "as_model", "at_opset", "convert_float16",
+           "standard_ops"]
 
 FP16_MAX = float(np.finfo(np.float16).max)
 
@@ -33,21 +50,53 @@ FP16_MAX = float(np.finfo(np.float16).max)
 ALWAYS_FLOAT32 = frozenset({"Resize", "Upsample", "Range", "RandomNormal", "RandomUniform",
                             "RandomNormalLike", "RandomUniformLike", "Multinomial",
                             "NonMaxSuppression", "RoiAlign", "If", "Loop", "Scan"})
+# Kept in float32 in float16 files: sums and normalizations whose result or statistics
+# leave float16's range or cancel in it (onnxruntime's fused LayerNorm computes in float32
+# for the same reason).
+RANGE_SENSITIVE = frozenset({
+    "ReduceSum", "ReduceSumSquare", "ReduceMean", "ReduceL1", "ReduceL2", "ReduceLogSum",
+    "ReduceLogSumExp", "ReduceProd", "CumSum", "LayerNormalization", "GroupNormalization",
+    "InstanceNormalization", "RMSNormalization", "LpNormalization",
+    "MeanVarianceNormalization", "LayerNorm", "RMSNorm"})
+# Arithmetic that keeps a statistic a statistic: a node of these types whose computed
+# inputs are all statistics (and that broadcasts nothing larger) stays float32 with them.
+_STAT_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Max", "Min", "Pow",
+                       "Neg", "Abs", "Clip", "Relu", "Identity", "Reshape", "Squeeze",
+                       "Unsqueeze", "Flatten"})
+# With calibration data, values beyond this stay float32 (half the range: headroom for
+# inputs larger than the calibration set's).
+OVERFLOW_AT = FP16_MAX / 2
 # Attributes that name an output dtype, by op.
 _DTYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "ConstantOfShape": None, "Constant": None}
 
 
 def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str] = (),
-                    bf16: bool = False) -> Model:
+                    bf16: bool = False, calibration=None) -> Model:
     """Convert ``model`` (a path, bytes, ModelProto or Kiln Model) to float16 weights and
     compute, or bfloat16 with ``bf16=True``; returns a new Kiln :class:`Model`.
 
     ``keep_io_types`` keeps float32 graph inputs and outputs (Casts at the boundary).
     ``block_list`` names op types or layer names kept in float32 (Casts around them).
+    ``calibration`` (an ``.npz`` path, a feed dict or an iterable of feeds): inputs the
+    float32 model is run on to find values beyond float16's range; their layers stay
+    float32 (see the module's docstring for what stays float32 without data).
     Float16 constants outside +-65504 are clamped to it with a warning instead of
     becoming Inf (an attention mask's -3.4e38 becomes -65504, which still masks).
+    bfloat16 needs opset 13: an older model is converted to opset 13 first (a warning
+    says so); where onnxruntime is installed and refuses the bfloat16 file (its CPU
+    provider lacks bfloat16 kernels for many ops), a warning says it runs on Kiln only.
     """
     m = as_model(model)
+    notes: list[str] = []
+    m, opaque = standard_ops(m)
+    if opaque:
+        notes.append(f"{len(opaque)} Kiln op(s) without a standard-ONNX body stay float32: "
+                     + _names(opaque))
+    if bf16 and m.opset < 13:
+        notes.append(f"bfloat16 needs opset 13; the model (opset {m.opset}) was converted to "
+                     "opset 13 first")
+        m = at_opset(m, 13)
+    FuseBatchNorm()(m)
     infer_model(m)
     half = DType.BFLOAT16 if bf16 else DType.FLOAT16
     blocked = set(block_list)
@@ -56,6 +105,11 @@ def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str]
                if _convertible(n, m, half) and n.op_type not in blocked and n.name not in blocked}
     convert -= _shape_path(m)
     convert -= _subgraph_feeders(m)
+    sensitive = _range_sensitive(m, convert, half, calibration)
+    convert -= set(sensitive)
+    if sensitive:
+        notes.append(f"kept {len(sensitive)} range-sensitive layer(s) in float32: "
+                     + _names([f"{_label(n)} ({why})" for n, why in sensitive.items()]))
     clamped: list[str] = []
 
     # Outputs of converted nodes become half (attributes that fix a dtype follow).
@@ -111,7 +165,130 @@ def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str]
         warnings.warn(f"convert_float16: {len(clamped)} constant(s) held values beyond the "
                       f"float16 range, clamped to +-{FP16_MAX:g}: {', '.join(clamped[:5])}"
                       + (" ..." if len(clamped) > 5 else ""), stacklevel=2)
+    if bf16:
+        refused = _onnxruntime_refuses(m)
+        if refused:
+            notes.append(f"this bfloat16 file runs on Kiln only: onnxruntime refuses it "
+                         f"({refused}); block those op types to keep them float32 there")
+    for note in notes:
+        warnings.warn(f"convert_float16: {note}", stacklevel=2)
     return m
+
+
+def standard_ops(m: Model) -> tuple[Model, list[str]]:
+    """``m`` with Kiln's fused ops (``kiln.optimize``'s FusedConv, LayerNorm, ...) expanded
+    into the standard-ONNX bodies they are saved with, and the names of those that have
+    none (they stay as they are)."""
+    if not any(n.domain == KILN_DOMAIN for _, n in m.graph.walk()):
+        return m, []
+    out = load(onnx.inliner.inline_local_functions(to_proto(m)))
+    _drop_body_identities(out)
+    return out, [_label(n) for _, n in out.graph.walk() if n.domain == KILN_DOMAIN]
+
+
+def _drop_body_identities(m: Model) -> None:
+    """Each inlined body ends in Identity nodes (formal -> actual output); its last
+    computing node writes the actual output instead, under the fused node's name, so a
+    quantizer sees Relu -> MaxPool, not Relu -> Identity -> MaxPool."""
+    g = m.graph
+    for n in list(g.nodes):
+        if n.op_type != "Identity" or n.domain not in ("", "ai.onnx"):
+            continue
+        v, out = n.inputs[0], n.outputs[0]
+        p = v.producer if v is not None else None
+        if p is None or v.num_reads != 1 or v.is_output_of(g) or out is None:
+            continue
+        g.remove_node(n)
+        p.outputs = [out if o is v else o for o in p.outputs]
+
+
+def at_opset(m: Model, opset: int) -> Model:
+    """``m`` at default-domain opset >= ``opset`` (ONNX's version converter rewrites the
+    ops whose signature changed on the way, such as Reduce*'s axes becoming an input)."""
+    if m.opset >= opset:
+        return as_model(m)
+    return load(onnx.version_converter.convert_version(to_proto(m), opset))
+
+
+def _label(n: Node) -> str:
+    return n.name or f"{n.op_type}({n.outputs[0].name})"
+
+
+def _names(items: list[str], limit: int = 8) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more"
+                                       if len(items) > limit else "")
+
+
+def _range_sensitive(m: Model, convert: set[Node], half: DType, calibration
+                     ) -> dict[Node, str]:
+    """Nodes of ``convert`` that would overflow or cancel in ``half``, with the reason."""
+    out: dict[Node, str] = {}
+    if half == DType.FLOAT16:
+        stats: set[Value] = set()
+        for n in m.graph.nodes:
+            computed = [v for v in n.inputs if v is not None and v.const is None]
+            if n.op_type in RANGE_SENSITIVE:
+                why = "a reduction or normalization"
+            elif n.op_type in _STAT_OPS and computed and all(v in stats for v in computed):
+                why = "arithmetic on a normalization's statistics"
+            else:
+                continue
+            stats.update(o for o in n.outputs if o is not None)
+            if n in convert:
+                out[n] = why
+    for n in convert:
+        if n.op_type == "BatchNormalization" and any(
+                v is not None and v.const is not None and v.const.dtype == np.float32 and
+                v.const.size and float(np.abs(v.const).max()) > _limit(half)
+                for v in n.inputs[1:]):
+            out[n] = "its constants exceed the half range (not foldable into a Conv)"
+    if calibration is not None:
+        out.update({n: why for n, why in _overflowing(m, convert, calibration, half).items()
+                    if n not in out})
+    return out
+
+
+def _limit(half: DType) -> float:
+    return FP16_MAX if half == DType.FLOAT16 else float(np.finfo(np.float32).max)
+
+
+def _overflowing(m: Model, convert: set[Node], calibration, half: DType) -> dict[Node, str]:
+    """Converted nodes that read or write a value whose calibrated magnitude exceeds
+    :data:`OVERFLOW_AT` (float16 only: bfloat16 has float32's range)."""
+    if half != DType.FLOAT16:
+        return {}
+    from kiln.quantize.calibrate import calibrate, load_feeds
+
+    feeds = load_feeds(calibration, [v.name for v in m.graph.inputs])
+    values = sorted({v.name for n in convert for v in list(n.inputs) + list(n.outputs)
+                     if v is not None and v.const is None and v.dtype == DType.FLOAT})
+    ranges = calibrate(m, values, feeds)
+    big = {t: max(abs(r.lo), abs(r.hi)) for t, r in ranges.items()
+           if max(abs(r.lo), abs(r.hi)) > OVERFLOW_AT}
+    out = {}
+    for n in convert:
+        for v in list(n.inputs) + list(n.outputs):
+            if v is not None and v.name in big:
+                out[n] = f"{v.name} reaches {big[v.name]:.3g} on the calibration data"
+                break
+    return out
+
+
+def _onnxruntime_refuses(m: Model) -> str | None:
+    """onnxruntime's first complaint about loading ``m``, None when it loads it (or is not
+    installed)."""
+    try:
+        import onnxruntime as ort
+    except ImportError:
+        return None
+    options = ort.SessionOptions()
+    options.log_severity_level = 4
+    try:
+        ort.InferenceSession(to_proto(m).SerializeToString(), options,
+                             providers=["CPUExecutionProvider"])
+    except Exception as e:  # onnxruntime raises its own exception types
+        return str(e).splitlines()[0][:300]
+    return None
 
 
 def as_model(model) -> Model:
