@@ -261,3 +261,94 @@ def test_a_huge_layernorm_axis_is_refused_before_onnx_shape_inference_can_crash(
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                        timeout=120)
     assert r.returncode == 0 and "refused" in r.stdout, (r.returncode, r.stderr[-500:])
+
+
+# -- opsets ONNX does not define -------------------------------------------------------------
+
+@pytest.mark.parametrize("version", [99, 2**31, 2**62, 0])
+def test_an_opset_onnx_does_not_define_is_refused_at_load(version):
+    """onnxruntime refuses these; Kiln ran opset 99 and gave a TypeError for 2^62."""
+    m = _one(helper.make_node("Relu", ["x"], ["y"]), [2], version)
+    assert _ort_refuses(m, {"x": np.ones(2, np.float32)})
+    with pytest.raises(kiln.ModelLoadError, match=rf"opset {version} of ai.onnx.*1 to "):
+        kiln.load(m)
+
+
+# -- the torch backend's errors are KilnErrors, as the NumPy backend's -----------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_cast_to_an_unknown_element_type_is_refused_at_load(backend):
+    m = _one(helper.make_node("Cast", ["x"], ["y"], to=99), [2])
+    assert _ort_refuses(m, {"x": np.ones(2, np.float32)})
+    with pytest.raises(kiln.errors.InvalidAttributeError, match="'to' is 99"):
+        kiln.InferenceSession(m.SerializeToString(), backend=backend)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,target", [("Reshape", [1] * 64 + [2]),
+                                       ("Expand", [1] * 65 + [2]), ("Expand", [2**62, 2])])
+def test_results_no_numpy_array_can_hold_are_kernel_errors_on_both_backends(backend, op,
+                                                                           target):
+    graph = helper.make_graph(
+        [helper.make_node(op, ["x", "s"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [2]),
+         helper.make_tensor_value_info("s", TP.INT64, [None])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feed = {"x": np.ones(2, np.float32), "s": np.array(target, np.int64)}
+    for optimize in (True, False):
+        with pytest.raises(kiln.KernelError):
+            _kiln(m, feed, backend, optimize)
+
+
+# -- NaN and extreme attribute values as onnxruntime and onnx.reference ----------------------
+
+def _node_model(node: onnx.NodeProto, shape, t=TP.FLOAT, opset: int = 17) -> onnx.ModelProto:
+    graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", t, shape)],
+                              [helper.make_tensor_value_info("y", t, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_maxpool_skips_a_nan_as_the_reference_and_onnxruntime_do(backend):
+    """A NaN in a window is skipped. onnxruntime and onnx.reference each skip it in some
+    windows and return NaN in others (order of their maxima; the spec says nothing), so
+    Kiln's result must equal each of them wherever that one is a number, and be a number
+    everywhere (no window here is all NaN)."""
+    from onnx.reference import ReferenceEvaluator
+
+    x = np.arange(64, dtype=np.float32).reshape(1, 1, 8, 8)
+    x[0, 0, ::3, ::2] = np.nan
+    for kw in ({"kernel_shape": [2, 2]}, {"kernel_shape": [3, 3], "strides": [2, 2]},
+               {"kernel_shape": [3, 3]}):
+        m = _node_model(helper.make_node("MaxPool", ["x"], ["y"], **kw), [1, 1, 8, 8])
+        oracles = [ReferenceEvaluator(m).run(None, {"x": x})[0], _ort(m, {"x": x})[0]]
+        for optimize in (True, False):
+            got = _kiln(m, {"x": x}, backend, optimize)[0]
+            assert not np.isnan(got).any()
+            for want in oracles:
+                seen = ~np.isnan(want)
+                np.testing.assert_array_equal(got[seen], want[seen])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_elu_with_alpha_minus_infinity_is_onnxruntimes(backend):
+    """x >= 0 gives x whatever alpha is (onnxruntime; the reference's 0 * -inf is NaN)."""
+    m = _node_model(helper.make_node("Elu", ["x"], ["y"], alpha=float("-inf")), [5])
+    x = {"x": np.array([-1, 0, 1, -0.0, -5], np.float32)}
+    for optimize in (True, False):
+        np.testing.assert_array_equal(_kiln(m, x, backend, optimize)[0], _ort(m, x)[0])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_celu_fp16_with_a_tiny_alpha_is_the_references(backend):
+    """onnxruntime has no fp16 Celu; the reference computes alpha = 1e-30 in float, as the
+    attribute is, where fp16 would make it 0 and x / alpha NaN at x = 0."""
+    from onnx.reference import ReferenceEvaluator
+
+    m = _node_model(helper.make_node("Celu", ["x"], ["y"], alpha=1e-30), [5], TP.FLOAT16)
+    x = {"x": np.array([-1, 0, 1, -5, 2], np.float16)}
+    with np.errstate(all="ignore"):
+        want = ReferenceEvaluator(m).run(None, x)[0]
+    for optimize in (True, False):
+        np.testing.assert_array_equal(_kiln(m, x, backend, optimize)[0], want)

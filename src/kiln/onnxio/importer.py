@@ -416,6 +416,25 @@ def value_type(tp: onnx.TypeProto) -> ValueType | None:
     return None
 
 
+@functools.cache
+def _known_opsets() -> dict[str, tuple[int, int]]:
+    """ONNX's own domains and the opset range the installed onnx defines for each."""
+    return dict(onnx.defs.C.schema_version_map())
+
+
+def _check_opsets(opsets: dict[str, int], what: str) -> None:
+    """An opset of ONNX's own domains past what the installed onnx defines (onnxruntime
+    refuses such a model: its ops' meaning is unknown) or below 1 is refused here, before
+    any schema lookup sees a number it cannot take."""
+    for domain, version in opsets.items():
+        known = _known_opsets().get(domain)
+        if known is not None and not 1 <= version <= known[1]:
+            raise ModelLoadError(
+                f"{what} imports opset {version} of {domain or 'ai.onnx'}, but the installed "
+                f"onnx {onnx.__version__} defines opsets 1 to {known[1]}; convert the model "
+                "to a defined opset (onnx.version_converter) or upgrade onnx")
+
+
 def _rank(v: Value | None) -> int | None:
     t = v.type if v is not None else None
     return len(t.shape) if isinstance(t, TensorType) and t.shape is not None else None
@@ -448,6 +467,7 @@ class ModelImporter:
         opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version for o in p.opset_import}
         if not opsets:
             opsets = {"": 1}  # IR v1/v2 models predate opset_import
+        _check_opsets(opsets, "the model")
         self.opsets = opsets
         functions = {(f.domain, f.name): self.function(f) for f in p.functions}
         graph = self.graph(p.graph, ChainMap(), top=True)
@@ -466,6 +486,7 @@ class ModelImporter:
         outer_opsets = self.opsets
         self.opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version
                        for o in f.opset_import} or outer_opsets
+        _check_opsets(self.opsets, f"function {f.name!r}")
         try:
             for np_, ins, outs in _toposort(list(f.node), set(f.input), f.name):
                 body.nodes.append(self.node(np_, scope, ins, outs))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 
+import onnx
+
 from kiln.errors import InvalidAttributeError
 
 _AUTO_PAD = frozenset({"NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"})
@@ -91,6 +93,16 @@ INT_CHOICES: dict[tuple[str, str], dict[str, frozenset[int]]] = {
     ("", "ReverseSequence"): {"batch_axis": frozenset({0, 1}), "time_axis": frozenset({0, 1})},
 }
 
+DTYPES: dict[str, str] = {
+    **{op: "dtype" for op in ("RandomNormal", "RandomUniform", "RandomNormalLike",
+                              "RandomUniformLike", "Multinomial", "Bernoulli", "EyeLike",
+                              "SequenceEmpty")},
+    "Cast": "to", "BitCast": "to", "QuantizeLinear": "output_dtype",
+    "DequantizeLinear": "output_dtype"}
+"""Standard ops' INT attributes naming an element type: a number that is no
+``TensorProto.DataType`` has no meaning (0 only where the spec reads it as "unset")."""
+_ELEMENT_TYPES = frozenset(onnx.TensorProto.DataType.values()) - {0}
+
 # op -> (attribute, input whose rank bounds it, how far past the rank it may reach below and
 # above). An axis of a rank-r input lies in [-r - low, r - 1 + high]; "unsqueeze" widens the
 # rank by the number of axes first. Ops missing here either have no axis or ignore it in some
@@ -139,6 +151,12 @@ def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, obje
             value = attrs.get(name)
             if isinstance(value, int) and value not in allowed:
                 _refuse(where, op_type, name, value, _listed(allowed))
+    if domain == "" and op_type in DTYPES:
+        name = DTYPES[op_type]
+        value = attrs.get(name)
+        if isinstance(value, int) and value not in _ELEMENT_TYPES and not (
+                value == 0 and name == "output_dtype"):
+            _refuse(where, op_type, name, value, "a TensorProto.DataType number")
     if domain == "" and op_type in AXES:
         name = AXES[op_type][0]
         value = attrs.get(name)

@@ -99,14 +99,17 @@ def thresholded_relu(x, *, alpha=1.0):
 @keep_dtype
 def elu(x, *, alpha=1.0):
     xp = namespace(x)
-    return _pos_part(xp, x) + (xp.exp(_neg_part(xp, x)) - 1.0) * alpha
+    # a select, not a sum of parts: with alpha = -inf, 0 * alpha would make x >= 0 NaN
+    return xp.where(x >= 0, x, (xp.exp(_neg_part(xp, x)) - 1.0) * alpha)
 
 
 @op("Celu", 12, generic=True, cost=cost.elementwise)
 @keep_dtype
 def celu(x, *, alpha=1.0):
     xp = namespace(x)
-    return _pos_part(xp, x) + (xp.exp(_neg_part(xp, x) / alpha) - 1.0) * alpha
+    if x.dtype == xp.float16:  # alpha is a float attribute: 1e-30 is 0 in fp16 (0 / 0 = NaN)
+        x = xp.astype(x, xp.float32)
+    return xp.where(x >= 0, x, (xp.exp(_neg_part(xp, x) / alpha) - 1.0) * alpha)
 
 
 @op("Selu", 1, generic=True, cost=cost.elementwise)

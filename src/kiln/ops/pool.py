@@ -101,7 +101,8 @@ def _argmax_windows(xp, ip, kernel, strides, dilations, out):
         bidx = np.array(_axis_window(idx, ax + 2, 0, s, d, o), copy=True)
         for i in range(1, k):
             v = _axis_window(y, ax + 2, i, s, d, o)
-            better = v > best
+            better = (v > best) | (np.isnan(best) & ~np.isnan(v)) if y.dtype.kind == "f" \
+                else v > best  # a NaN is skipped, as in the values above
             np.copyto(best, v, where=better)
             np.copyto(bidx, _axis_window(idx, ax + 2, i, s, d, o), where=better)
         y, idx = best, bidx
@@ -116,7 +117,9 @@ def max_pool(ctx, x, *, auto_pad="NOTSET", ceil_mode=0, dilations=None, kernel_s
         x, kernel, strides, dilations, pads, auto_pad, ceil_mode)
     low = _lowest(x.dtype)
     if ctx.num_outputs < 2:
-        return _reduce_windows(x, kernel, strides, dilations, begin, out, np.maximum, low)
+        # fmax: a NaN in a window is skipped (its maximum is NaN only where every tap is),
+        # as onnx.reference does; np.maximum would spread it to every window it touches
+        return _reduce_windows(x, kernel, strides, dilations, begin, out, np.fmax, low)
     xp = pad_spatial(x, begin, [e + a for e, a in zip(end, extra)], low)
     ip = pad_spatial(_flat_index(x.shape, storage_order), begin,
                      [e + a for e, a in zip(end, extra)], -1)

@@ -7,6 +7,7 @@ import warnings
 import numpy as np
 import torch
 
+from kiln.errors import KernelError
 from kiln.ir import DType
 from kiln.ops._array import axis  # noqa: F401 - the shared range-checking one
 
@@ -53,6 +54,9 @@ def to_numpy(t: torch.Tensor) -> np.ndarray:
         return t.view(torch.int16).numpy().view(_BF16_NP)
     if t.is_neg():
         t = t.resolve_neg()
+    if t.dim() > 64:  # torch holds up to 64 dims... and more; NumPy at most 64
+        raise KernelError(f"a result has {t.dim()} dims, but NumPy arrays hold at most 64; "
+                          "the model builds a tensor no NumPy caller can receive")
     return t.numpy()
 
 

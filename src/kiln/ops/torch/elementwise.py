@@ -195,7 +195,8 @@ def where(cond, x, y):
 
 @kernel("Cast", 6, prepare=True)
 def cast(site):
-    to = TORCH_OF.get(DType(int(site.attr("to", 0))))
+    to = int(site.attr("to", 0))
+    to = TORCH_OF.get(DType(to)) if to in DType._value2member_map_ else None
     if to is None:
         return None  # strings, uint16+, float8...: NumPy kernel
 
