@@ -447,3 +447,31 @@ def test_optimized_model_quantizes_every_layer(digits):
     assert not fused.report.kept
     (got,) = ort_run(to_proto(fused.model), {"image": images})
     assert _accuracy(got, labels) > 0.95
+
+
+def test_static_with_a_1d_output_whose_length_follows_the_feed():
+    """#48.7: a VAD-like model whose 1-D output's length follows the input's crashed after
+    calibration (the report concatenated the outputs of all feeds); the report now pools
+    per-feed statistics, checked against NumPy on the same outputs from onnxruntime."""
+    from onnx import TensorProto, helper
+
+    from conftest import make_model
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((8, 4, 3)).astype(np.float32), "w")
+    nodes = [helper.make_node("Conv", ["x", "w"], ["c"], name="conv", pads=[1, 1]),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("ReduceMax", ["r"], ["m"], name="max", axes=[1], keepdims=0),
+             helper.make_node("Flatten", ["m"], ["f"], name="flat", axis=0),
+             helper.make_node("Squeeze", ["f", "zero"], ["y"], name="sq")]
+    model = make_model(nodes,
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, "T"])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["L"])],
+                       [w, numpy_helper.from_array(np.array([0], np.int64), "zero")])
+    feeds = [{"x": rng.standard_normal((1, 4, t)).astype(np.float32)} for t in (16, 24, 40)]
+    q = kiln.quantize(model, "static", feeds, measure_latency=False)
+    err = q.report.outputs["y"]
+    qp = to_proto(q.model)
+    diffs = [np.abs(ort_run(qp, f)[0] - ort_run(model, f)[0]).max() for f in feeds]
+    scale = max(np.abs(ort_run(model, f)[0]).max() for f in feeds)
+    assert err.rel == pytest.approx(max(diffs) / scale, rel=0.05, abs=2e-3)
+    assert err.rel < 0.05

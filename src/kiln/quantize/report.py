@@ -108,19 +108,32 @@ def compare(ref: Model, quant: Model, feeds: list[dict], backend: str = "numpy"
         for n, r, g in zip(names, s_ref.run(None, feed), s_q.run(None, feed)):
             refs[n].append(np.asarray(r))
             gots[n].append(np.asarray(g))
+    # Statistics per feed, pooled: outputs may differ in shape between feeds (a 1-D
+    # output whose length follows the input's), so they are never concatenated.
     out = {}
     for n in names:
-        r = np.concatenate([a.reshape(-1, *a.shape[-1:]) if a.ndim else a.reshape(1, 1)
-                            for a in refs[n]])
-        g = np.concatenate([a.reshape(-1, *a.shape[-1:]) if a.ndim else a.reshape(1, 1)
-                            for a in gots[n]])
-        if r.dtype.kind != "f":
-            out[n] = OutputError(float(np.abs(r.astype(np.float64) - g).max(initial=0)),
-                                 float((r != g).mean()) if r.size else 0.0, None)
+        diff = scale = 0.0
+        same = rows = 0
+        mismatched = 0
+        is_float = True
+        for r, g in zip(refs[n], gots[n]):
+            r2 = r.reshape(-1, *r.shape[-1:]) if r.ndim else r.reshape(1, 1)
+            g2 = g.reshape(-1, *g.shape[-1:]) if g.ndim else g.reshape(1, 1)
+            if r.dtype.kind != "f":
+                is_float = False
+                diff = max(diff, float(np.abs(r2.astype(np.float64) - g2).max(initial=0)))
+                mismatched += int((r2 != g2).sum())
+                rows += r2.size
+                continue
+            diff = max(diff, float(np.abs(r2 - g2).max(initial=0.0)))
+            scale = max(scale, float(np.abs(r2).max(initial=0.0)))
+            if r2.shape[-1] > 1:
+                same += int((r2.argmax(-1) == g2.argmax(-1)).sum())
+                rows += r2.shape[0]
+        if not is_float:
+            out[n] = OutputError(diff, mismatched / rows if rows else 0.0, None)
             continue
-        diff = float(np.abs(r - g).max(initial=0.0))
-        scale = float(np.abs(r).max(initial=0.0))
-        top1 = float((r.argmax(-1) == g.argmax(-1)).mean()) if r.shape[-1] > 1 else None
+        top1 = same / rows if rows else None
         out[n] = OutputError(diff, diff / scale if scale > 0 else diff, top1)
     return out
 
