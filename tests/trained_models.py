@@ -245,6 +245,25 @@ def _vad_feeds(n_cal: int, n_eval: int):
     return feeds(_vad_audio(n_cal, 7)), feeds(_vad_audio(n_eval, 8))
 
 
+def _vad_seq_feeds(n_cal: int, n_eval: int):
+    """Sequences of 576-sample frames (64 context + 512 new samples) of varying length: the
+    sequence model's 1-D output follows the number of frames."""
+    def feeds(wins, seed):
+        rng = np.random.default_rng(seed)
+        out, i = [], 0
+        while i < len(wins):
+            k = int(rng.integers(3, 13))
+            chunk = wins[i:i + k]
+            frames = np.stack([np.concatenate([p[-64:], w]) for p, w in
+                               zip([np.zeros(512, np.float32)] + chunk[:-1], chunk)])
+            out.append({"input": frames.astype(np.float32),
+                        "h": np.zeros((1, 1, 128), np.float32),
+                        "c": np.zeros((1, 1, 128), np.float32)})
+            i += k
+        return out
+    return feeds(_vad_audio(n_cal, 7), 1), feeds(_vad_audio(n_eval, 8), 2)
+
+
 MODELS: dict[str, TrainedModel] = {m.name: m for m in [
     TrainedModel("magika", "magika", "models/standard_v3_3/model.onnx",
                  "file type (top-1 label) of real files", _magika_feeds,
@@ -260,6 +279,12 @@ MODELS: dict[str, TrainedModel] = {m.name: m for m in [
                  "text mask (8x8 blocks at threshold 0.3) of rendered pages",
                  _ocr_det_feeds, _text_mask),
     TrainedModel("silero_vad", "silero_vad", "data/silero_vad.onnx",
+                 "speech decision (p > 0.5) of 32 ms windows of synthesized audio",
+                 _vad_feeds, lambda o: list((o[0] > 0.5).reshape(-1))),
+    TrainedModel("silero_vad_seq", "silero_vad", "data/silero_vad_16k_sequence.onnx",
+                 "speech decision (p > 0.5) per 32 ms window, sequences of 3-12 windows",
+                 _vad_seq_feeds, lambda o: list(o[0].reshape(-1) > 0.5)),
+    TrainedModel("silero_vad_ifless", "silero_vad", "data/silero_vad_op18_ifless.onnx",
                  "speech decision (p > 0.5) of 32 ms windows of synthesized audio",
                  _vad_feeds, lambda o: list((o[0] > 0.5).reshape(-1))),
 ]}

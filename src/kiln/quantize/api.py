@@ -160,7 +160,11 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                             quantized=[_label(n) for n in plan.quantized],
                             kept={**plan.kept, **reverted,
                                   **{name: "a Kiln op with no standard-ONNX body"
-                                     for name in opaque}},
+                                     for name in opaque},
+                                  **{_label(n): "inside a subgraph (If/Loop/Scan body): "
+                                                "not quantized"
+                                     for g, n in base.graph.walk()
+                                     if g is not base.graph and n.op_type in qdq.COMPUTE_OPS}},
                             layer_times={k: (t.float_ms, t.quant_ms) for k, t in timings.items()},
                             weight_bits=None if mode == "weight-only" else wrange.bits,
                             weight_bits_reason=wrange.reason)

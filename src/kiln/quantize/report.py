@@ -127,7 +127,7 @@ def compare(ref: Model, quant: Model, feeds: list[dict], backend: str = "numpy"
                 continue
             diff = max(diff, float(np.abs(r2 - g2).max(initial=0.0)))
             scale = max(scale, float(np.abs(r2).max(initial=0.0)))
-            if r2.shape[-1] > 1:
+            if r.ndim > 1 and r2.shape[-1] > 1:  # a 1-D output is no row of scores
                 same += int((r2.argmax(-1) == g2.argmax(-1)).sum())
                 rows += r2.shape[0]
         if not is_float:
