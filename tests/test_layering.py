@@ -22,7 +22,7 @@ LAYERS = ["errors", "ir", "onnxio", "ops", "passes", "edit", "runtime", "ort", "
           "train", "quantize", "tools", "integrations", "zoo", "cli"]
 # Top-level modules that belong to a layer.
 MODULE_LAYER = {"optimize": "passes", "demo": "cli", "conformance": "cli", "__init__": "cli",
-                "__main__": "cli", "model_names": "cli"}
+                "__main__": "cli", "model_names": "cli", "optimizer": "passes"}
 
 
 def _layer(parts: list[str]) -> str:

@@ -21,7 +21,7 @@ from kiln.errors import (
 from kiln.ir import DType, Model
 from kiln.onnxio import load, save
 from kiln.ops import register_op
-from kiln.optimize import optimize
+from kiln.optimize import optimize  # loads the old module name first: it never shadows this
 from kiln.ort import (
     ExecutionMode,
     GraphOptimizationLevel,

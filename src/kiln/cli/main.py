@@ -421,7 +421,7 @@ def cmd_inspect(args) -> int:
 
     model: Any = args.model
     if args.optimize:
-        from kiln.optimize import optimize
+        from kiln.optimizer import optimize
         model = optimize(load_model(model), backend=args.backend)
     s = inspect(model, backend=args.backend, device=args.device, dims=_dims(args))
     if args.optimize:
@@ -434,11 +434,9 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_optimize(args) -> int:
-    try:  # the module: the package attribute ``kiln.optimize`` is the function
-        kopt = importlib.import_module("kiln.optimize")
-    except ImportError:
-        raise KilnError("this Kiln has no optimizer (kiln.optimize is missing)") from None
-    names = list(getattr(kopt, "PASS_NAMES", ()))
+    from kiln import optimizer as kopt
+
+    names = list(kopt.PASS_NAMES)
     if "help" in args.disable:
         print("passes: " + ", ".join(names))
         return 0

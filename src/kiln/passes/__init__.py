@@ -3,7 +3,7 @@
 Each pass is one module (its docstring says what it does and why), a :class:`Pass`
 subclass with a ``name`` that ``kiln.optimize(..., disable=[name])`` switches off.
 Rewriting passes are :class:`RulePass` objects: sets of rewrite rules
-(:mod:`kiln.passes.rewrite`) that ``kiln.optimize`` (src/kiln/optimize.py) runs through one
+(:mod:`kiln.passes.rewrite`) that ``kiln.optimize`` (src/kiln/optimizer.py) runs through one
 worklist engine; analyses (shape inference, host pinning) run where needed.
 """
 

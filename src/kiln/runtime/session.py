@@ -123,7 +123,7 @@ class Session:
         ``owned``: in place, else on a copy, leaving the caller's Model untouched."""
         if not (self._level or self._input_shapes):
             return model
-        from kiln.optimize import optimize_for_session
+        from kiln.optimizer import optimize_for_session
         return optimize_for_session(model, self._level, self._input_shapes,
                                     self.backend.name,
                                     fallback=self._read_source if owned else None)
@@ -354,7 +354,7 @@ def stop_check(run_options: Any):
 def _types_inferred(model: Model) -> bool:
     """Whether Kiln's optimizer ran its rewrites on ``model`` (its value types are then
     what Kiln's shape inference, not only the file, says)."""
-    from kiln.optimize import MARK
+    from kiln.optimizer import MARK
     try:
         return int(model.metadata.get(MARK, -1)) >= 1
     except ValueError:

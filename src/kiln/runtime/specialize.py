@@ -55,7 +55,7 @@ class Specializer:
             self._note(f"more than {self.MAX_PROGRAMS} input signatures; new ones run eagerly")
             return None
         from kiln.ir import Model
-        from kiln.optimize import optimize
+        from kiln.optimizer import optimize
         from kiln.runtime.plan import compile_model
 
         graph, be = self.plan.graph, self.plan.backend

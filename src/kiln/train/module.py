@@ -24,7 +24,7 @@ from kiln.errors import InputError, UnsupportedOpError
 from kiln.ir import DType, Model, Value
 from kiln.ops import registry
 from kiln.ops.torch.arrays import to_torch
-from kiln.optimize import PASS_NAMES, optimize
+from kiln.optimizer import PASS_NAMES, optimize
 from kiln.runtime import make_backend
 from kiln.runtime.plan import Plan, Step, compile_model
 from kiln.train import graph as graph_ops
