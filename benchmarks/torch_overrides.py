@@ -16,7 +16,7 @@ Gain = generic time / torch time; an op version's gain is its best case's: the o
 pays off wherever a model hits that case. The table goes to stdout and, with the
 machine's description, to ``benchmarks/results/torch_overrides.json``. The project keeps a
 torch kernel only where this gain is at least 1.15x, or where it is needed for results or
-dtypes (see ``docs/architecture.md``, "Torch kernels kept, and why").
+dtypes (see ``benchmarks/results/torch_overrides.md``).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ modules (and so torch) the first time anything asks what the torch backend can r
 
 Only ops whose shared array-API kernel is measurably slower on torch tensors, or that need
 a torch primitive (convolution, pooling, oneDNN weight packing), have a kernel here;
-``docs/architecture.md`` lists them with their measured gain.
+``benchmarks/results/torch_overrides.md`` lists them with their measured gain.
 """
 
 from __future__ import annotations

@@ -41,7 +41,7 @@ def _variadic(fn):
     return run
 
 
-# the Tensor op, not array_api_compat's wrapper (gain: docs/architecture.md)
+# the Tensor op, not array_api_compat's wrapper (gain: benchmarks/results/torch_overrides.md)
 kernel("Max", 8)(_variadic(torch.maximum))
 kernel("Min", 8)(_variadic(torch.minimum))
 
