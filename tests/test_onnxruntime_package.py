@@ -175,3 +175,41 @@ def test_sequence_outputs_are_described_and_returned():
     assert [o.type for o in got.get_outputs()] == [o.type for o in want.get_outputs()]
     for g, w in zip(got.run(None, feed)[0], want.run(None, feed)[0]):
         np.testing.assert_array_equal(g, w)
+
+
+def test_lora_adapter_written_by_kiln_runs_on_both(tmp_path):
+    # A model whose LoRA matrices are initializers a feed may override (as onnxruntime's
+    # adapters expect); the adapter file Kiln writes is read by onnxruntime too.
+    from onnx import numpy_helper
+    x = oh.make_tensor_value_info("x", TensorProto.FLOAT, [4, 4])
+    a = oh.make_tensor_value_info("a", TensorProto.FLOAT, [4, "r"])
+    b = oh.make_tensor_value_info("b", TensorProto.FLOAT, ["r", 4])
+    y = oh.make_tensor_value_info("y", TensorProto.FLOAT, [4, 4])
+    nodes = [oh.make_node("MatMul", ["x", "w"], ["xw"]),
+             oh.make_node("MatMul", ["x", "a"], ["xa"]),
+             oh.make_node("MatMul", ["xa", "b"], ["xab"]),
+             oh.make_node("Add", ["xw", "xab"], ["y"])]
+    inits = [numpy_helper.from_array(np.eye(4, dtype=np.float32), "w"),
+             numpy_helper.from_array(np.zeros((4, 0), np.float32), "a"),
+             numpy_helper.from_array(np.zeros((0, 4), np.float32), "b")]
+    model = oh.make_model(oh.make_graph(nodes, "lora", [x, a, b], [y], inits),
+                          opset_imports=[oh.make_opsetid("", 17)]).SerializeToString()
+    rng = np.random.default_rng(0)
+    fmt = kort.AdapterFormat()
+    fmt.set_adapter_version(2)
+    fmt.set_model_version(1)
+    fmt.set_parameters({n: kort.OrtValue.ortvalue_from_numpy(v) for n, v in
+                        {"a": rng.random((4, 2), np.float32),
+                         "b": rng.random((2, 4), np.float32)}.items()})
+    path = str(tmp_path / "p.onnx_adapter")
+    fmt.export_adapter(path)
+    feed = {"x": rng.random((4, 4), np.float32)}
+    results = []
+    for m in (ort, kort):
+        adapter = m.LoraAdapter()
+        adapter.Load(path)
+        ro = m.RunOptions()
+        ro.add_active_adapter(adapter)
+        results.append(m.InferenceSession(model).run(None, feed, ro)[0])
+    np.testing.assert_allclose(results[1], results[0], rtol=1e-6)
+    assert not np.allclose(results[0], feed["x"])  # the adapter changed the output

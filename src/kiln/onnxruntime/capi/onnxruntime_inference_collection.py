@@ -503,7 +503,10 @@ class SparseTensor:
 
 
 class AdapterFormat(C.AdapterFormat):
-    """onnxruntime's LoRA adapter file format."""
+    """onnxruntime's LoRA adapter file format (``.onnx_adapter``), read and written."""
+
+    def get_parameters(self) -> dict[str, OrtValue]:
+        return {k: OrtValue(v) for k, v in super().get_parameters().items()}
 
 
 class ModelCompiler:
