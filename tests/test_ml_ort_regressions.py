@@ -90,3 +90,13 @@ def test_binary_tree_classifier_scores(tree, weights, base, transform):
 
 def test_models_still_parse():
     assert onnx.load_from_string(_tree(*LEAF[:4], LEAF[4], [0.0], None, "NONE"))
+
+
+def test_label_encoder_v1_keeps_trailing_nuls():
+    # ML.NET's encoders have keys like "A\0A\0"; a conversion through NumPy's str dtype
+    # dropped the trailing NUL and every key missed.
+    model = _label_encoder_v1(TensorProto.STRING, TensorProto.INT64,
+                              classes_strings=["A\0A\0", "B\0", "B"], default_int64=-1)
+    x = np.array(["A\0A\0", "B\0", "B", "A\0A"], dtype=object)
+    want, got = _both(model, {"X": x})
+    np.testing.assert_array_equal(got[0], want[0])

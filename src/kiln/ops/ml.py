@@ -92,7 +92,10 @@ def label_encoder_v1(x, *, classes_strings=None, default_int64=-1, default_strin
     classes[:] = classes_strings or []
     index = np.arange(len(classes), dtype=np.int64)
     if x.dtype.kind in "OUS":  # strings, as object or as NumPy's fixed-width str/bytes
-        return _lookup(x.astype(str).astype(object), classes, index, default_int64)
+        if x.dtype.kind == "S":
+            x = np.char.decode(x, "utf-8")
+        # astype(object), never astype(str): str drops trailing NULs ML.NET's keys carry
+        return _lookup(x.astype(object), classes, index, default_int64)
     return _lookup(x.astype(np.int64), index, classes, default_string)
 
 
