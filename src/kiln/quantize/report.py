@@ -46,6 +46,9 @@ class QuantizeReport:
     weight_bits: int | None = None
     """INT8 weights' range: 8 (-127..127) or 7 (-63..63, reduce_range)."""
     weight_bits_reason: str = ""
+    budget_log: list[str] = field(default_factory=list)
+    """Accuracy-aware mode: each setting tried, its shortfall and the time so far."""
+    advice: list[str] = field(default_factory=list)
 
     def worst_rel(self) -> float:
         """The largest relative error over the outputs (0 when nothing was measured)."""
@@ -70,6 +73,10 @@ class QuantizeReport:
             lines.append(f"  kept {name}: {why}")
         if len(self.kept) > 20:
             lines.append(f"  ... {len(self.kept) - 20} more kept")
+        if self.budget_log:
+            lines.append("accuracy budget search:")
+            lines += [f"  {line}" for line in self.budget_log]
+        lines += [f"advice: {a}" for a in self.advice]
         if self.layer_times:
             lines.append(f"per-layer times on {self.backend}, float -> quantized "
                          "(speed-aware; slower ones reverted):")

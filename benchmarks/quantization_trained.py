@@ -1,0 +1,132 @@
+"""Quantization and half precision on trained models that pip packages ship
+(tests/trained_models.py): task agreement with fp32 on an evaluation set kept apart from
+the calibration set, for Kiln's static/dynamic INT8, fp16, bf16 and onnxruntime's
+quantize_static/quantize_dynamic on the same calibration data; file sizes, what Kiln's
+defaults chose, and the accuracy-budget mode's result and time.
+
+    PYTHONPATH=src python benchmarks/quantization_trained.py [MODEL ...] [--budget top1=0.99]
+
+Prints one markdown table per model (docs/quantization.md keeps them). INT8 and fp32 files
+run on onnxruntime (the deployment engine); fp16/bf16 files run on Kiln's NumPy backend
+(onnxruntime runs fp16 mostly in float32 and has no bfloat16 kernels for most ops).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import trained_models as tm  # noqa: E402
+
+import kiln  # noqa: E402
+from kiln.onnxio import to_proto  # noqa: E402
+
+SIZES = {"magika": (160, 320), "ppocr_cls": (64, 160), "ppocr_rec_v4": (32, 64),
+         "ppocr_det_v4": (8, 16), "silero_vad_seq": (96, 192)}
+
+
+def _ort_runs(model, feeds):
+    s = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+    return [s.run(None, f) for f in feeds]
+
+
+def _kiln_runs(blob, feeds):
+    s = kiln.InferenceSession(blob, backend="numpy")
+    return [s.run(None, f) for f in feeds]
+
+
+def run(name: str, budget: str | None) -> list[str]:
+    m = tm.get(name)
+    if m.path is None:
+        return [f"{name}: {m.package} not installed"]
+    n_cal, n_eval = SIZES.get(name, (64, 128))
+    cal, ev = m.make_feeds(n_cal, n_eval)
+    ref = _ort_runs(m.path, ev)
+    rows = [("fp32 (onnxruntime)", 1.0, os.path.getsize(m.path), "", "")]
+    tmp = tempfile.mkdtemp()
+
+    def kiln_row(label, **kw):
+        t0 = time.perf_counter()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            q = kiln.quantize(m.path, calibration=cal if kw.get("mode") == "static" else None,
+                              measure_latency=False, **kw)
+        secs = time.perf_counter() - t0
+        blob = to_proto(q.model).SerializeToString()
+        chose = f"{q.report.weight_bits}-bit weights; {len(q.report.quantized)} quantized, " \
+                f"{len(q.report.kept)} kept"
+        if budget is not None and "budget" in kw:
+            chose += f"; {q.report.budget_summary()}" if hasattr(q.report, "budget_summary") \
+                else ""
+        del caught
+        rows.append((label, m.agreement(ref, _ort_runs(blob, ev)), len(blob), chose,
+                     f"{secs:.0f} s"))
+
+    kiln_row("Kiln static", mode="static")
+    kiln_row("Kiln dynamic", mode="dynamic")
+    if budget:
+        kiln_row(f"Kiln static, budget {budget}", mode="static", budget=budget)
+    for label, bf16 in (("Kiln fp16", False), ("Kiln bf16", True)):
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            half = kiln.convert_float16(m.path, bf16=bf16)
+        blob = to_proto(half).SerializeToString()
+        notes = "; ".join(str(w.message).split(":")[1].strip()[:60] for w in caught
+                          if "convert_float16" in str(w.message))
+        rows.append((label + " (Kiln NumPy)", m.agreement(ref, _kiln_runs(blob, ev)),
+                     len(blob), notes, ""))
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        quantize_dynamic,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(cal)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    for label, fn in (("onnxruntime static (QDQ, per-channel)", lambda p: quantize_static(
+            m.path, p, Reader(), quant_format=QuantFormat.QDQ, per_channel=True)),
+            ("onnxruntime dynamic", lambda p: quantize_dynamic(m.path, p))):
+        path = os.path.join(tmp, "ort.onnx")
+        t0 = time.perf_counter()
+        try:
+            fn(path)
+            rows.append((label, m.agreement(ref, _ort_runs(path, ev)), os.path.getsize(path),
+                         "defaults", f"{time.perf_counter() - t0:.0f} s"))
+        except Exception as e:  # report what onnxruntime's tool said
+            rows.append((label, float("nan"), 0, f"failed: {str(e)[:60]}", ""))
+    out = [f"### {name} ({m.task}; {n_cal} calibration / {n_eval} evaluation samples)", "",
+           "| file | agreement with fp32 | size (MB) | what it chose | time |",
+           "| --- | --- | --- | --- | --- |"]
+    out += [f"| {a} | {b:.1%} | {c / 1e6:.2f} | {d} | {e} |" for a, b, c, d, e in rows]
+    return out
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("models", nargs="*", default=list(SIZES))
+    p.add_argument("--budget", default=None)
+    a = p.parse_args()
+    print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, kiln "
+          f"{getattr(kiln, '__version__', '?')}, onnxruntime {ort.__version__}, numpy "
+          f"{np.__version__}, load {os.getloadavg()[0]:.2f}")
+    for name in a.models:
+        print("\n".join(run(name, a.budget)), flush=True)
+        print()
+
+
+if __name__ == "__main__":
+    main()
