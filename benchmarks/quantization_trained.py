@@ -24,9 +24,8 @@ import numpy as np
 import onnxruntime as ort
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
-import trained_models as tm  # noqa: E402
-
 import kiln  # noqa: E402
+import trained_models as tm  # noqa: E402
 from kiln.onnxio import to_proto  # noqa: E402
 
 SIZES = {"magika": (160, 320), "ppocr_cls": (64, 160), "ppocr_rec_v4": (32, 64),
