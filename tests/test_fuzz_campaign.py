@@ -84,3 +84,24 @@ def test_nan_propagated_is_only_a_nan_that_pytorch_computes_too(case):
         got = kiln.InferenceSession(data, backend=backend).run(None, feeds)[0]
         np.testing.assert_allclose(got, want[backend], rtol=1e-5, atol=1e-6, equal_nan=True)
     assert fuzz_kiln._run_case(case) == ("nan_propagated", "")
+
+
+def test_the_oracle_asks_the_reference_and_explains_each_refusal():
+    """Issue 39: a case onnxruntime refuses and Kiln runs is ``reference_checked`` where
+    onnx.reference gives Kiln's result, ``unchecked`` only with a documented reason, and
+    otherwise ``unexplained``, a failure."""
+    pytest.importorskip("onnxruntime")
+    import numpy as np
+    from onnx import TensorProto, helper
+
+    fuzz_kiln = _fuzzer()
+    # no outputs: onnxruntime refuses, the reference cannot run it either; documented
+    empty = helper.make_model(helper.make_graph(
+        [helper.make_node("Relu", ["x"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])], []),
+        opset_imports=[helper.make_opsetid("", 17)])
+    feeds = {"x": np.ones(2, np.float32)}
+    cls, why = fuzz_kiln.classify(empty.SerializeToString(), feeds)
+    assert cls in ("unchecked", "reference_checked"), (cls, why)
+    assert fuzz_kiln.explained("[ONNXRuntimeError] something new") is None
+    assert "unexplained" not in fuzz_kiln.OK_CLASSES and "wrong" not in fuzz_kiln.OK_CLASSES

@@ -352,3 +352,34 @@ def test_celu_fp16_with_a_tiny_alpha_is_the_references(backend):
         want = ReferenceEvaluator(m).run(None, x)[0]
     for optimize in (True, False):
         np.testing.assert_array_equal(_kiln(m, x, backend, optimize)[0], want)
+
+
+# -- input types against the op's type constraints -----------------------------------------
+
+@pytest.mark.parametrize("computed", [False, True], ids=["initializer", "computed"])
+def test_an_input_type_the_schema_does_not_allow_is_refused(computed):
+    """Split's ``split`` input is int64; a float one (from an initializer, or computed by
+    another node, found only by inference) ran in Kiln where onnxruntime refuses it."""
+    sizes = _I(np.array([1.0, 2.0], np.float32), "c")
+    nodes = [helper.make_node("Split", ["x", "d" if computed else "c"], ["y", "z"], axis=0)]
+    if computed:
+        nodes.insert(0, helper.make_node("Identity", ["c"], ["d"]))
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
+                              [helper.make_tensor_value_info(o, TP.FLOAT, None)
+                               for o in ("y", "z")], [sizes])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert _ort_refuses(m, {"x": np.ones(3, np.float32)})
+    with pytest.raises(kiln.errors.InvalidAttributeError, match=r"input 1 is tensor\(float\)"):
+        kiln.InferenceSession(m.SerializeToString())
+
+
+def test_inputs_sharing_a_type_parameter_must_agree():
+    graph = helper.make_graph(
+        [helper.make_node("Add", ["x", "w"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+        [_I(np.ones(2, np.float64), "w")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert _ort_refuses(m, {"x": np.ones(2, np.float32)})
+    with pytest.raises(kiln.errors.InvalidAttributeError, match="one type"):
+        kiln.load(m)

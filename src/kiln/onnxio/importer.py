@@ -578,9 +578,12 @@ class ModelImporter:
         for a in np_.attribute:
             attrs[a.name] = AttrRef(a.ref_attr_name) if a.ref_attr_name else \
                 self.attr_value(a, scope)
-        if since is not None and attrs:
-            rules.check_values(op_type, domain, since, attrs, where)
-            rules.check_axes(op_type, domain, attrs, [_rank(v) for v in inputs], where)
+        if since is not None:
+            rules.check_types(op_type, domain, since,
+                              [v.type if v is not None else None for v in inputs], where)
+            if attrs:
+                rules.check_values(op_type, domain, since, attrs, where)
+                rules.check_axes(op_type, domain, attrs, [_rank(v) for v in inputs], where)
         outputs = []
         for n in output_names:
             if not n:

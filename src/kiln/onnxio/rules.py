@@ -13,11 +13,13 @@ schemas (each name exists with the type used here) and the refusals against onnx
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping, Sequence
 
 import onnx
 
 from kiln.errors import InvalidAttributeError
+from kiln.ir import DType, TensorType
 
 _AUTO_PAD = frozenset({"NOTSET", "SAME_UPPER", "SAME_LOWER", "VALID"})
 _LOSS_REDUCTION = frozenset({"none", "sum", "mean"})
@@ -186,6 +188,63 @@ def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
         if not lo <= a <= hi:
             _refuse(where, op_type, name, a,
                     f"an axis in [{lo}, {hi}] for its rank-{ranks[i]} input")
+
+
+@functools.lru_cache(maxsize=4096)
+def _input_types(op_type: str, domain: str, since: int
+                 ) -> tuple[tuple[tuple[str, frozenset[str]], ...], bool] | None:
+    """Per formal input of ONNX's schema: (type parameter or fixed type, the element types
+    it allows as ``tensor(float)`` strings), and whether the last input repeats."""
+    try:
+        schema = onnx.defs.get_schema(op_type, since, domain)
+    except onnx.defs.SchemaError:
+        return None
+    allowed = {c.type_param_str: frozenset(c.allowed_type_strs)
+               for c in schema.type_constraints}
+    params = tuple((p.type_str, allowed.get(p.type_str, frozenset({p.type_str})))
+                   for p in schema.inputs)
+    last = schema.inputs[-1] if schema.inputs else None
+    variadic = last is not None and \
+        last.option == onnx.defs.OpSchema.FormalParameterOption.Variadic
+    if variadic and not last.is_homogeneous:  # Scan, Loop, If: each its own type
+        params = params[:-1] + (("", params[-1][1]),)  # "": binds no type parameter
+    return params, variadic
+
+
+def check_types(op_type: str, domain: str, since: int, types: Sequence[object],
+                where: object) -> None:
+    """Input element types against the op's type constraints, for the inputs whose type is
+    known (``types[i]``: an IR type or None), as onnxruntime checks them when it loads the
+    model; inputs bound to one type parameter must also agree with each other."""
+    if domain not in ("", "ai.onnx.ml") or not any(
+            isinstance(t, TensorType) for t in types):
+        return
+    spec = _input_types(op_type, domain, since)
+    if spec is None or not spec[0]:
+        return
+    params, variadic = spec
+    if hasattr(where, "inputs"):  # an IR node
+        where = f"node {where.name or op_type!r} ({op_type})"
+    bound: dict[str, str] = {}
+    for i, t in enumerate(types):
+        if not isinstance(t, TensorType) or t.dtype == DType.UNDEFINED:
+            continue
+        if i >= len(params) and not variadic:
+            return  # counts are check_node's; nothing to match here
+        name, allowed = params[min(i, len(params) - 1)]
+        got = f"tensor({t.dtype.onnx_name})"
+        if got not in allowed:
+            raise InvalidAttributeError(
+                f"{where}: input {i} is {got}, but {op_type}-{since} takes "
+                f"{', '.join(sorted(allowed))} there; cast it or fix the model",
+                node=str(where), attribute=f"input {i}", allowed=", ".join(sorted(allowed)))
+        first = bound.setdefault(name, got)
+        if first != got and name and \
+                not name.startswith(("tensor(", "seq(", "optional(", "map(")):
+            raise InvalidAttributeError(
+                f"{where}: input {i} is {got}, but an earlier input of type {name} is "
+                f"{first}; {op_type} needs them to be one type", node=str(where),
+                attribute=f"input {i}", allowed=first)
 
 
 def _at(versions: list[tuple[int, frozenset]], since: int) -> frozenset:
