@@ -373,9 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--block-size", type=int, choices=[32, 64, 128], default=128,
                    help="weight-only: weights per scale along the reduction axis")
     p.add_argument("--accuracy-budget", metavar="rel=R,top1=F",
-                   help="revert the most sensitive layers to float until the error holds: "
+                   help="try 8-bit weights, per-channel weights and other calibration, then "
+                        "revert the most sensitive layers to float, until the error holds: "
                         "rel=0.01 (max relative output error), top1=0.995 (top-1 agreement "
                         "with the float model)")
+    p.add_argument("--budget-seconds", type=float, default=600.0, metavar="S",
+                   help="stop the accuracy-budget search after S seconds with the closest "
+                        "model found (default: 600)")
     p.add_argument("--backend", choices=[*backend_names(), "onnxruntime"], default="numpy",
                    help="engine that calibrates and on which the report, the accuracy budget "
                         "and --speed-aware measure (the one the file will run on)")
@@ -759,7 +763,8 @@ def cmd_quantize(args) -> int:
                      symmetric=args.symmetric, exclude=args.exclude,
                      validation=args.validation, bits=args.bits, block_size=args.block_size,
                      reduce_range={"auto": None, "on": True, "off": False}[args.reduce_range],
-                     budget=args.accuracy_budget, backend=args.backend,
+                     budget=args.accuracy_budget, budget_seconds=args.budget_seconds,
+                     backend=args.backend,
                      speed_aware=args.speed_aware, on_stage=stages.step,
                      on_batch=lambda done, total: stages.update(
                          f"calibrating: batch {done}/{total}"))
