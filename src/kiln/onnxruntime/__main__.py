@@ -1,5 +1,5 @@
-"""``python -m kiln.onnxruntime script.py [args]`` / ``python -m kiln.onnxruntime -m module
-[args]``: run a program with ``import onnxruntime`` giving Kiln (kiln.onnxruntime.install)."""
+"""``python -m kiln.onnxruntime script.py [args]`` / ``... -m module [args]`` / ``... -c
+CODE``: run a program with ``import onnxruntime`` giving Kiln (kiln.onnxruntime.install)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ def main(argv: list[str]) -> None:
         print(__doc__.strip())
         raise SystemExit(0 if argv else 2)
     install()
-    if argv[0] == "-m":
+    if argv[0] == "-c":
+        if len(argv) < 2:
+            raise SystemExit("python -m kiln.onnxruntime -c CODE: give the code")
+        sys.argv = ["-c", *argv[2:]]
+        exec(compile(argv[1], "<string>", "exec"), {"__name__": "__main__"})  # noqa: S102
+    elif argv[0] == "-m":
         if len(argv) < 2:
             raise SystemExit("python -m kiln.onnxruntime -m MODULE [ARGS]: name a module")
         sys.argv = argv[1:]

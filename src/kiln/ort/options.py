@@ -71,11 +71,13 @@ class SessionOptions(_Options):
     more silences Kiln's warnings while the session is built; -1, the default, takes
     :func:`set_default_logger_severity`'s level), ``enable_cpu_mem_arena`` (False: this
     session leaves the process's malloc as it is; see :mod:`kiln.runtime.memory`).
-    Accepted with no effect (Kiln runs layers in order and plans memory itself):
-    ``inter_op_num_threads``, ``execution_mode``, ``enable_mem_pattern``,
+    Met by how Kiln runs (one layer at a time, its own memory plan, deterministic
+    kernels): ``inter_op_num_threads``, ``execution_mode``, ``enable_mem_pattern``,
     ``enable_mem_reuse``, ``use_deterministic_compute``, ``logid``,
-    ``log_verbosity_level`` and config entries. ``add_free_dimension_override_by_name``
-    fixes a symbolic dim of the inputs (as ``input_shapes=`` does)."""
+    ``log_verbosity_level``. Config entries: those in :data:`SESSION_ENTRIES`, checked when
+    the session is built (an unknown key or a refused value is an OptionError).
+    ``add_free_dimension_override_by_name`` fixes a symbolic dim of the inputs (as
+    ``input_shapes=`` does). docs/compatibility.md has the table."""
 
     _fields = {"intra_op_num_threads": 0,
                "graph_optimization_level": GraphOptimizationLevel.ORT_ENABLE_ALL,
@@ -95,7 +97,8 @@ class SessionOptions(_Options):
         self.free_dims[str(dim_name)] = int(dim_value)
 
     def add_session_config_entry(self, key: str, value: str) -> None:
-        """Store a config entry (read back by get_session_config_entry; no effect)."""
+        """Store a config entry (read back by get_session_config_entry; checked against
+        :data:`SESSION_ENTRIES` when a session is built)."""
         self._set_entry(key, value)
 
     def get_session_config_entry(self, key: str) -> str:
@@ -130,6 +133,82 @@ def set_default_logger_severity(level: int) -> None:
     if int(level) not in range(5):
         raise OptionError(f"log severity must be 0 (verbose) to 4 (fatal), got {level!r}")
     _default_severity[0] = int(level)
+
+
+# -- config entries ------------------------------------------------------------------------
+# onnxruntime's documented session config keys (onnxruntime_session_options_config_keys.h)
+# and what Kiln does with each. "met": the value asks for nothing Kiln would do otherwise
+# (a thread-pool, allocator or onnxruntime-internal tuning with no effect on results);
+# "honoured": Kiln does it; "refused": any value but the default raises at session build.
+SESSION_ENTRIES: dict[str, tuple[str, str | None]] = {
+    "session.optimized_model_external_initializers_file_name": ("honoured", None),
+    "session.optimized_model_external_initializers_min_size_in_bytes": ("honoured", None),
+    "session.record_ep_graph_assignment_info": ("honoured", None),
+    "session.use_env_allocators": ("met", None),
+    "session.intra_op.allow_spinning": ("met", None),
+    "session.inter_op.allow_spinning": ("met", None),
+    "session.force_spinning_stop": ("met", None),
+    "session.disable_prepacking": ("met", None),
+    "session.use_device_allocator_for_initializers": ("met", None),
+    "session.intra_op_thread_affinities": ("met", None),
+    "session.dynamic_block_base": ("met", None),
+    "session.set_denormal_as_zero": ("refused", "0"),
+    "session.load_model_format": ("refused", "ONNX"),
+    "session.save_model_format": ("refused", "ONNX"),
+    "session.use_ort_model_bytes_directly": ("refused", "0"),
+    "session.use_ort_model_bytes_for_initializers": ("refused", "0"),
+    "session.disable_quant_qdq": ("met", None),
+    "session.disable_double_qdq_remover": ("met", None),
+    "session.enable_quant_qdq_cleanup": ("met", None),
+    "session.qdqisint8allowed": ("met", None),
+    "session.x64quantprecision": ("met", None),
+    "session.disable_aot_function_inlining": ("met", None),
+    "session.disable_cpu_ep_fallback": ("met", None),
+    "session.allow_released_opsets_only": ("met", None),
+    "session.strict_shape_type_inference": ("met", None),
+    "session.debug_layout_transformation": ("met", None),
+    "session.minimal_build_optimizations": ("refused", ""),
+    "session.graph_optimizations_loop_level": ("met", None),
+    "session.model_external_initializers_file_folder_path": ("refused", ""),
+    "session.save_external_prepacked_constant_initializers": ("refused", "0"),
+    "session.collect_node_memory_stats_to_file": ("refused", ""),
+    "session.disable_specified_optimizers": ("refused", ""),
+    "session.qdq_matmulnbits_accuracy_level": ("met", None),
+    "optimization.enable_gelu_approximation": ("refused", "0"),
+    "optimization.enable_cast_chain_elimination": ("refused", "0"),
+    "optimization.minimal_build_optimizations": ("refused", ""),
+    "optimization.disable_specified_optimizers": ("refused", ""),
+    "mlas.enable_gemm_fastmath_arm64_bfloat16": ("met", None),
+    "ep.context_enable": ("refused", "0"),
+    "ep.context_file_path": ("refused", ""),
+    "ep.context_embed_mode": ("refused", "1"),
+    "ep.context_node_name_prefix": ("refused", ""),
+    "ep.share_ep_contexts": ("refused", "0"),
+    "ep.stop_share_ep_contexts": ("refused", "0"),
+    "ep.context_model_external_initializers_file_name": ("refused", ""),
+    "kiln.intermediate_outputs": ("honoured", None),
+}
+
+RUN_ENTRIES: dict[str, tuple[str, str | None]] = {
+    "memory.enable_memory_arena_shrinkage": ("met", None),
+    "run.disable_synchronize_execution_providers": ("met", None),
+    "gpu_graph_id": ("refused", "0"),
+}
+
+
+def check_entries(config: dict[str, str], table: dict, what: str,
+                  error=OptionError) -> None:
+    """Refuse unknown keys and refused values (``error``: an OptionError; onnxruntime's
+    bindings raise RuntimeError)."""
+    for key, value in config.items():
+        kind, default = table.get(key, (None, None))
+        if kind is None:
+            raise error(
+                f"{what} config entry {key!r}: Kiln does not know this key, and refuses "
+                "what it cannot honour; see docs/compatibility.md for the keys it takes")
+        if kind == "refused" and value != default:
+            raise error(f"{what} config entry {key!r}={value!r} is not supported by "
+                                f"Kiln (only the default {default!r})")
 
 
 # -- providers -------------------------------------------------------------------------
@@ -184,12 +263,16 @@ def configure(sess_options: SessionOptions | None, providers, provider_options,
         backend = "torch"
         options.setdefault("device", f"cuda:{int(popts.get('device_id', 0))}")
     backend = backend or "numpy"
+    if so.use_deterministic_compute and backend != "numpy":
+        raise OptionError("use_deterministic_compute: only the numpy backend is known to "
+                          "give the same result run after run; use backend='numpy'")
     if so.intra_op_num_threads:
         options.setdefault("threads", int(so.intra_op_num_threads))
     options.setdefault("keep_freed_memory", bool(so.enable_cpu_mem_arena))
     on_cuda = str(options.get("device", "cpu")).startswith("cuda")
     used = [(CUDA, {"device_id": str(options["device"]).partition(":")[2] or "0"}),
             (CPU, {})] if on_cuda else [(CPU, {})]
+    check_entries(so._config, SESSION_ENTRIES, "session")
     level = None
     if sess_options is not None:
         try:

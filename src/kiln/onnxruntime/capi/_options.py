@@ -11,6 +11,13 @@ from kiln.errors import OptionError
 from kiln.onnxruntime.capi._errors import both, runtime_error
 from kiln.ort import RunOptions as KilnRunOptions
 from kiln.ort import SessionOptions as KilnSessionOptions
+from kiln.ort.options import RUN_ENTRIES, SESSION_ENTRIES  # noqa: F401 - re-exported
+from kiln.ort.options import check_entries as _check
+
+
+def check_entries(config: dict[str, str], table: dict, what: str) -> None:
+    """Kiln's check of config entries, failing as onnxruntime's bindings do (RuntimeError)."""
+    _check(config, table, what, error=runtime_error)
 
 
 class ExecutionOrder(enum.IntEnum):
@@ -127,77 +134,3 @@ def _array_of(ortvalue):
     get = getattr(ortvalue, "_get_c_value", None)
     v = get() if get is not None else ortvalue
     return v.numpy() if hasattr(v, "numpy") else v
-
-
-# -- config entries ------------------------------------------------------------------------
-# onnxruntime's documented session config keys (onnxruntime_session_options_config_keys.h)
-# and what Kiln does with each. "met": the value asks for nothing Kiln would do otherwise
-# (a thread-pool, allocator or onnxruntime-internal tuning with no effect on results);
-# "honoured": Kiln does it; "refused": any value but the default raises at session build.
-SESSION_ENTRIES: dict[str, tuple[str, str | None]] = {
-    "session.optimized_model_external_initializers_file_name": ("honoured", None),
-    "session.optimized_model_external_initializers_min_size_in_bytes": ("honoured", None),
-    "session.record_ep_graph_assignment_info": ("honoured", None),
-    "session.use_env_allocators": ("met", None),
-    "session.intra_op.allow_spinning": ("met", None),
-    "session.inter_op.allow_spinning": ("met", None),
-    "session.force_spinning_stop": ("met", None),
-    "session.disable_prepacking": ("met", None),
-    "session.use_device_allocator_for_initializers": ("met", None),
-    "session.intra_op_thread_affinities": ("met", None),
-    "session.dynamic_block_base": ("met", None),
-    "session.set_denormal_as_zero": ("refused", "0"),
-    "session.load_model_format": ("refused", "ONNX"),
-    "session.save_model_format": ("refused", "ONNX"),
-    "session.use_ort_model_bytes_directly": ("refused", "0"),
-    "session.use_ort_model_bytes_for_initializers": ("refused", "0"),
-    "session.disable_quant_qdq": ("met", None),
-    "session.disable_double_qdq_remover": ("met", None),
-    "session.enable_quant_qdq_cleanup": ("met", None),
-    "session.qdqisint8allowed": ("met", None),
-    "session.x64quantprecision": ("met", None),
-    "session.disable_aot_function_inlining": ("met", None),
-    "session.disable_cpu_ep_fallback": ("met", None),
-    "session.allow_released_opsets_only": ("met", None),
-    "session.strict_shape_type_inference": ("met", None),
-    "session.debug_layout_transformation": ("met", None),
-    "session.minimal_build_optimizations": ("refused", ""),
-    "session.graph_optimizations_loop_level": ("met", None),
-    "session.model_external_initializers_file_folder_path": ("refused", ""),
-    "session.save_external_prepacked_constant_initializers": ("refused", "0"),
-    "session.collect_node_memory_stats_to_file": ("refused", ""),
-    "session.disable_specified_optimizers": ("refused", ""),
-    "session.qdq_matmulnbits_accuracy_level": ("met", None),
-    "optimization.enable_gelu_approximation": ("refused", "0"),
-    "optimization.enable_cast_chain_elimination": ("refused", "0"),
-    "optimization.minimal_build_optimizations": ("refused", ""),
-    "optimization.disable_specified_optimizers": ("refused", ""),
-    "mlas.enable_gemm_fastmath_arm64_bfloat16": ("met", None),
-    "ep.context_enable": ("refused", "0"),
-    "ep.context_file_path": ("refused", ""),
-    "ep.context_embed_mode": ("refused", "1"),
-    "ep.context_node_name_prefix": ("refused", ""),
-    "ep.share_ep_contexts": ("refused", "0"),
-    "ep.stop_share_ep_contexts": ("refused", "0"),
-    "ep.context_model_external_initializers_file_name": ("refused", ""),
-    "kiln.intermediate_outputs": ("honoured", None),
-}
-
-RUN_ENTRIES: dict[str, tuple[str, str | None]] = {
-    "memory.enable_memory_arena_shrinkage": ("met", None),
-    "run.disable_synchronize_execution_providers": ("met", None),
-    "gpu_graph_id": ("refused", "0"),
-}
-
-
-def check_entries(config: dict[str, str], table: dict, what: str) -> None:
-    """Refuse unknown keys and refused values (RuntimeError, as onnxruntime's bindings)."""
-    for key, value in config.items():
-        kind, default = table.get(key, (None, None))
-        if kind is None:
-            raise runtime_error(
-                f"{what} config entry {key!r}: Kiln does not know this key, and refuses "
-                "what it cannot honour; see docs/compatibility.md for the keys it takes")
-        if kind == "refused" and value != default:
-            raise runtime_error(f"{what} config entry {key!r}={value!r} is not supported by "
-                                f"Kiln (only the default {default!r})")
