@@ -68,6 +68,16 @@ class Program:
         (:mod:`kiln.runtime.shape_memo`); None when the plan has none."""
         self.memo_bytes = 0
         self.once, self.frontier = once, frontier
+        if self.memo is not None:  # what the generated function looks up and keeps
+            self.globals["_get"], self.globals["_keep"] = self.memo.get, self._keep
+
+    def _keep(self, key: tuple, values: tuple) -> None:
+        """Keep the shape-only values of a run with new input shapes, within the bounds."""
+        if len(self.memo) < MAX_SHAPES:
+            size = nbytes(values)
+            if self.memo_bytes + size <= MAX_BYTES:
+                self.memo_bytes += size
+                self.memo[key] = values
 
     def known_values(self, inputs) -> tuple | None:
         """The kept values of the steps in ``once`` for these inputs' shapes, if a run
@@ -76,17 +86,7 @@ class Program:
 
     def __call__(self, *inputs):
         try:
-            if self.memo is None:
-                return self.fn(*inputs)
-            key = _memo_key(inputs)
-            known = self.memo.get(key)
-            outs, values = self.fn(*inputs, known)
-            if known is None and len(self.memo) < MAX_SHAPES:
-                size = nbytes(values)
-                if self.memo_bytes + size <= MAX_BYTES:
-                    self.memo_bytes += size
-                    self.memo[key] = values
-            return outs
+            return self.fn(*inputs)
         except KilnError:
             raise
         except Exception as e:
@@ -127,9 +127,10 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
     else ``run(...)`` with constants as globals, results normalized by the backend.
     ``checked``: the run's stop check is called after every step (cancellable runs).
     ``once``/``frontier``: steps that depend on the inputs' shapes alone and the values of
-    theirs other steps read; ``run`` then takes one more argument, those values from an
-    earlier run with the same shapes (or None: run every step), and returns
-    ``(outputs, those values or None)``."""
+    theirs other steps read; ``run`` then looks those values up by its inputs' shapes and
+    dtypes (``_get``, from an earlier run with the same shapes: the ``once`` steps are
+    skipped) and keeps them after a run with new shapes (``_keep``); the Program binds
+    both to its memo."""
     names: dict = {}
     glb: dict[str, Any] = {"_one": _one, "_n": plan.backend.normalize, "_ctl": active_control,
                            "_T": plan.backend.array_type, "_NI": NotImplemented}
@@ -162,6 +163,9 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
         where = {v: f"v{j}_{k}" for j, s in enumerate(plan.steps)
                  for k, v in enumerate(s.outputs) if v is not None}
         known = ", ".join(where[v] for v in frontier)
+        key = ", ".join(f"({names[v]}.shape, {names[v]}.dtype)" for v in plan.graph.inputs)
+        lines.append(f"    _k = ({key},)" if key else "    _k = ()")
+        lines.append("    _m = _get(_k)")
         lines.append(f"    if _m is not None: {known}, = _m")
     for j, s in enumerate(plan.steps):
         glb[f"f{j}"] = s.fn
@@ -223,13 +227,12 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
             lines.append(indent + text)
         if checked:
             lines.append("    _chk()")
-    ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs]
-                    + (["_m"] if frontier else []))
+    ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs])
     outs = ", ".join(names[v] for v in plan.graph.outputs)
     head = "forward" if module else "run"
     result = f"[{outs}]"
-    if frontier:
-        result = f"{result}, (None if _m is not None else ({known},))"
+    if frontier:  # a run with new input shapes keeps their shape-only values
+        lines.append(f"    if _m is None: _keep(_k, ({known},))")
     src = f"def {head}({ins}):\n" + "\n".join(lines) + f"\n    return {result}\n"
     exec(compile(src, filename, "exec"), glb)
     return src, glb, consts, line_step

@@ -167,8 +167,7 @@ class Plan:
                     return out
             prog = self.program
             with be.run_context():
-                if prog is None or prog.memo is not None or overrides or \
-                        run_state.control is not None:
+                if prog is None or overrides or run_state.control is not None:
                     return self.run(inputs, None, overrides)
                 try:
                     return prog.fn(*inputs)
