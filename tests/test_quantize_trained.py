@@ -151,3 +151,17 @@ def test_budget_tries_cheaper_fixes_and_stops_in_time():
                            reduce_range=True, backend="onnxruntime", measure_latency=False,
                            budget_seconds=0)
     assert "budget not met within 0 s" in "\n".join(rushed.report.budget_log)
+
+
+def test_magika_bf16_keeps_its_statistics_float32():
+    """bfloat16's 8-bit mantissa cancels E[x^2] - E[x]^2 worse than float16: with the
+    statistics converted the classifier agreed with fp32 on 83% of real files; kept
+    float32 (as in float16) on at least 95%, on Kiln (onnxruntime has no bfloat16 kernels
+    for several of its ops)."""
+    m = _model("magika")
+    _, ev = m.make_feeds(0, 160)
+    ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
+    with pytest.warns(UserWarning, match="range-sensitive"):
+        half = kiln.convert_float16(m.path, bf16=True)
+    s = kiln.InferenceSession(to_proto(half).SerializeToString())
+    assert m.agreement(ref, [s.run(None, f) for f in ev]) >= 0.95

@@ -222,20 +222,21 @@ def _names(items: list[str], limit: int = 8) -> str:
 def _range_sensitive(m: Model, convert: set[Node], half: DType, calibration
                      ) -> dict[Node, str]:
     """Nodes of ``convert`` that would overflow or cancel in ``half``, with the reason."""
+    # Both half types: float16 overflows, and bfloat16's 8-bit mantissa cancels worse
+    # (magika's classifier: 83% agreement in bfloat16 with its statistics converted).
     out: dict[Node, str] = {}
-    if half == DType.FLOAT16:
-        stats: set[Value] = set()
-        for n in m.graph.nodes:
-            computed = [v for v in n.inputs if v is not None and v.const is None]
-            if n.op_type in RANGE_SENSITIVE:
-                why = "a reduction or normalization"
-            elif n.op_type in _STAT_OPS and computed and all(v in stats for v in computed):
-                why = "arithmetic on a normalization's statistics"
-            else:
-                continue
-            stats.update(o for o in n.outputs if o is not None)
-            if n in convert:
-                out[n] = why
+    stats: set[Value] = set()
+    for n in m.graph.nodes:
+        computed = [v for v in n.inputs if v is not None and v.const is None]
+        if n.op_type in RANGE_SENSITIVE:
+            why = "a reduction or normalization"
+        elif n.op_type in _STAT_OPS and computed and all(v in stats for v in computed):
+            why = "arithmetic on a normalization's statistics"
+        else:
+            continue
+        stats.update(o for o in n.outputs if o is not None)
+        if n in convert:
+            out[n] = why
     for n in convert:
         if n.op_type == "BatchNormalization" and any(
                 v is not None and v.const is not None and v.const.dtype == np.float32 and
