@@ -236,3 +236,17 @@ def test_io_binding_of_types_numpy_lacks(onnx_type):
         sess.run_with_iobinding(bind)
         outs.append(y.float())
     assert torch.equal(outs[1], outs[0]) and torch.equal(outs[0], x.float())
+
+
+def test_kilns_own_session_runs_as_onnxruntime_does():
+    # kiln.InferenceSession: run([]) returned [], a pass-through output was the caller's
+    # own array, and np.asarray(kiln.OrtValue) was a 0-d object array.
+    want = ort.InferenceSession(_model(passthrough=True)).run([], {"x": X})
+    got = kiln.InferenceSession(_model(passthrough=True), optimize=False).run([], {"x": X})
+    assert len(got) == len(want) == 2
+    for g, w in zip(got, want):
+        np.testing.assert_array_equal(g, w)
+    assert not np.shares_memory(got[1], X)
+    v = kiln.OrtValue.ortvalue_from_numpy(X)
+    np.testing.assert_array_equal(np.asarray(v), np.asarray(ort.OrtValue.ortvalue_from_numpy(X)))
+    assert np.asarray(v).ctypes.data == v.data_ptr()

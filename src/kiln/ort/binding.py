@@ -37,6 +37,13 @@ class OrtValue:
         v = self.value
         return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
 
+    def __array__(self, dtype=None, copy=None) -> np.ndarray:
+        """``np.asarray(v)``: the value as an array (the same memory on the CPU)."""
+        arr = self.numpy()
+        if dtype is not None and np.dtype(dtype) != arr.dtype:
+            return arr.astype(dtype)
+        return arr.copy() if copy else arr
+
     def shape(self) -> list[int]:
         return [int(d) for d in self.value.shape]
 

@@ -55,6 +55,17 @@ class InferenceSession(Session):
         self.profiler = None if cfg.profile_prefix is None else \
             Profiler(cfg.profile_prefix, cfg.providers[0][0])
 
+    def run(self, output_names: list[str] | None, input_feed: dict[str, Any],
+            run_options: Any = None, *, output_type: str = "numpy") -> list:
+        """As onnxruntime's run: ``[]`` or None asks for every output, and an output that
+        would share memory with a fed array (an input that is also an output) is a copy,
+        so the caller's array and the result never alias."""
+        got = super().run(output_names or None, input_feed, run_options,
+                          output_type=output_type)
+        fed = [v for v in input_feed.values() if isinstance(v, np.ndarray)]
+        return [x.copy() if isinstance(x, np.ndarray) and
+                any(np.may_share_memory(x, f) for f in fed) else x for x in got]
+
     def execute_plan(self, plan: Plan, inputs: list, overrides: dict | None) -> list:
         """Run ``plan`` once, recorded by the profiler while profiling is on."""
         if self.profiler is None:
