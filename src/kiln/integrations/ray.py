@@ -25,6 +25,7 @@ import numpy as np
 from kiln.errors import InputError, KilnError, MissingDependencyError, OptionError
 from kiln.onnxio import to_proto
 from kiln.ort import InferenceSession
+from kiln.runtime.backends import backend_entry
 from kiln.tools.common import backend_options, load_model
 
 RAY_INSTALL = 'pip install -e ".[ray]"'
@@ -103,7 +104,7 @@ class KilnPredictor:
         n = actor_threads(threads)
         gpus = ray.get_runtime_context().get_assigned_resources().get("GPU", 0) \
             if ray.is_initialized() else 0
-        if device is None and gpus and backend == "torch":
+        if device is None and gpus and "cuda" in backend_entry(backend).devices:
             device = "cuda"  # Ray's CUDA_VISIBLE_DEVICES leaves this actor its own GPU(s)
         if backend == "numpy":
             _limit_blas_threads(n)

@@ -13,6 +13,7 @@ import onnx
 from kiln.errors import InputError, KilnError
 from kiln.ir import DType, Model, SymDim, TensorType, Value, parse_dim, plain_shape
 from kiln.onnxio import load, to_proto
+from kiln.runtime.backends import backend_entry, backend_names
 
 # What to run when an optional dependency is missing (extras of pyproject.toml; the README
 # installs Kiln from its checkout with ``pip install -e .``).
@@ -242,19 +243,22 @@ def backend_options(backend: str, device: str | None = None,
                     threads: int | None = None, precision: str | None = None,
                     compile: bool = False) -> dict[str, Any]:
     """The backend options the CLI's ``--device``/``--threads``/``--precision``/
-    ``--compile`` mean (torch's; the numpy backend runs fp32 on the CPU only, said in the
-    CLI's own words)."""
-    if backend != "torch":
+    ``--compile`` mean, for the backends that take them (the registry says which: a
+    backend without them runs fp32 on the CPU, said in the CLI's own words)."""
+    entry = backend_entry(backend)
+    if "precision" not in entry.options:
+        others = [e for e in backend_names() if "precision" in backend_entry(e).options]
+        other = others[0] if others else "torch"
         if device not in (None, "cpu"):
-            raise KilnError(f"the {backend} backend runs on the CPU only; use --backend torch "
-                            f"for device {device!r}")
+            raise KilnError(f"the {backend} backend runs on the CPU only; use --backend "
+                            f"{other} for device {device!r}")
         if precision not in (None, "fp32") or compile:
             asked = f"--precision {precision}" if precision not in (None, "fp32") else \
                 "--compile"
-            raise KilnError(f"{asked} needs --backend torch (the {backend} backend computes "
-                            "in the model's own types, eagerly)")
+            raise KilnError(f"{asked} needs --backend {other} (the {backend} backend "
+                            "computes in the model's own types, eagerly)")
         return {}
-    opts: dict[str, Any] = {"warn": False}
+    opts: dict[str, Any] = {"warn": False} if "warn" in entry.options else {}
     if device:
         opts["device"] = device
     if threads:
