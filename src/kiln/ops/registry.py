@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import pkgutil
 import types
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
@@ -34,13 +35,13 @@ KILN_DOMAIN = "ai.kiln"
 REFERENCE = "numpy"
 """The backend whose kernel every op has: NumPy, on the CPU."""
 
-# Where a backend's own kernels are defined. Importing these registers them on the op
-# definitions; it happens on first use (see :func:`load_backend`), so ``import kiln`` does
-# not import torch, and what a backend supports is known without constructing it.
+# Where a backend's own kernels are defined: modules, or packages whose every module is
+# loaded (a kernel module is loaded because it exists there, not because a list names it).
+# Importing them registers the kernels on the op definitions; it happens on first use (see
+# :func:`load_backend`), so ``import kiln`` does not import torch, and what a backend
+# supports is known without constructing it. The torch runtimes' settings come first.
 BACKEND_MODULES: dict[str, tuple[str, ...]] = {
-    "torch": tuple(f"kiln.ops.torch.{m}" for m in ("native", "elementwise", "nn", "shape",
-                                                    "fused", "control", "microsoft",
-                                                    "training", "quant")),
+    "torch": ("kiln.ops.torch.native", "kiln.ops.torch"),
 }
 _loaded: set[str] = set()
 
@@ -235,8 +236,12 @@ def load_backend(backend: str) -> None:
     """Register ``backend``'s own kernels (imports their modules once)."""
     if backend in _loaded:
         return
-    for m in BACKEND_MODULES.get(backend, ()):
-        importlib.import_module(m)
+    for name in BACKEND_MODULES.get(backend, ()):
+        m = importlib.import_module(name)
+        for sub in sorted(pkgutil.iter_modules(getattr(m, "__path__", ())),
+                          key=lambda s: s.name):
+            if not sub.name.startswith("_"):
+                importlib.import_module(f"{name}.{sub.name}")
     _loaded.add(backend)
 
 
