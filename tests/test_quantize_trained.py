@@ -165,3 +165,22 @@ def test_magika_bf16_keeps_its_statistics_float32():
         half = kiln.convert_float16(m.path, bf16=True)
     s = kiln.InferenceSession(to_proto(half).SerializeToString())
     assert m.agreement(ref, [s.run(None, f) for f in ev]) >= 0.95
+
+
+def test_ppocr_detector_fp16_folds_its_batchnorm():
+    """#48.5: PaddleOCR v4's text detector keeps its BatchNorm parameters in Constant
+    nodes, one running variance at 9.79e7: it was clamped to 65504 (a warning) and the
+    float16 file's text mask agreed with fp32 on 94% of blocks. Folded into its Conv, no
+    constant is clamped and the mask agrees on at least 99.5%."""
+    m = _model("ppocr_det_v4")
+    _, ev = m.make_feeds(0, 6)
+    ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
+    import warnings
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        half = kiln.convert_float16(m.path)
+    assert not any("clamped" in str(w.message) for w in caught)
+    s = kiln.InferenceSession(to_proto(half).SerializeToString())
+    outs = [s.run(None, f) for f in ev]
+    assert all(np.isfinite(o[0]).all() for o in outs)
+    assert m.agreement(ref, outs) >= 0.995

@@ -35,6 +35,7 @@ from kiln.ir import DType, Model, Node, TensorType, Value
 from kiln.onnxio import load, to_proto
 from kiln.ops.registry import KILN_DOMAIN
 from kiln.passes.base import clone_model
+from kiln.passes.fold_constants import FoldConstants
 from kiln.passes.fuse_batchnorm import FuseBatchNorm
 from kiln.passes.infer_shapes import infer_model
 from kiln.passes.pin_host import STOP as SHAPE_ONLY
@@ -96,6 +97,13 @@ def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str]
         notes.append(f"bfloat16 needs opset 13; the model (opset {m.opset}) was converted to "
                      "opset 13 first")
         m = at_opset(m, 13)
+    # Initializers an old-IR file also lists as inputs (feeds may override them) become
+    # plain constants: a feed could not override a half weight with float32 data anyway,
+    # and BatchNorm folding and the range checks need their values (PaddleOCR's detector
+    # lists every weight so).
+    for v in m.graph.initializers.values():
+        v.meta.pop("overridable", None)
+    FoldConstants()(m)  # Constant nodes become initializers (PaddleOCR's BN parameters)
     FuseBatchNorm()(m)
     infer_model(m)
     half = DType.BFLOAT16 if bf16 else DType.FLOAT16
