@@ -216,9 +216,23 @@ def check_types(op_type: str, domain: str, since: int, types: Sequence[object],
     """Input element types against the op's type constraints, for the inputs whose type is
     known (``types[i]``: an IR type or None), as onnxruntime checks them when it loads the
     model; inputs bound to one type parameter must also agree with each other."""
-    if domain not in ("", "ai.onnx.ml") or not any(
-            isinstance(t, TensorType) for t in types):
+    if domain not in ("", "ai.onnx.ml"):
         return
+    key = (op_type, since, domain, *[t.dtype if isinstance(t, TensorType) else None
+                                     for t in types])
+    if key in _TYPES_PASSED:  # a long chain repeats a few (op, types) many times
+        return
+    _check_types(op_type, domain, since, types, where)
+    if len(_TYPES_PASSED) > 65536:
+        _TYPES_PASSED.clear()
+    _TYPES_PASSED.add(key)
+
+
+_TYPES_PASSED: set[tuple] = set()
+
+
+def _check_types(op_type: str, domain: str, since: int, types: Sequence[object],
+                 where: object) -> None:
     spec = _input_types(op_type, domain, since)
     if spec is None or not spec[0]:
         return
