@@ -274,15 +274,45 @@ ORT_REFUSES_SPEC_ALLOWS: list[tuple[tuple[str, ...], str]] = [
      "a graph output's declared element type contradicts what its node computes: a "
      "declaration is a claim Kiln checks nothing against (issue 39, item 1), and its result "
      "is what the ops compute"),
-    (("[ShapeInferenceError] Incompatible dimensions", "Expand"),
-     "an Expand whose result no output reads cannot broadcast: onnxruntime's load-time "
-     "inference checks every node; Kiln drops nodes no output needs before typing the "
-     "graph, and the outputs it returns do not depend on that node"),
-    (("running ConstantOfShape", "Allocate"),
-     "onnxruntime runs out of memory on a ConstantOfShape whose result no output reads "
-     "(10^14 elements); Kiln drops nodes no output needs, and its outputs do not depend "
-     "on that node"),
 ]
+UNUSED_NODE = ("the node onnxruntime fails on is one no graph output needs (checked on the "
+               "graph, not the message): onnxruntime checks and runs every node; Kiln drops "
+               "the nodes no output needs, and the outputs it returns do not depend on them")
+
+
+def _failing_op_unused(data: bytes, message: str) -> bool:
+    """Whether onnxruntime's message names the op it failed on and no node a graph output
+    needs is of that op."""
+    import re
+
+    hit = re.search(r"Op \((\w+)\)|running (\w+) node", message)
+    if hit is None:
+        return False
+    op = hit.group(1) or hit.group(2)
+    g = onnx.load_from_string(data).graph
+    made = {o: n for n in g.node for o in n.output}
+    stack, seen = [o.name for o in g.output], set()
+    while stack:
+        name = stack.pop()
+        n = made.get(name)
+        if n is None or id(n) in seen:
+            continue
+        seen.add(id(n))
+        inner = list(_subgraph_nodes(n))
+        if n.op_type == op or any(m.op_type == op for m in inner):
+            return False
+        stack += list(n.input) + [i for m in inner for i in m.input]  # outer names read
+    return True
+
+
+def _subgraph_nodes(n: onnx.NodeProto):
+    """Every node of ``n``'s subgraphs, nested ones included."""
+    for a in n.attribute:
+        for g in [a.g] if a.type == onnx.AttributeProto.GRAPH else \
+                list(a.graphs) if a.type == onnx.AttributeProto.GRAPHS else []:
+            for m in g.node:
+                yield m
+                yield from _subgraph_nodes(m)
 
 
 def _reference(data: bytes, feeds: dict):
@@ -383,7 +413,7 @@ def classify(data: bytes, feeds: dict, oracle: bool = True) -> tuple[str, str]:
         spec = _spec_reference(data, feeds)
         if spec is not None and all(_same(got, spec) for got in results):
             return "reference_checked", ""
-        reason = explained(want)
+        reason = explained(want) or (UNUSED_NODE if _failing_op_unused(data, want) else None)
         if reason is None:  # Kiln runs what onnxruntime refuses, and no reason is known
             return "unexplained", want[:300]
         return "unchecked", reason

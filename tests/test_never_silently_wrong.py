@@ -388,3 +388,38 @@ def test_inputs_sharing_a_type_parameter_must_agree():
     assert _ort_refuses(m, {"x": np.ones(2, np.float32)})
     with pytest.raises(kiln.errors.InvalidAttributeError, match="one type"):
         kiln.load(m)
+
+
+# -- found by the grown fuzzer oracle (onnxruntime refused, Kiln ran) -----------------------
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_split_sizes_that_do_not_cut_the_axis_into_its_outputs_are_an_error(backend):
+    """A one-output Split was dropped as an identity whatever its sizes; sizes not summing
+    to the axis were cut short. onnxruntime refuses both (fuzz case 6006323)."""
+    for sizes, outs in (([4, 3], ["y"]), ([1, 1], ["y", "z"])):
+        graph = helper.make_graph(
+            [helper.make_node("Split", ["x", "s"], outs, axis=0)], "g",
+            [helper.make_tensor_value_info("x", TP.FLOAT, [3, 4])],
+            [helper.make_tensor_value_info(o, TP.FLOAT, None) for o in outs],
+            [_I(np.array(sizes, np.int64), "s")])
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        feed = {"x": np.ones((3, 4), np.float32)}
+        assert _ort_refuses(m, feed)
+        for optimize in (True, False):
+            with pytest.raises(kiln.KilnError, match="Split"):
+                _kiln(m, feed, backend, optimize)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_slice_starts_of_rank_two_are_an_error(backend):
+    graph = helper.make_graph(
+        [helper.make_node("Slice", ["x", "st", "en"], ["y"])], "g",
+        [helper.make_tensor_value_info("x", TP.FLOAT, [3, 4])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+        [_I(np.array([[0, 1]], np.int64), "st"), _I(np.array([[2, 3]], np.int64), "en")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feed = {"x": np.ones((3, 4), np.float32)}
+    assert _ort_refuses(m, feed)
+    for optimize in (True, False):
+        with pytest.raises(kiln.KilnError, match="1-D"):
+            _kiln(m, feed, backend, optimize)

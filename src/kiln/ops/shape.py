@@ -8,6 +8,7 @@ import math
 
 import numpy as np
 
+from kiln.errors import KernelError
 from kiln.ops._array import axis as norm_axis
 from kiln.ops._array import namespace
 from kiln.ops._numeric import int_list
@@ -106,8 +107,13 @@ def concat(*inputs, axis=None):
     return namespace(*xs).concat(xs, axis=norm_axis(axis, xs[0].ndim))
 
 
-def _split(x, axis: int, sizes: list[int]):
+def _split(x, axis: int, sizes: list[int], outputs: int | None = None):
     ax = norm_axis(axis, x.ndim)
+    if outputs is not None and len(sizes) != outputs or sum(sizes) != x.shape[ax] or \
+            any(s < 0 for s in sizes):
+        # onnxruntime refuses these; slicing would silently drop or invent parts
+        raise KernelError(f"Split sizes {sizes} do not cut axis {axis} of size "
+                          f"{x.shape[ax]} into {outputs or len(sizes)} outputs")
     head = (slice(None),) * ax
     out, start = [], 0
     for s in sizes:
@@ -129,13 +135,13 @@ def _even_sizes(dim: int, parts: int, ceil: bool) -> list[int]:
 def split1(ctx, x, split_input=None, *, axis=0, split=None):
     sizes = int_list(split_input) if split_input is not None else split
     return _split(x, axis, sizes or _even_sizes(x.shape[norm_axis(axis, x.ndim)],
-                                                ctx.num_outputs, False))
+                                                ctx.num_outputs, False), ctx.num_outputs)
 
 
 @op("Split", 2, generic=True)
 def split2(ctx, x, *, axis=0, split=None):
     if split:
-        return _split(x, axis, list(split))
+        return _split(x, axis, list(split), ctx.num_outputs)
     return _split(x, axis, _even_sizes(x.shape[norm_axis(axis, x.ndim)], ctx.num_outputs,
                                        False))
 
@@ -144,7 +150,7 @@ def split2(ctx, x, *, axis=0, split=None):
 @op("Split", 18, generic=True, host_inputs=(1,))
 def split(ctx, x, split=None, *, axis=0, num_outputs=None):
     if split is not None and tuple(split.shape) != (0,):
-        return _split(x, axis, int_list(split))
+        return _split(x, axis, int_list(split), ctx.num_outputs)
     parts = num_outputs if num_outputs is not None else ctx.num_outputs
     dim = x.shape[norm_axis(axis, x.ndim)]
     return _split(x, axis, _even_sizes(dim, parts, num_outputs is not None))
@@ -193,6 +199,10 @@ def slice1(x, *, starts=None, ends=None, axes=None):
 
 @op("Slice", 10, generic=True, host_inputs=(1, 2, 3, 4))
 def slice_(x, starts, ends, axes=None, steps=None):
+    for name, t in (("starts", starts), ("ends", ends), ("axes", axes), ("steps", steps)):
+        if t is not None and len(getattr(t, "shape", (0,))) != 1:
+            raise KernelError(f"Slice's {name} must be a 1-D tensor, not of shape "
+                              f"{tuple(t.shape)} (onnxruntime refuses it too)")
     return _slice(x, int_list(starts), int_list(ends),
                   None if axes is None else int_list(axes),
                   None if steps is None else int_list(steps))

@@ -120,7 +120,18 @@ def passthrough(n: Node, opset: int):
     if op in _VARIADIC_SAME and len(n.inputs) == 1:
         return x
     if op == "Split" and len(n.outputs) == 1:
-        return x
+        # one output is the input only where the sizes (if given) are that one whole part:
+        # other sizes make the model invalid, which the kernel reports (onnxruntime too)
+        given = n.attrs.get("split") if opset < 13 else (
+            symdim.known_ints(symdim.sym_of(n.inputs[1])) if len(n.inputs) > 1 and
+            n.inputs[1] is not None else None)
+        if given is None and (opset < 13 or len(n.inputs) < 2 or n.inputs[1] is None):
+            return x
+        shape = shape_of(x)
+        ax = n.attrs.get("axis", 0)
+        if given is not None and len(given) == 1 and shape is not None and \
+                -len(shape) <= ax < len(shape) and shape[ax] == given[0]:
+            return x
     return None
 
 

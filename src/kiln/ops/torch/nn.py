@@ -351,7 +351,7 @@ def max_pool(site):
             # PyTorch's own modules do)
             y = _max_pool_separable(x, ks, strides, dil, begins, want)
             if y is not None:
-                return y if not torch.isnan(y).any() else NI
+                return NI if _nan_in(y) else y
         sym = begins == ends and all(b <= ((k - 1) * d + 1) // 2 for b, k, d in
                                      zip(begins, ks, dil))
         if not sym:
@@ -361,7 +361,7 @@ def max_pool(site):
             begins = [0] * n
         r = _MAXPOOL[n](x, ks, strides, begins, dil, ceil_mode=ceil, return_indices=want_idx)
         y = r[0] if want_idx else r
-        if list(y.shape[2:]) != want or torch.isnan(y).any():
+        if list(y.shape[2:]) != want or _nan_in(y):
             # torch's ceil-mode rule differs here; torch spreads a NaN over each window it
             # is in, where onnx.reference skips it: NumPy kernel (a NaN-free result is
             # the same either way, so only the output is checked)
@@ -374,6 +374,15 @@ def max_pool(site):
             (x.shape[0], x.shape[1]) + (1,) * n)
         return y, r[1] + nc * plane
     return run
+
+
+def _nan_in(y) -> bool:
+    """Whether a max-pool result holds a NaN (torch spreads one over its windows, where
+    the reference skips it: the NumPy kernel then answers). Not asked inside
+    torch.compile, where a data-dependent branch would break the graph: a compiled
+    program keeps torch's NaN rule (docs/reliability.md)."""
+    return y.dtype.is_floating_point and not torch.compiler.is_compiling() and \
+        bool(torch.isnan(y).any())
 
 
 def _max_pool_8bit(site, x, ks, ceil: bool):

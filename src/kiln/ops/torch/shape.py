@@ -130,7 +130,8 @@ def split(site):
         a = axis(ax, x.dim())
         sizes = fixed if fixed is not None or split is None else ints(split)
         if sizes:
-            return tuple(x.split_with_sizes(sizes, a)) if sum(sizes) == x.shape[a] else NI
+            return tuple(x.split_with_sizes(sizes, a)) if sum(sizes) == x.shape[a] and \
+                len(sizes) == n else NI  # the NumPy kernel says what is wrong
         d = x.shape[a]
         if site.opset < 18 and d % n:
             return NI
@@ -169,6 +170,9 @@ def _slice(x, starts, ends, axes, steps):
 
 
 def _slice10(x, starts, ends, axes=None, steps=None):
+    if any(b is not None and (b.dim() if isinstance(b, torch.Tensor) else np.ndim(b)) != 1
+           for b in (starts, ends, axes, steps)):
+        return NI  # the NumPy kernel says what is wrong: bounds must be 1-D
     return _slice(x, ints(starts), ints(ends), None if axes is None else ints(axes),
                   None if steps is None else ints(steps))
 
@@ -180,8 +184,9 @@ def slice10(site):
     shape = site.node.inputs[0].shape if site.node.inputs[0] is not None else None
     rank = None if shape is None else len(shape)
     bounds = [site.const(i) for i in range(1, 5)]
-    if rank is None or any(b is None and site.has_input(i + 1) for i, b in enumerate(bounds)):
-        return _slice10
+    if rank is None or any(b is None and site.has_input(i + 1) for i, b in enumerate(bounds)) \
+            or any(b is not None and np.ndim(b) != 1 for b in bounds):
+        return _slice10  # which checks them (bounds must be 1-D)
     starts, ends = (np.asarray(b).reshape(-1).tolist() for b in bounds[:2])
     axes = range(len(starts)) if bounds[2] is None else np.asarray(bounds[2]).reshape(-1)
     steps = [1] * len(starts) if bounds[3] is None else np.asarray(bounds[3]).reshape(-1)
