@@ -1,0 +1,66 @@
+"""A run goes from ``Session.run`` to a layer's kernel in four calls, none of them into the
+backend: the plan decided each layer's kernel and transfers when the session was made.
+Read from Python's own profiler (``sys.setprofile``): the frames on the stack when the
+first kernel is entered."""
+
+from __future__ import annotations
+
+import sys
+import warnings
+
+import numpy as np
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+
+PATH = ["kiln.runtime.session.execute_plan", "kiln.runtime.plan.run_main", "program"]
+
+
+def _model(op: str):
+    info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [4, 4]) for n in "xy"]
+    g = helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g", info[:1], info[1:])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _frames_to_first_kernel(sess) -> list[str]:
+    """The frames between Session.run and the first call into kiln.ops (the kernel)."""
+    feed = {"x": np.linspace(-1, 1, 16, dtype=np.float32).reshape(4, 4)}
+    sess.run(None, feed)
+    found: list[str] = []
+
+    def prof(frame, event, arg):
+        name = frame.f_globals.get("__name__") or ""
+        if event != "call" or found or not name.startswith("kiln.ops") or \
+                name == "kiln.ops.torch.arrays":
+            return
+        stack, f = [], frame.f_back
+        while f is not None and not (f.f_code.co_name == "run" and
+                                     f.f_globals.get("__name__") == "kiln.runtime.session"):
+            generated = f.f_code.co_filename.startswith("<kiln plan")
+            stack.append("program" if generated else
+                         f"{f.f_globals.get('__name__')}.{f.f_code.co_name}")
+            f = f.f_back
+        if "program" in stack:  # a layer, not the feeds' conversion
+            found.extend(reversed(stack))
+    sys.setprofile(prof)
+    try:
+        sess.run(None, feed)
+    finally:
+        sys.setprofile(None)
+    return found
+
+
+@pytest.mark.parametrize("backend, op", [
+    ("numpy", "Relu"),
+    ("torch", "Relu"),      # a torch kernel
+    ("torch", "Exp"),       # the shared array-API kernel on tensors
+    ("torch", "EyeLike"),   # the NumPy kernel, its values moved by the program
+])
+def test_a_run_reaches_the_kernel_in_four_calls(backend, op):
+    if backend == "torch":
+        pytest.importorskip("torch")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # EyeLike on torch: the fallback warning
+        sess = kiln.Session(_model(op), backend=backend, optimize=False)
+    assert _frames_to_first_kernel(sess) == PATH
