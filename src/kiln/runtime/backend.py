@@ -95,7 +95,7 @@ def limit_blas_threads(threads: int | None) -> None:
 
 @functools.cache
 def _thread_pools():
-    # Scanning the process's libraries costs ~5 ms once torch and onnxruntime are loaded,
+    # Scanning the process's libraries costs milliseconds once torch and onnxruntime are loaded,
     # more than a small model's whole session; NumPy's BLAS is loaded with NumPy, before
     # any session, so one scan per process sees it.
     # threadpoolctl sets KMP_DUPLICATE_LIB_OK in the environment when imported; Kiln

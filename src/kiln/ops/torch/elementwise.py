@@ -19,7 +19,7 @@ NI = NotImplemented
 
 # -- arithmetic ---------------------------------------------------------------------------
 
-@kernel("Mod", 10)  # 3.4x the generic kernel on floats (one torch.fmod, no abs/where)
+@kernel("Mod", 10)  # faster than the generic kernel on floats (one torch.fmod, no abs/where)
 def mod(a, b, *, fmod=0):
     if a.dtype != b.dtype or a.dtype == torch.bool:
         return NI
@@ -58,13 +58,13 @@ def _float_unary(fn):
 # since the namespace lookup is cached per array type, their torch kernels gained under
 # 1.15x. Those kept gain by more than skipping it. Gains: benchmarks/results/torch_overrides.json.
 for _name, _since, _fn in [
-    ("Sigmoid", 6, torch.sigmoid),  # 3.8x the generic kernel (fused op, not 1/(1+exp(-x)))
+    ("Sigmoid", 6, torch.sigmoid),  # faster than the generic kernel (fused op, not 1/(1+exp(-x)))
     ("Erf", 1, torch.erf),  # the reference is NumPy-only: without this, a CPU fallback
-    ("Reciprocal", 6, torch.reciprocal),  # 2.4x the generic kernel (no 1.0 / x, no cast)
+    ("Reciprocal", 6, torch.reciprocal),  # faster than the generic kernel (no 1.0 / x, no cast)
     ("Floor", 6, torch.floor),  # Tensor op, not array_api_compat's wrapper
     ("Ceil", 6, torch.ceil),  # Tensor op, not array_api_compat's wrapper
     ("Round", 1, torch.round),  # Tensor op, not array_api_compat's wrapper
-    ("Softsign", 1, F.softsign),  # 1.36x the generic kernel (one op, no dtype check)
+    ("Softsign", 1, F.softsign),  # faster than the generic kernel (one op, no dtype check)
 ]:
     kernel(_name, _since)(_float_unary(_fn))
 
@@ -82,22 +82,22 @@ def abs_(x):
     return torch.abs(x) if x.dtype in _SIGNED or x.dtype == torch.uint8 else NI
 
 
-@kernel("Sign", 9)  # 8.6x the generic kernel (torch.sign; the namespace's is slow)
+@kernel("Sign", 9)  # faster than the generic kernel (torch.sign; the namespace's is slow)
 def sign(x):
     return torch.sign(x) if x.dtype in _SIGNED else NI
 
 
-@kernel("Relu", 1)  # 7.2x the generic kernel (torch.relu, no maximum(x, 0) + cast)
+@kernel("Relu", 1)  # faster than the generic kernel (torch.relu, no maximum(x, 0) + cast)
 def relu(x):
     return torch.relu(x) if x.dtype in _SIGNED else NI
 
 
-@kernel("LeakyRelu", 6)  # 3.7x the generic kernel (one fused op, no x * alpha copy)
+@kernel("LeakyRelu", 6)  # faster than the generic kernel (one fused op, no x * alpha copy)
 def leaky_relu(x, *, alpha=0.01):
     return F.leaky_relu(x, alpha) if x.dtype in FLOATS else NI
 
 
-# 39x the generic kernel on a 1x32x112x112 NHWC activation with one slope per channel
+# faster than the generic kernel on a 1x32x112x112 NHWC activation with one slope per channel
 # (F.prelu is one pass; the generic max/min/multiply passes over an NHWC tensor broadcast
 # a (C, 1, 1) slope slowly); other slope shapes run the generic kernel
 @kernel("PRelu", 7)
@@ -116,22 +116,22 @@ def prelu(x, slope):
     return NI
 
 
-@kernel("Elu", 6)  # 1.9x the generic kernel (one fused op)
+@kernel("Elu", 6)  # faster than the generic kernel (one fused op)
 def elu(x, *, alpha=1.0):
     return F.elu(x, alpha) if x.dtype in FLOATS else NI
 
 
-@kernel("Celu", 12)  # 2.2x the generic kernel (one fused op)
+@kernel("Celu", 12)  # faster than the generic kernel (one fused op)
 def celu(x, *, alpha=1.0):
     return F.celu(x, alpha) if x.dtype in FLOATS else NI
 
 
-@kernel("HardSigmoid", 6)  # 3.3x the generic kernel (clamp, no maximum/minimum pair)
+@kernel("HardSigmoid", 6)  # faster than the generic kernel (clamp, no maximum/minimum pair)
 def hard_sigmoid(x, *, alpha=0.2, beta=0.5):
     return torch.clamp(x * alpha + beta, 0, 1) if x.dtype in FLOATS else NI
 
 
-@kernel("HardSwish", 14)  # 3.0x the generic kernel (clamp, no maximum/minimum pair)
+@kernel("HardSwish", 14)  # faster than the generic kernel (clamp, no maximum/minimum pair)
 def hard_swish(x):
     return x * torch.clamp(x * (1 / 6) + 0.5, 0, 1) if x.dtype in FLOATS else NI
 
@@ -141,14 +141,14 @@ def gelu(x, *, approximate="none"):
     return F.gelu(x, approximate=approximate) if x.dtype in FLOATS else NI
 
 
-# Slower than the generic kernel (0.57x) but kept for results: the generic x * (x > alpha)
+# Slower than the generic kernel but kept for results: the generic x * (x > alpha)
 # turns -inf into NaN where ONNX asks for 0.
 @kernel("ThresholdedRelu", 10)
 def thresholded_relu(x, *, alpha=1.0):
     return torch.where(x > alpha, x, torch.zeros_like(x)) if x.dtype in FLOATS else NI
 
 
-@kernel("Clip", 11)  # 2.4x the generic kernel (one clamp, no casts)
+@kernel("Clip", 11)  # faster than the generic kernel (one clamp, no casts)
 def clip(x, lo=None, hi=None):
     if x.dtype not in _SIGNED or any(t is not None and t.dtype != x.dtype for t in (lo, hi)):
         return NI
@@ -159,7 +159,7 @@ def clip(x, lo=None, hi=None):
     return x
 
 
-@kernel("Clip", 6, until=11)  # 7.7x the generic kernel (one clamp)
+@kernel("Clip", 6, until=11)  # faster than the generic kernel (one clamp)
 def clip6(x, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):  # noqa: A002
     return torch.clamp(x, min, max) if x.dtype in FLOATS else NI
 
@@ -172,7 +172,7 @@ def _compare(fn):
     return run
 
 
-# Tensor ops, not array_api_compat's wrappers; torch's comparisons gained nothing (0.99x)
+# Tensor ops, not array_api_compat's wrappers; torch's comparisons gained nothing
 # and run the generic kernel
 kernel("And", 7)(_compare(torch.logical_and))
 kernel("Or", 7)(_compare(torch.logical_or))
@@ -238,7 +238,7 @@ def _new_tensors_ok(site) -> bool:
     return not (be.tracing and be.tdevice.type == "cpu")
 
 
-# 2.3x the generic kernel, and computes in bf16/fp16 when the session asks for it
+# faster than the generic kernel, and computes in bf16/fp16 when the session asks for it
 @kernel("MatMul", 1, prepare=True)
 def matmul(site):
     low = _lowp(site)
@@ -264,7 +264,7 @@ def matmul(site):
     return run
 
 
-# 1.55x the generic kernel (F.linear with bias), computes in bf16/fp16 when asked
+# faster than the generic kernel (F.linear with bias), computes in bf16/fp16 when asked
 @kernel("Gemm", 7, prepare=True)
 def gemm(site):
     alpha = float(site.attr("alpha", 1.0))
