@@ -105,6 +105,9 @@ def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str]
         v.meta.pop("overridable", None)
     FoldConstants()(m)  # Constant nodes become initializers (PaddleOCR's BN parameters)
     FuseBatchNorm()(m)
+    for name, v in list(m.graph.initializers.items()):
+        if not v.is_used():  # the weights a folded BatchNorm replaced
+            del m.graph.initializers[name]
     infer_model(m)
     half = DType.BFLOAT16 if bf16 else DType.FLOAT16
     blocked = set(block_list)
