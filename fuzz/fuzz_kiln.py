@@ -267,6 +267,9 @@ SCHEMA_REFUSALS = ("Unrecognized attribute", "Required attribute", "appeared mul
 # words of its message, each with the reason Kiln's result stands. A refusal matching none
 # of these, where onnx.reference does not give Kiln's result either, is ``unexplained``.
 ORT_REFUSES_SPEC_ALLOWS: list[tuple[tuple[str, ...], str]] = [
+    (("NOT_IMPLEMENTED", "Could not find an implementation"),
+     "onnxruntime has no kernel for this op at this opset and element type; the schema "
+     "allows it, and Kiln runs it"),
     (("At least one output should be requested",),
      "the graph has no outputs: onnxruntime will not run a model asked for nothing; Kiln "
      "returns the empty list of outputs the graph defines"),
@@ -285,10 +288,10 @@ def _failing_op_unused(data: bytes, message: str) -> bool:
     needs is of that op."""
     import re
 
-    hit = re.search(r"Op \((\w+)\)|running (\w+) node", message)
+    hit = re.search(r"Op \((\w+)\)|running (\w+) node|of operator \((\w+)\)", message)
     if hit is None:
         return False
-    op = hit.group(1) or hit.group(2)
+    op = hit.group(1) or hit.group(2) or hit.group(3)
     g = onnx.load_from_string(data).graph
     made = {o: n for n in g.node for o in n.output}
     stack, seen = [o.name for o in g.output], set()

@@ -423,3 +423,39 @@ def test_slice_starts_of_rank_two_are_an_error(backend):
     for optimize in (True, False):
         with pytest.raises(kiln.KilnError, match="1-D"):
             _kiln(m, feed, backend, optimize)
+
+
+def _refused_as_onnxruntime_does(m: onnx.ModelProto, feed: dict, match: str) -> None:
+    assert _ort_refuses(m, feed)
+    with pytest.raises(kiln.ModelLoadError, match=match):
+        kiln.InferenceSession(m.SerializeToString())
+
+
+def test_conv_and_pool_lists_of_the_wrong_length_are_refused():
+    """kernel_shape [5, 1, 2^40, 0] on a 2-D Conv ran from the weights' shape (fuzz case
+    6005176); pads, strides likewise."""
+    w = _I(np.ones((1, 2, 3, 3), np.float32), "w")
+    feed = {"x": np.ones((1, 2, 4, 4), np.float32)}
+    for op, ins, attrs in (("Conv", ["x", "w"], {"kernel_shape": [5, 1, 2**40, 0]}),
+                           ("Conv", ["x", "w"], {"pads": [1, 1]}),
+                           ("MaxPool", ["x"], {"kernel_shape": [2, 2], "strides": [1]})):
+        graph = helper.make_graph(
+            [helper.make_node(op, ins, ["y"], **attrs)], "g",
+            [helper.make_tensor_value_info("x", TP.FLOAT, [1, 2, 4, 4])],
+            [helper.make_tensor_value_info("y", TP.FLOAT, None)], [w] if "w" in ins else [])
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        _refused_as_onnxruntime_does(m, feed, "entries for its rank-4 input")
+
+
+def test_a_transpose_perm_that_is_no_permutation_is_refused():
+    m = _one(helper.make_node("Transpose", ["x"], ["y"], perm=[0, 0]), [2, 3])
+    _refused_as_onnxruntime_does(m, {"x": np.ones((2, 3), np.float32)}, "permutation")
+
+
+def test_a_model_without_opset_import_or_input_types_is_refused():
+    m = _one(helper.make_node("Relu", ["x"], ["y"]), [2])
+    del m.opset_import[:]
+    _refused_as_onnxruntime_does(m, {"x": np.ones(2, np.float32)}, "imports no opset")
+    m = _one(helper.make_node("Relu", ["x"], ["y"]), [2])
+    m.graph.input[0].type.Clear()
+    _refused_as_onnxruntime_does(m, {"x": np.ones(2, np.float32)}, "declares no type")

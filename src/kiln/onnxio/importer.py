@@ -466,6 +466,11 @@ class ModelImporter:
         p = self.proto
         opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version for o in p.opset_import}
         if not opsets:
+            if p.ir_version >= 3:
+                raise ModelLoadError(
+                    f"the model (IR version {p.ir_version}) imports no opset; from IR version 3 "
+                    "on ONNX requires one (onnxruntime refuses it too): add the opset its ops "
+                    "were written for")
             opsets = {"": 1}  # IR v1/v2 models predate opset_import
         _check_opsets(opsets, "the model")
         self.opsets = opsets
@@ -522,7 +527,11 @@ class ModelImporter:
                 # An input with a default (older IR): a feed may override the initializer.
                 scope[vi.name].meta["overridable"] = True
                 continue
-            v = Value(text(vi.name, "input name"), _declared_type(vi))
+            t = _declared_type(vi)
+            if t is None and top:
+                raise ModelLoadError(f"input {vi.name!r} declares no type; ONNX requires one "
+                                     "for a model's inputs (onnxruntime refuses it too)")
+            v = Value(text(vi.name, "input name"), t)
             g.inputs.append(v)
             scope[vi.name] = v
         known = set(scope.keys())

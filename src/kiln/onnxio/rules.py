@@ -125,6 +125,16 @@ AXES: dict[str, tuple[str, int, tuple[int, int] | str]] = {
 
 _INT32 = 2**31
 
+# op -> attribute -> entries per spatial dim of input 0 (rank - 2 spatial dims): a list of
+# another length is no convolution or pool ONNX defines (onnxruntime refuses it).
+SPATIAL: dict[str, dict[str, int]] = {
+    **{op: {"kernel_shape": 1, "strides": 1, "dilations": 1, "pads": 2} for op in (
+        "Conv", "ConvInteger", "QLinearConv", "MaxPool", "AveragePool", "LpPool",
+        "DeformConv")},
+    "ConvTranspose": {"kernel_shape": 1, "strides": 1, "dilations": 1, "pads": 2,
+                      "output_padding": 1, "output_shape": 1},
+}
+
 
 def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, object],
                  where: object) -> None:
@@ -171,7 +181,21 @@ def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
                ranks: Sequence[int | None], where: object) -> None:
     """The node's axis attribute against the rank of the input it indexes, where that rank
     is known (``ranks[i]``: input i's rank or None)."""
-    if domain != "" or op_type not in AXES:
+    if domain != "":
+        return
+    spatial = SPATIAL.get(op_type)
+    if spatial and ranks and ranks[0] is not None:
+        for name, per in spatial.items():
+            value = attrs.get(name)
+            if isinstance(value, list) and len(value) != per * (ranks[0] - 2):
+                _refuse(where, op_type, name, value,
+                        f"{per * (ranks[0] - 2)} entries for its rank-{ranks[0]} input")
+    if op_type == "Transpose" and ranks and ranks[0] is not None:
+        perm = attrs.get("perm")
+        if isinstance(perm, list) and sorted(perm) != list(range(ranks[0])):
+            _refuse(where, op_type, "perm", perm,
+                    f"a permutation of 0..{ranks[0] - 1} for its rank-{ranks[0]} input")
+    if op_type not in AXES:
         return
     name, i, extra = AXES[op_type]
     value = attrs.get(name)
