@@ -459,3 +459,14 @@ def test_a_model_without_opset_import_or_input_types_is_refused():
     m = _one(helper.make_node("Relu", ["x"], ["y"]), [2])
     m.graph.input[0].type.Clear()
     _refused_as_onnxruntime_does(m, {"x": np.ones(2, np.float32)}, "declares no type")
+
+
+def test_an_attribute_whose_value_is_not_in_its_types_field_is_refused():
+    """An INT attribute holding a float (fuzz case 6013703, on an ``__``-prefixed one):
+    Kiln read the INT field's default 0; onnxruntime refuses the mismatch."""
+    m = _one(helper.make_node("Gather", ["x", "i"], ["y"], axis=1), [2, 3], 17,
+             [_I(np.array([0], np.int64), "i")])
+    a = m.graph.node[0].attribute[0]
+    a.ClearField("i")
+    a.f = 1.0  # still typed INT
+    _refused_as_onnxruntime_does(m, {"x": np.ones((2, 3), np.float32)}, "holds its value in f")

@@ -195,6 +195,8 @@ class _Schema(NamedTuple):
     single_inputs: tuple[int, ...] = ()
     """Positions of the inputs that must be given: an empty name there is malformed."""
     single_outputs: tuple[int, ...] = ()
+    input_types: tuple = ()
+    """Type constraints per formal input (:func:`kiln.onnxio.rules.input_types`)."""
 
 
 def _singles(params) -> tuple[int, ...]:
@@ -253,7 +255,7 @@ def _onnx_schema(op_type: str, domain: str, version: int) -> _Schema | None:
                           {name: int(a.type) for name, a in s.attributes.items()},
                           (domain, op_type, s.since_version) not in _OPEN_SCHEMAS,
                           frozenset(name for name, a in s.attributes.items() if a.required),
-                          _singles(s.inputs), _singles(s.outputs))
+                          _singles(s.inputs), _singles(s.outputs), rules.input_types(s))
         known[key] = got
         unsaved.add(key)
     return got
@@ -262,15 +264,19 @@ def _onnx_schema(op_type: str, domain: str, version: int) -> _Schema | None:
 def _schema_as_list(s: _Schema) -> list:
     """``s`` as the schema file keeps it (JSON has no tuples or sets)."""
     return [s.since, s.inputs, s.outputs, s.attr_types, s.closed, sorted(s.required),
-            s.single_inputs, s.single_outputs]
+            s.single_inputs, s.single_outputs,
+            [s.input_types[0] and [[n, sorted(a)] for n, a in s.input_types[0]],
+             s.input_types[1]] if s.input_types else []]
 
 
 def _schema_from_list(kept: list) -> _Schema | tuple:
     """The schema a file entry holds; () where it is not in this format."""
     try:
-        since, ins, outs, types, closed, required, single_in, single_out = kept
+        since, ins, outs, types, closed, required, single_in, single_out, in_types = kept
+        in_types = (tuple((str(n), frozenset(a)) for n, a in in_types[0]),
+                    bool(in_types[1])) if in_types else ()
         return _Schema(int(since), tuple(ins), tuple(outs), dict(types), bool(closed),
-                       frozenset(required), tuple(single_in), tuple(single_out))
+                       frozenset(required), tuple(single_in), tuple(single_out), in_types)
     except (TypeError, ValueError):
         return ()
 
@@ -306,13 +312,15 @@ class _NodeWhere:
 
 def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
                where: str | _NodeWhere, input_names: list[str], output_names: list[str],
-               local_functions: Container[tuple[str, str]] = ()) -> int | None:
+               local_functions: Container[tuple[str, str]] = ()
+               ) -> tuple[int, tuple] | None:
     """The op exists (in ONNX's own domains), input/output counts and required ones named,
     attribute names (unknown, repeated, required) and attribute types against the op's
     schema (onnxruntime rejects the same graphs); the schema lookup is cached per op type
     and opset. ``input_names``/``output_names`` are the node's, read from it once. Returns
-    the op version the node runs (its schema's), None where no schema checks it; the
-    attributes' values are checked against :mod:`kiln.onnxio.rules` once they are read."""
+    the op version the node runs (its schema's) and its inputs' type constraints, None where
+    no schema checks it; the attributes' values and the inputs' types are checked against
+    :mod:`kiln.onnxio.rules` once they are read."""
     # A model that imports no default-domain opset runs its ONNX ops at opset 1 (Model.opset)
     version = opsets.get(domain, 1 if domain == "" else None)
     schema = None if version is None else _schema(np_.op_type, domain, version)
@@ -349,6 +357,7 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
             raise ModelLoadError(f"{where}: attribute {name!r} appears twice; the model is "
                                  "malformed")
         seen.add(name)
+        _check_data_field(a, name, where)
         want_type = types.get(name, _UNDEFINED)
         if want_type is _UNDEFINED:
             # Names starting with "__" are ONNX's internal symbols, which schemas never check.
@@ -363,7 +372,27 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
         missing = ", ".join(map(repr, sorted(schema.required - seen)))
         raise ModelLoadError(f"{where} lacks {np_.op_type}-{schema.since}'s required "
                              f"attribute {missing}; the model is malformed")
-    return schema.since
+    return schema.since, schema.input_types
+
+
+_DATA_FIELDS = {A.FLOAT: "f", A.INT: "i", A.STRING: "s", A.TENSOR: "t", A.GRAPH: "g",
+                A.SPARSE_TENSOR: "sparse_tensor", A.TYPE_PROTO: "tp", A.FLOATS: "floats",
+                A.INTS: "ints", A.STRINGS: "strings", A.TENSORS: "tensors",
+                A.GRAPHS: "graphs", A.SPARSE_TENSORS: "sparse_tensors",
+                A.TYPE_PROTOS: "type_protos"}
+_NOT_DATA = frozenset({"name", "type", "doc_string", "ref_attr_name"})
+
+
+def _check_data_field(a: onnx.AttributeProto, name: object, where: object) -> None:
+    """The attribute's value sits in the field its type names (onnxruntime refuses "type
+    field and data field mismatch"): Kiln reads the field the type names, so a value
+    elsewhere would be silently replaced by that field's default."""
+    data = {f.name for f, _ in a.ListFields()} - _NOT_DATA
+    if data and data != {_DATA_FIELDS.get(a.type)}:
+        raise ModelLoadError(
+            f"{where}: attribute {name!r} says its type is "
+            f"{A.AttributeType.Name(a.type) if a.type in A.AttributeType.values() else a.type}"
+            f" but holds its value in {', '.join(sorted(data))}; the model is malformed")
 
 
 def _unknown_attribute(np_: onnx.NodeProto, name: str | bytes, schema: _Schema,
@@ -574,8 +603,9 @@ class ModelImporter:
         domain = "" if domain == "ai.onnx" else text(domain, "op domain")
         name = text(np_.name, "node name")
         where = _NodeWhere(name, op_type)
-        since = check_node(np_, domain, self.opsets, where, input_names, output_names,
-                           self.function_keys)
+        checked = check_node(np_, domain, self.opsets, where, input_names, output_names,
+                             self.function_keys)
+        since, spec = checked if checked is not None else (None, ())
         local = scope.maps[0]
         inputs = []
         for n in input_names:
@@ -589,7 +619,8 @@ class ModelImporter:
                 self.attr_value(a, scope)
         if since is not None:
             rules.check_types(op_type, domain, since,
-                              [v.type if v is not None else None for v in inputs], where)
+                              [v.type if v is not None else None for v in inputs], where,
+                              spec)
             if attrs:
                 rules.check_values(op_type, domain, since, attrs, where)
                 rules.check_axes(op_type, domain, attrs, [_rank(v) for v in inputs], where)

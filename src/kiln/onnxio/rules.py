@@ -215,14 +215,20 @@ def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
 
 
 @functools.lru_cache(maxsize=4096)
-def _input_types(op_type: str, domain: str, since: int
-                 ) -> tuple[tuple[tuple[str, frozenset[str]], ...], bool] | None:
-    """Per formal input of ONNX's schema: (type parameter or fixed type, the element types
-    it allows as ``tensor(float)`` strings), and whether the last input repeats."""
+def _input_types(op_type: str, domain: str, since: int) -> tuple:
     try:
         schema = onnx.defs.get_schema(op_type, since, domain)
     except onnx.defs.SchemaError:
-        return None
+        return ()
+    return input_types(schema)
+
+
+def input_types(schema: onnx.defs.OpSchema) -> tuple:
+    """Per formal input of ONNX's schema: (type parameter or fixed type, the element types
+    it allows as ``tensor(float)`` strings), and whether the last input repeats; () for a
+    schema with no inputs. Kept in the importer's schema file with the other facts."""
+    if not schema.inputs:
+        return ()
     allowed = {c.type_param_str: frozenset(c.allowed_type_strs)
                for c in schema.type_constraints}
     params = tuple((p.type_str, allowed.get(p.type_str, frozenset({p.type_str})))
@@ -236,7 +242,7 @@ def _input_types(op_type: str, domain: str, since: int
 
 
 def check_types(op_type: str, domain: str, since: int, types: Sequence[object],
-                where: object) -> None:
+                where: object, spec: tuple | None = None) -> None:
     """Input element types against the op's type constraints, for the inputs whose type is
     known (``types[i]``: an IR type or None), as onnxruntime checks them when it loads the
     model; inputs bound to one type parameter must also agree with each other."""
@@ -246,7 +252,7 @@ def check_types(op_type: str, domain: str, since: int, types: Sequence[object],
                                      for t in types])
     if key in _TYPES_PASSED:  # a long chain repeats a few (op, types) many times
         return
-    _check_types(op_type, domain, since, types, where)
+    _check_types(op_type, domain, since, types, where, spec)
     if len(_TYPES_PASSED) > 65536:
         _TYPES_PASSED.clear()
     _TYPES_PASSED.add(key)
@@ -256,9 +262,10 @@ _TYPES_PASSED: set[tuple] = set()
 
 
 def _check_types(op_type: str, domain: str, since: int, types: Sequence[object],
-                 where: object) -> None:
-    spec = _input_types(op_type, domain, since)
-    if spec is None or not spec[0]:
+                 where: object, spec: tuple | None) -> None:
+    if spec is None:
+        spec = _input_types(op_type, domain, since)
+    if not spec or not spec[0]:
         return
     params, variadic = spec
     if hasattr(where, "inputs"):  # an IR node
