@@ -470,3 +470,23 @@ def test_an_attribute_whose_value_is_not_in_its_types_field_is_refused():
     a.ClearField("i")
     a.f = 1.0  # still typed INT
     _refused_as_onnxruntime_does(m, {"x": np.ones((2, 3), np.float32)}, "holds its value in f")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_if_condition_of_several_elements_is_an_error(backend):
+    """Kiln read the first element (fuzz case 7031583); onnxruntime refuses the run."""
+    branch = [helper.make_graph([helper.make_node("Identity", ["x"], [f"o{k}"])], f"b{k}", [],
+                                [helper.make_tensor_value_info(f"o{k}", TP.FLOAT, None)])
+              for k in (0, 1)]
+    graph = helper.make_graph(
+        [helper.make_node("Greater", ["x", "zero"], ["c"]),
+         helper.make_node("If", ["c"], ["y"], then_branch=branch[0], else_branch=branch[1])],
+        "g", [helper.make_tensor_value_info("x", TP.FLOAT, [3])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)],
+        [_I(np.array(0, np.float32), "zero")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    feed = {"x": np.array([1, -1, 2], np.float32)}
+    assert _ort_refuses(m, feed)
+    for optimize in (True, False):
+        with pytest.raises(kiln.KilnError, match="one element"):
+            _kiln(m, feed, backend, optimize)

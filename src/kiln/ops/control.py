@@ -35,8 +35,14 @@ this module attribute to allow longer; ``RunOptions.terminate`` stops any run so
 
 
 def _scalar(ctx, x):
-    """A control value (condition, trip count) as a NumPy scalar, read on the host."""
-    return np.asarray(ctx.backend.to_numpy(x)).reshape(-1)[0]
+    """A control value (condition, trip count) as a NumPy scalar, read on the host. ONNX
+    defines it as one element; reading the first of several would pick a branch or a trip
+    count from data the model never meant as one (onnxruntime refuses it)."""
+    a = np.asarray(ctx.backend.to_numpy(x)).reshape(-1)
+    if a.size != 1:
+        raise KernelError(f"a condition or trip count must hold exactly one element, not "
+                          f"{a.size}")
+    return a[0]
 
 
 def _outputs(out: list, ctx):

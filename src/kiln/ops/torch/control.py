@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+from kiln.errors import KernelError
 from kiln.ops.torch import kernel
 
 
@@ -13,6 +14,9 @@ def if_(site):
     else_branch = site.attr("else_branch")
 
     def run(ctx, cond):
+        if cond.numel() != 1:  # ONNX's condition is one element (onnxruntime refuses more)
+            raise KernelError(f"If's condition must hold exactly one element, not "
+                              f"{cond.numel()}")
         c = cond.reshape(-1)[0]
         branch = then_branch if bool(c) else else_branch
         out = ctx.run(branch, [])
