@@ -490,3 +490,13 @@ def test_an_if_condition_of_several_elements_is_an_error(backend):
     for optimize in (True, False):
         with pytest.raises(kiln.KilnError, match="one element"):
             _kiln(m, feed, backend, optimize)
+
+
+def test_shape_and_axes_inputs_of_another_rank_than_one_are_refused():
+    """A Reshape to [[4, 3]] and a ReduceSum over axes given as a scalar ran, flattened
+    (fuzz cases 8000986, 8007620); the spec makes both 1-D and onnxruntime refuses them."""
+    feed = {"x": np.ones((3, 4), np.float32)}
+    for op, value in (("Reshape", np.array([[4, 3]], np.int64)),
+                      ("ReduceSum", np.array(1, np.int64))):
+        m = _one(helper.make_node(op, ["x", "v"], ["y"]), [3, 4], 17, [_I(value, "v")])
+        _refused_as_onnxruntime_does(m, feed, "takes a 1-D tensor")

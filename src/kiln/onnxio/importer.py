@@ -623,6 +623,7 @@ class ModelImporter:
                               spec)
             if attrs:
                 rules.check_values(op_type, domain, since, attrs, where)
+            if op_type in rules.RANKED:
                 rules.check_axes(op_type, domain, attrs, [_rank(v) for v in inputs], where)
         outputs = []
         for n in output_names:

@@ -125,6 +125,15 @@ AXES: dict[str, tuple[str, int, tuple[int, int] | str]] = {
 
 _INT32 = 2**31
 
+# op -> inputs the spec defines as 1-D tensors (shapes, axes, bounds): a tensor of another
+# rank is flattened by no implementation the same way, and onnxruntime refuses it.
+ONE_D: dict[str, tuple[int, ...]] = {
+    "Reshape": (1,), "Expand": (1,), "Tile": (1,), "Slice": (1, 2, 3, 4), "Pad": (1,),
+    "ConstantOfShape": (0,),  # not Squeeze/Unsqueeze: onnx and onnxruntime take scalar axes
+    **{op: (1,) for op in ("ReduceL1", "ReduceL2", "ReduceLogSum", "ReduceLogSumExp",
+                           "ReduceMax", "ReduceMean", "ReduceMin", "ReduceProd", "ReduceSum",
+                           "ReduceSumSquare")}}
+
 # op -> attribute -> entries per spatial dim of input 0 (rank - 2 spatial dims): a list of
 # another length is no convolution or pool ONNX defines (onnxruntime refuses it).
 SPATIAL: dict[str, dict[str, int]] = {
@@ -134,6 +143,10 @@ SPATIAL: dict[str, dict[str, int]] = {
     "ConvTranspose": {"kernel_shape": 1, "strides": 1, "dilations": 1, "pads": 2,
                       "output_padding": 1, "output_shape": 1},
 }
+
+RANKED = frozenset(AXES) | frozenset(ONE_D) | frozenset(SPATIAL) | {"Transpose"}
+"""Ops whose checks need their inputs' ranks (:func:`check_axes`): callers build the
+ranks only for these."""
 
 
 def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, object],
@@ -195,6 +208,14 @@ def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
         if isinstance(perm, list) and sorted(perm) != list(range(ranks[0])):
             _refuse(where, op_type, "perm", perm,
                     f"a permutation of 0..{ranks[0] - 1} for its rank-{ranks[0]} input")
+    vectors = ONE_D.get(op_type)
+    if vectors:
+        for i in vectors:
+            if i < len(ranks) and ranks[i] is not None and ranks[i] != 1:
+                raise InvalidAttributeError(
+                    f"{_node_text(where, op_type)}: input {i} has rank {ranks[i]}, but "
+                    f"{op_type} takes a 1-D tensor there (onnxruntime refuses others)",
+                    node=str(where), attribute=f"input {i}", allowed="a 1-D tensor")
     if op_type not in AXES:
         return
     name, i, extra = AXES[op_type]
@@ -304,9 +325,14 @@ def _listed(values) -> str:
     return ", ".join(repr(v) for v in sorted(values))
 
 
-def _refuse(where: object, op_type: str, name: str, value: object, allowed: str) -> None:
+def _node_text(where: object, op_type: str) -> object:
     if hasattr(where, "inputs"):  # an IR node
-        where = f"node {where.name or op_type!r} ({op_type})"
+        return f"node {where.name or op_type!r} ({op_type})"
+    return where
+
+
+def _refuse(where: object, op_type: str, name: str, value: object, allowed: str) -> None:
+    where = _node_text(where, op_type)
     raise InvalidAttributeError(
         f"{where}: attribute {name!r} is {value!r}, but {op_type} allows {allowed}; ONNX "
         "gives no meaning to other values (implementations disagree on them), so fix the "

@@ -64,7 +64,8 @@ def infer_node(n: Node, model: Model) -> int:
     changed = 0
     # Axes the importer could not check (their input's rank was unknown there) are checked
     # on the inferred ranks before any rule or ONNX's C++ inference reads them.
-    rules.check_axes(n.op_type, n.domain, n.attrs, [_rank(v) for v in n.inputs], n)
+    if n.op_type in rules.RANKED:
+        rules.check_axes(n.op_type, n.domain, n.attrs, [_rank(v) for v in n.inputs], n)
     rules.check_types(n.op_type, n.domain, opset,
                       [v.type if v is not None else None for v in n.inputs], n)
     ctx = InferContext(n, opset)
