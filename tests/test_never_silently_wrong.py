@@ -500,3 +500,16 @@ def test_shape_and_axes_inputs_of_another_rank_than_one_are_refused():
                       ("ReduceSum", np.array(1, np.int64))):
         m = _one(helper.make_node(op, ["x", "v"], ["y"]), [3, 4], 17, [_I(value, "v")])
         _refused_as_onnxruntime_does(m, feed, "takes a 1-D tensor")
+
+
+def test_window_attributes_below_their_spec_bounds_are_refused():
+    """Negative pads and a zero kernel dim ran (fuzz cases 8049720, 8067286)."""
+    w = _I(np.ones((1, 2, 3, 3), np.float32), "w")
+    feed = {"x": np.ones((1, 2, 4, 4), np.float32)}
+    for attrs in ({"pads": [-1, 0, 0, 0]}, {"kernel_shape": [3, 0]}, {"strides": [0, 1]}):
+        graph = helper.make_graph(
+            [helper.make_node("Conv", ["x", "w"], ["y"], **attrs)], "g",
+            [helper.make_tensor_value_info("x", TP.FLOAT, [1, 2, 4, 4])],
+            [helper.make_tensor_value_info("y", TP.FLOAT, None)], [w])
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        _refused_as_onnxruntime_does(m, feed, "entries")

@@ -144,6 +144,9 @@ SPATIAL: dict[str, dict[str, int]] = {
                       "output_padding": 1, "output_shape": 1},
 }
 
+_SPATIAL_LEAST = {"kernel_shape": 1, "strides": 1, "dilations": 1, "pads": 0}
+"""The spec's lower bounds of the window attributes' entries (onnxruntime refuses less)."""
+
 RANKED = frozenset(AXES) | frozenset(ONE_D) | frozenset(SPATIAL) | {"Transpose"}
 """Ops whose checks need their inputs' ranks (:func:`check_axes`): callers build the
 ranks only for these."""
@@ -176,6 +179,13 @@ def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, obje
             value = attrs.get(name)
             if isinstance(value, int) and value not in allowed:
                 _refuse(where, op_type, name, value, _listed(allowed))
+    if domain == "" and op_type in SPATIAL:
+        for name, least in _SPATIAL_LEAST.items():
+            value = attrs.get(name)
+            if isinstance(value, list) and any(isinstance(v, int) and v < least
+                                               for v in value):
+                _refuse(where, op_type, name, value,
+                        "only positive entries" if least else "no negative entries")
     if domain == "" and op_type in DTYPES:
         name = DTYPES[op_type]
         value = attrs.get(name)
