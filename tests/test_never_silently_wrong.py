@@ -436,7 +436,7 @@ def test_conv_and_pool_lists_of_the_wrong_length_are_refused():
     6005176); pads, strides likewise."""
     w = _I(np.ones((1, 2, 3, 3), np.float32), "w")
     feed = {"x": np.ones((1, 2, 4, 4), np.float32)}
-    for op, ins, attrs in (("Conv", ["x", "w"], {"kernel_shape": [5, 1, 2**40, 0]}),
+    for op, ins, attrs in (("Conv", ["x", "w"], {"kernel_shape": [5, 1, 2**40]}),
                            ("Conv", ["x", "w"], {"pads": [1, 1]}),
                            ("MaxPool", ["x"], {"kernel_shape": [2, 2], "strides": [1]})):
         graph = helper.make_graph(
