@@ -25,27 +25,37 @@ def host_only(g: Graph, opsets: dict[str, int]) -> set[Value]:
     return {v for v, flags in readers.items() if all(flags)}
 
 
-def statistics(g: Graph) -> set[Value]:
-    """Initializers holding running statistics (BatchNormalization's mean and variance).
+def untie(g: Graph) -> None:
+    """Give every Identity copy of an initializer an initializer of its own.
 
-    The TorchScript exporter stores equal tensors once and reads the copies through
-    Identity nodes (a fresh BatchNorm's running_var equals its weight): such statistics
-    become initializers of their own again, since training updates them apart."""
-    out = set()
+    The TorchScript exporter stores equal-valued tensors once (every fresh layer's zero
+    bias, every LayerNorm/BatchNorm weight of ones) and reads the copies through Identity
+    nodes named after the original parameters. They are separate parameters of the module
+    the model came from, trained apart; one tensor read by two nodes directly (a tied
+    embedding and LM head) is a genuinely shared one and stays shared."""
+    outputs = set(g.outputs)
     for n in list(g.nodes):
+        if n.op_type != "Identity" or n.domain not in ("", "ai.onnx") or not n.inputs:
+            continue
+        src, v = n.inputs[0], n.outputs[0]
+        if src is None or src.const is None or v is None or v.const is not None \
+                or v in outputs or v.name in g.initializers:
+            continue
+        own = Value(v.name, v.type if v.type is not None else src.type, src.const.copy())
+        v.replace_all_uses_with(own)
+        g.remove_node(n)
+        g.initializers[own.name] = own
+
+
+def statistics(g: Graph) -> set[Value]:
+    """Initializers holding running statistics (BatchNormalization's mean and variance);
+    run :func:`untie` first, since a fresh BatchNorm's running_var equals its weight and the
+    exporter reads one as an Identity copy of the other."""
+    out = set()
+    for n in g.nodes:
         for i in STATISTICS.get(n.op_type, ()):
             v = n.inputs[i] if i < len(n.inputs) else None
-            if v is None:
-                continue
-            src = v.producer
-            if v.const is None and src is not None and src.op_type == "Identity" \
-                    and src.inputs[0] is not None and src.inputs[0].const is not None:
-                own = Value(v.name, v.type, src.inputs[0].const.copy())
-                v.replace_all_uses_with(own)
-                g.remove_node(src)
-                g.initializers[own.name] = own
-                v = own
-            if v.const is not None:
+            if v is not None and v.const is not None:
                 out.add(v)
     return out
 

@@ -54,6 +54,7 @@ class KilnModule(nn.Module):
         self.kiln_graph_model = model
         g = model.graph
         opsets = model.opset_imports
+        graph_ops.untie(g)
         keep = graph_ops.host_only(g, opsets)
         stats = graph_ops.statistics(g)
         self._slots: list[tuple[Value, nn.Module, str]] = []
