@@ -32,6 +32,14 @@ NOTES: dict[str, str] = {
     **{f"test_bernoulli{s}": _BERNOULLI
        for s in ("", "_expanded", "_double", "_double_expanded", "_seed", "_seed_expanded")},
     "test_gradient_of_add": _GRADIENT, "test_gradient_of_add_and_mul": _GRADIENT,
+    "test_squeezenet": (
+        "Its weights are constants, so all 1,000 logits are equal in exact arithmetic but "
+        "about 1e10 in size: the softmax's uniform 0.001 holds only where every channel is "
+        "summed in the same order. PyTorch's mean over a channel's 169 positions rounds 8 of "
+        "the 1,000 channels differently (its vectorized tail), one float step of 1e10 is "
+        "~1,000, and the softmax picks those. Both answers are within float32 rounding of "
+        "the exact logits; a kernel that fixes the order (avg_pool2d) was 7-20x slower on "
+        "global pooling shapes of the zoo (2026-11-29)."),
 }
 
 
@@ -77,20 +85,27 @@ def main() -> int:
     lines += [f"| **all** | {total_p} | {len(outcomes) - total_p} | "
               f"{100 * total_p / len(outcomes):.1f}% |", "",
               "For comparison, onnxruntime 1.31 passes 71% of the same 1,884 node tests.", ""]
+    failing = {o["name"]: o for o in outcomes if not o["passed"]}
+    only: dict[str, str] = {}  # a test failing on another backend only -> that backend
     for other in filter(None, args.also.split(",")):
-        c = Counter((o["kind"], o["passed"]) for o in run_suite(other))
+        theirs = run_suite(other)
+        c = Counter((o["kind"], o["passed"]) for o in theirs)
         lines += [f"The same suite on the `{other}` backend (CPU): " + ", ".join(
             f"{k} {c[(k, True)]}/{c[(k, True)] + c[(k, False)]}" for k in kinds) + " passed.", ""]
+        for o in theirs:
+            if not o["passed"] and o["name"] not in failing:
+                failing[o["name"]], only[o["name"]] = o, other
     lines += [CUDA_NOTE, ""]
     lines += [
               "## Failing tests", "",
-              "Every test below fails for the reason given; "
-              "`tests/test_conformance.py` runs the whole list in CI and fails on any test "
-              "that fails without being listed here.", "",
+              "Every test below fails for the reason given, on every backend unless its kind "
+              "says `(BACKEND only)`; `tests/test_conformance.py` runs the whole list in CI "
+              "and fails on any test that fails without being listed here.", "",
               "| test | kind | reason |", "|---|---|---|"]
-    for o in sorted((o for o in outcomes if not o["passed"]), key=lambda o: (o["kind"], o["name"])):
+    for o in sorted(failing.values(), key=lambda o: (o["kind"], o["name"])):
         reason = NOTES.get(o["name"], o["reason"]).replace("|", "\\|")
-        lines.append(f"| `{o['name']}` | {o['kind']} | {reason} |")
+        kind = f"{o['kind']} ({only[o['name']]} only)" if o["name"] in only else o["kind"]
+        lines.append(f"| `{o['name']}` | {kind} | {reason} |")
     with open(args.out, "w") as f:
         f.write("\n".join(lines) + "\n")
     print(f"{total_p} passed, {len(outcomes) - total_p} failed -> {args.out}")
