@@ -513,3 +513,84 @@ def test_window_attributes_below_their_spec_bounds_are_refused():
             [helper.make_tensor_value_info("y", TP.FLOAT, None)], [w])
         m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
         _refused_as_onnxruntime_does(m, feed, "entries")
+
+
+_DEFAULT_AXIS_CASES = [  # (op, opset, input shape, extra inputs): the default axis is out
+    ("Softmax", 13, [], []), ("LogSoftmax", 13, [], []),  # -1 on a scalar
+    ("Softmax", 11, [4], []), ("Hardmax", 11, [4], []),  # 1 on a rank-1 input
+    ("Gather", 13, [], [_I(np.array(0, np.int64), "i")]),  # 0 on a scalar
+    ("Flatten", 13, [], []), ("Split", 13, [], []), ("LpNormalization", 1, [], []),
+    ("ArgMax", 13, [], [])]
+
+
+@pytest.mark.parametrize("known_rank", [True, False], ids=["rank-known", "rank-unknown"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op,opset,shape,inits", _DEFAULT_AXIS_CASES,
+                         ids=[f"{c[0]}-{c[1]}" for c in _DEFAULT_AXIS_CASES])
+def test_an_absent_axis_whose_default_is_outside_the_rank_is_refused(op, opset, shape, inits,
+                                                                    backend, known_rank):
+    """The axis check read only a written attribute: Softmax-13 (default -1) and
+    LpNormalization (default -1) ran on a scalar, which onnxruntime refuses."""
+    m = _one(helper.make_node(op, ["x", *[t.name for t in inits]], ["y"]),
+             shape if known_rank else None, opset, inits,
+             out_type=TP.INT64 if op == "ArgMax" else TP.FLOAT)
+    feed = {"x": np.arange(int(np.prod(shape)), dtype=np.float32).reshape(shape)}
+    if known_rank or op != "ArgMax":  # onnxruntime's ArgMax kernel takes a scalar's axis 0
+        assert _ort_refuses(m, feed)
+    if known_rank:
+        with pytest.raises(kiln.errors.InvalidAttributeError, match=r"absent: its default"):
+            kiln.load(m)
+    for optimize in (True, False):  # at run time (rank unknown) some kernels name the dim
+        with pytest.raises(kiln.KilnError, match=r"(?i)axis|0-dim"):
+            _kiln(m, feed, backend, optimize)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_absent_axis_whose_default_fits_still_runs(backend):
+    """The defaults are read per op version: Softmax-11's 1 on a rank-2 input, -1 at 13."""
+    for opset in (11, 13):
+        m = _one(helper.make_node("Softmax", ["x"], ["y"]), [2, 3], opset)
+        feed = {"x": np.arange(6, dtype=np.float32).reshape(2, 3)}
+        np.testing.assert_allclose(_kiln(m, feed, backend)[0], _ort(m, feed)[0], rtol=1e-6)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_scalar_onehot_indices_are_refused_as_onnxruntime_does(backend):
+    """ONNX's shape inference takes OneHot's indices at rank 1 or more; Kiln ran a scalar."""
+    inits = [_I(np.array(3, np.int64), "d"), _I(np.array([0, 1], np.float32), "v")]
+    feed = {"x": np.array(1, np.int64)}
+    for known_rank in (True, False):
+        m = _one(helper.make_node("OneHot", ["x", "d", "v"], ["y"]),
+                 [] if known_rank else None, 17, inits, x_type=TP.INT64)
+        assert _ort_refuses(m, feed)
+        with pytest.raises(kiln.KilnError, match="rank 1 or more"):
+            _kiln(m, feed, backend)
+
+
+@pytest.mark.parametrize("fed", [False, True], ids=["constant-weights", "fed-weights"])
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("op", ["Conv", "ConvTranspose"])
+def test_a_kernel_shape_other_than_the_weights_is_refused(op, backend, fed):
+    """A Conv with kernel_shape [2, 2] and 3x3 weights ran from the weights' shape (fuzz
+    campaign of 2026-11-28, two cases); onnxruntime refuses it, ``onnx.reference`` fails
+    reshaping the weights. The weights' own kernel_shape still runs."""
+    from onnx.reference import ReferenceEvaluator
+
+    w = np.linspace(-1, 1, 36, dtype=np.float32).reshape(2, 2, 3, 3)
+    feed = {"x": np.linspace(0, 1, 32, dtype=np.float32).reshape(1, 2, 4, 4)}
+    if fed:
+        feed["w"] = w
+    for ks in ([2, 2], [3, 3]):
+        graph = helper.make_graph(
+            [helper.make_node(op, ["x", "w"], ["y"], kernel_shape=ks, pads=[1] * 4)], "g",
+            [helper.make_tensor_value_info("x", TP.FLOAT, [1, 2, 4, 4])] +
+            ([helper.make_tensor_value_info("w", TP.FLOAT, None)] if fed else []),
+            [helper.make_tensor_value_info("y", TP.FLOAT, None)], [] if fed else [_I(w, "w")])
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        if ks == [3, 3]:
+            np.testing.assert_allclose(_kiln(m, feed, backend)[0],
+                                       ReferenceEvaluator(m).run(None, feed)[0], atol=1e-5)
+            continue
+        assert _ort_refuses(m, feed)
+        with pytest.raises(kiln.KilnError, match=r"kernel_shape.*\[2, 2\].*\[3, 3\]"):
+            _kiln(m, feed, backend)

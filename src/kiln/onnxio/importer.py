@@ -464,9 +464,9 @@ def _check_opsets(opsets: dict[str, int], what: str) -> None:
                 "to a defined opset (onnx.version_converter) or upgrade onnx")
 
 
-def _rank(v: Value | None) -> int | None:
+def _shape(v: Value | None) -> tuple | None:
     t = v.type if v is not None else None
-    return len(t.shape) if isinstance(t, TensorType) and t.shape is not None else None
+    return t.shape if isinstance(t, TensorType) else None
 
 
 def _named_dim(name: str):
@@ -624,7 +624,8 @@ class ModelImporter:
             if attrs:
                 rules.check_values(op_type, domain, since, attrs, where)
             if op_type in rules.RANKED:
-                rules.check_axes(op_type, domain, attrs, [_rank(v) for v in inputs], where)
+                rules.check_axes(op_type, domain, attrs, [_shape(v) for v in inputs], where,
+                                 since)
         outputs = []
         for n in output_names:
             if not n:

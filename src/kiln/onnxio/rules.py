@@ -201,11 +201,15 @@ def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, obje
 
 
 def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
-               ranks: Sequence[int | None], where: object) -> None:
-    """The node's axis attribute against the rank of the input it indexes, where that rank
-    is known (``ranks[i]``: input i's rank or None)."""
+               shapes: Sequence[Sequence[object] | None], where: object,
+               since: int | None = None) -> None:
+    """The node's axis attribute against the rank of the input it indexes, and its other
+    rank- and shape-bound attributes, where the shape is known (``shapes[i]``: input i's
+    dims, ints or symbols, or None). An absent axis is its schema's default at opset
+    ``since`` (onnxruntime checks that one too: Softmax-13's default -1 on a scalar)."""
     if domain != "":
         return
+    ranks = [len(s) if s is not None else None for s in shapes]
     spatial = SPATIAL.get(op_type)
     if spatial and ranks and ranks[0] is not None:
         for name, per in spatial.items():
@@ -213,6 +217,7 @@ def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
             if isinstance(value, list) and len(value) != per * (ranks[0] - 2):
                 _refuse(where, op_type, name, value,
                         f"{per * (ranks[0] - 2)} entries for its rank-{ranks[0]} input")
+    _check_kernel_shape(op_type, attrs, shapes, where)
     if op_type == "Transpose" and ranks and ranks[0] is not None:
         perm = attrs.get("perm")
         if isinstance(perm, list) and sorted(perm) != list(range(ranks[0])):
@@ -226,10 +231,17 @@ def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
                     f"{_node_text(where, op_type)}: input {i} has rank {ranks[i]}, but "
                     f"{op_type} takes a 1-D tensor there (onnxruntime refuses others)",
                     node=str(where), attribute=f"input {i}", allowed="a 1-D tensor")
+    if op_type in NOT_SCALAR and ranks and ranks[0] == 0:
+        raise InvalidAttributeError(
+            f"{_node_text(where, op_type)}: input 0 is a scalar, but {op_type} takes a "
+            "tensor of rank 1 or more there (onnxruntime refuses a scalar)",
+            node=str(where), attribute="input 0", allowed="rank 1 or more")
     if op_type not in AXES:
         return
     name, i, extra = AXES[op_type]
     value = attrs.get(name)
+    if value is None and since is not None:
+        value = _axis_default(op_type, since)
     if value is None or i >= len(ranks) or ranks[i] is None:
         return
     axes = value if isinstance(value, list) else [value]
@@ -241,8 +253,46 @@ def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],
     lo, hi = -rank - extra[0], rank - 1 + extra[1]
     for a in axes:
         if not lo <= a <= hi:
-            _refuse(where, op_type, name, a,
+            what = name if name in attrs else f"{name} (absent: its default)"
+            _refuse(where, op_type, what, a,
                     f"an axis in [{lo}, {hi}] for its rank-{ranks[i]} input")
+
+
+NOT_SCALAR = frozenset({"Compress", "OneHot"})
+"""Ops whose input 0 the spec (and ONNX's shape inference) takes at rank 1 or more and
+whose axis has no default to bound it."""
+
+# op -> the input holding the weights whose spatial dims ``kernel_shape`` must repeat
+WEIGHTS: dict[str, int] = {"Conv": 1, "ConvTranspose": 1, "ConvInteger": 1, "QLinearConv": 3,
+                           "DeformConv": 1}
+
+
+def _check_kernel_shape(op_type: str, attrs: Mapping[str, object],
+                        shapes: Sequence[Sequence[object] | None], where: object) -> None:
+    """A convolution's ``kernel_shape`` against its weights' spatial dims: the spec infers
+    it from the weights, and a different one has no meaning (onnxruntime refuses it,
+    ``onnx.reference`` fails reshaping the weights)."""
+    i = WEIGHTS.get(op_type)
+    ks = attrs.get("kernel_shape")
+    if i is None or not isinstance(ks, list) or i >= len(shapes) or shapes[i] is None:
+        return
+    dims = list(shapes[i])[2:]
+    if len(dims) == len(ks) and all(isinstance(d, int) for d in dims) and dims != ks:
+        _refuse(where, op_type, "kernel_shape", ks,
+                f"the weights' spatial dims {dims} (input {i} is {list(shapes[i])})")
+
+
+@functools.lru_cache(maxsize=1024)
+def _axis_default(op_type: str, since: int) -> object:
+    """The default of ``op_type``'s axis attribute at opset ``since``, None if it has none."""
+    try:
+        schema = onnx.defs.get_schema(op_type, since, "")
+    except onnx.defs.SchemaError:
+        return None
+    a = schema.attributes.get(AXES[op_type][0])
+    if a is None or not a.default_value.name:
+        return None
+    return onnx.helper.get_attribute_value(a.default_value)
 
 
 @functools.lru_cache(maxsize=4096)

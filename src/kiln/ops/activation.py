@@ -215,9 +215,7 @@ def _coerced_2d(fn):
 
     def kernel(x, *, axis=1):
         xp = namespace(x)
-        if x.ndim == 0:
-            return fn(xp, xp.reshape(x, (1, 1)), 1)[0, 0]
-        ax = norm_axis(axis, x.ndim)
+        ax = norm_axis(axis, x.ndim)  # a scalar has no axis: onnxruntime refuses it
         rows = math.prod(x.shape[:ax])
         flat = xp.reshape(x, (rows, math.prod(x.shape[ax:])))
         return xp.reshape(fn(xp, flat, 1), x.shape)
@@ -230,10 +228,8 @@ def _per_axis(fn):
     """Opset 13+: normalize along ``axis`` only."""
 
     def kernel(x, *, axis=-1):
-        xp = namespace(x)
-        if x.ndim == 0:
-            return fn(xp, xp.reshape(x, (1,)), 0)[0]
-        return fn(xp, x, norm_axis(axis, x.ndim))
+        # a scalar has no axis (not even the default -1): onnxruntime refuses it
+        return fn(namespace(x), x, norm_axis(axis, x.ndim))
 
     kernel.__name__ = kernel.__qualname__ = fn.__name__.lstrip("_")
     return kernel

@@ -14,6 +14,7 @@ import threading
 
 import numpy as np
 
+from kiln.errors import KernelError
 from kiln.ops import cost, winograd
 from kiln.ops.registry import op
 
@@ -257,6 +258,15 @@ def add_bias(y: np.ndarray, b) -> np.ndarray:
     return y
 
 
+def check_kernel_shape(kernel_shape, w) -> None:
+    """Refuse a ``kernel_shape`` other than the weights' spatial dims (load refuses it
+    where the weights' shape is known; this is for fed weights): the spec infers the
+    kernel from the weights, onnxruntime refuses a different one."""
+    if kernel_shape is not None and list(kernel_shape) != list(w.shape[2:]):
+        raise KernelError(f"kernel_shape {list(kernel_shape)} differs from the weights' "
+                          f"spatial dims {list(w.shape[2:])}; drop the attribute or fix it")
+
+
 CONV_ATTRS = ("auto_pad", "dilations", "group", "kernel_shape", "pads", "strides")
 
 
@@ -264,6 +274,7 @@ def convolve(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel
              pads=None, strides=None, wino=None) -> np.ndarray:
     """ONNX Conv of ``x`` by ``w`` plus ``b``, computed in float32/64, in ``x``'s dtype."""
     nd = x.ndim - 2
+    check_kernel_shape(kernel_shape, w)
     strides, dilations = spatial_attrs(nd, strides, dilations)
     begin, end = conv_pads(x.shape[2:], w.shape[2:], strides, dilations, auto_pad, pads)
     wd = work_dtype(x.dtype)

@@ -10,6 +10,7 @@ import numpy as np
 from kiln.ops import cost
 from kiln.ops.conv import (
     add_bias,
+    check_kernel_shape,
     conv_pads,
     offset_slices,
     pad_spatial,
@@ -53,6 +54,7 @@ def conv_transpose(x, w, b=None, *, auto_pad="NOTSET", dilations=None, group=1,
                    kernel_shape=None, output_padding=None, output_shape=None, pads=None,
                    strides=None):
     """Matmul to per-kernel-offset columns, then a strided scatter-add per offset."""
+    check_kernel_shape(kernel_shape, w)
     nd = x.ndim - 2
     strides, dilations = spatial_attrs(nd, strides, dilations)
     out_pad = list(output_padding or [0] * nd)
@@ -105,6 +107,7 @@ def _sample(x, pos):
 @op("DeformConv", 19)
 def deform_conv(x, w, offset, b=None, mask=None, *, dilations=None, group=1,
                 kernel_shape=None, offset_group=1, pads=None, strides=None):
+    check_kernel_shape(kernel_shape, w)
     nd = x.ndim - 2
     strides, dilations = spatial_attrs(nd, strides, dilations)
     begin, end = conv_pads(x.shape[2:], w.shape[2:], strides, dilations, "NOTSET", pads)

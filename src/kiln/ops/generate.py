@@ -8,6 +8,7 @@ import math
 import ml_dtypes
 import numpy as np
 
+from kiln.errors import KernelError
 from kiln.ir import DType
 from kiln.ops import cost
 from kiln.ops._array import axis as norm_axis
@@ -81,6 +82,9 @@ def eye_like(x, *, dtype=None, k=0):
 
 @op("OneHot", 9, host_inputs=(1,), differentiable=False)
 def one_hot(indices, depth, values, *, axis=-1):
+    if np.ndim(indices) == 0:  # ONNX's shape inference and onnxruntime refuse it too
+        raise KernelError("OneHot: indices is a scalar, but OneHot takes a tensor of rank 1 "
+                          "or more; reshape it to [1]")
     d = int(np.asarray(depth).reshape(-1)[0])
     idx = np.asarray(indices).astype(np.int64)
     idx = np.where(idx < 0, idx + d, idx)  # out of range after this: all "off"

@@ -180,6 +180,7 @@ def mean_variance_norm(x, *, axes=(0, 2, 3)):
 @op("LpNormalization", 1)
 def lp_norm(x, *, axis=-1, p=2):
     """x / ||x||_p along ``axis``; zero where the norm is zero."""
+    axis = norm_axis(axis, x.ndim)  # NumPy sums axis -1 of a scalar; onnxruntime refuses it
     wd = work_dtype(x.dtype)
     xw = x.astype(wd)
     if p == 1:

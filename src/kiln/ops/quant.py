@@ -13,7 +13,7 @@ import numpy as np
 
 from kiln.ir.types import DType
 from kiln.ops import cost
-from kiln.ops.conv import conv_core, conv_pads, spatial_attrs
+from kiln.ops.conv import check_kernel_shape, conv_core, conv_pads, spatial_attrs
 from kiln.ops.registry import op
 
 
@@ -142,6 +142,7 @@ def _per_channel(p, ndim):
 @op("ConvInteger", 10, differentiable=False, cost=cost.conv())
 def conv_integer(x, w, x_zero_point=None, w_zero_point=None, *, auto_pad="NOTSET",
                  dilations=None, group=1, kernel_shape=None, pads=None, strides=None):
+    check_kernel_shape(kernel_shape, w)
     y = _int_conv(_minus(x, x_zero_point), _minus(w, _per_channel(w_zero_point, w.ndim)),
                   group, auto_pad, dilations, pads, strides)
     return np.rint(y).astype(np.int32)
@@ -151,6 +152,7 @@ def conv_integer(x, w, x_zero_point=None, w_zero_point=None, *, auto_pad="NOTSET
 def qlinear_conv(x, x_scale, x_zero_point, w, w_scale, w_zero_point, y_scale, y_zero_point,
                  b=None, *, auto_pad="NOTSET", dilations=None, group=1, kernel_shape=None,
                  pads=None, strides=None):
+    check_kernel_shape(kernel_shape, w)
     acc = _int_conv(_minus(x, x_zero_point), _minus(w, _per_channel(w_zero_point, w.ndim)),
                     group, auto_pad, dilations, pads, strides)
     chan = (1, -1) + (1,) * (acc.ndim - 2)

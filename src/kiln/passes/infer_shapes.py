@@ -65,7 +65,8 @@ def infer_node(n: Node, model: Model) -> int:
     # Axes the importer could not check (their input's rank was unknown there) are checked
     # on the inferred ranks before any rule or ONNX's C++ inference reads them.
     if n.op_type in rules.RANKED:
-        rules.check_axes(n.op_type, n.domain, n.attrs, [_rank(v) for v in n.inputs], n)
+        rules.check_axes(n.op_type, n.domain, n.attrs, [_shape(v) for v in n.inputs], n,
+                         opset)
     rules.check_types(n.op_type, n.domain, opset,
                       [v.type if v is not None else None for v in n.inputs], n)
     ctx = InferContext(n, opset)
@@ -91,9 +92,9 @@ def infer_node(n: Node, model: Model) -> int:
     return changed
 
 
-def _rank(v: Value | None) -> int | None:
+def _shape(v: Value | None) -> tuple | None:
     t = v.type if v is not None else None
-    return len(t.shape) if isinstance(t, TensorType) and t.shape is not None else None
+    return t.shape if isinstance(t, TensorType) else None
 
 
 def settled(n: Node) -> bool:

@@ -234,11 +234,14 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
             xx, z, pw, pb, begins, strides, dil, group, "add", None,
             None if attr == "none" else attr, [], None)
 
+    # fed weights: a kernel_shape that differs from theirs is the NumPy kernel's error
+    ks = site.attr("kernel_shape") if wc is None else None
+
     def run(x, w, b=None, z=None):
         if x.dtype not in FLOATS or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
             return NI
         n = x.dim() - 2
-        if n not in _CONV or w.dim() != n + 2:
+        if n not in _CONV or w.dim() != n + 2 or ks and list(w.shape[2:]) != list(ks):
             return NI
         strides, dil, begins, ends = _window(site, x, list(w.shape[2:]))
         if begins != ends:
@@ -285,12 +288,13 @@ def conv_transpose(site):
         return None  # pads derived from output_shape / SAME: NumPy kernel
     group = int(site.attr("group", 1))
     low = site.backend.compute_dtype
+    ks = site.attr("kernel_shape")  # one other than the weights' is the NumPy kernel's error
 
     def run(x, w, b=None):
         if x.dtype not in FLOATS or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
             return NI
         n = x.dim() - 2
-        if n not in _CONVT:
+        if n not in _CONVT or ks and list(w.shape[2:]) != list(ks):
             return NI
         strides = list(site.attr("strides") or [1] * n)
         dil = list(site.attr("dilations") or [1] * n)
@@ -556,6 +560,7 @@ def layer_norm(site):
 def lp_norm(x, *, axis=-1, p=2):
     if x.dtype not in FLOATS or p not in (1, 2):
         return NI
+    axis = norm_axis(axis, x.dim())  # torch sums dim -1 of a scalar; onnxruntime refuses it
     nrm = x.abs().sum(dim=axis, keepdim=True) if p == 1 else \
         torch.sqrt((x * x).sum(dim=axis, keepdim=True))
     return x / torch.where(nrm == 0, torch.ones_like(nrm), nrm)  # zero vectors stay zero
@@ -579,7 +584,7 @@ def _softmax_kernel(fn):
                 # softmax in fp32).
                 return NI
             if not legacy:
-                return fn(x, ax)
+                return fn(x, axis(ax, x.dim()))  # torch takes dim -1 of a scalar
             a = axis(ax, x.dim())
             lead = math.prod(x.shape[:a])
             return fn(x.reshape(lead, -1) if x.numel() else x.reshape(lead, 0), 1) \
