@@ -124,3 +124,62 @@ def test_random_init_bert_has_the_original_parameters_and_gradients():
         assert (g - w).norm() <= 1e-4 * w.norm() + 1e-6 * scale, k
     ln = "bert.embeddings.LayerNorm.bias"
     torch.testing.assert_close(m.get_parameter(ln).grad, want[ln].grad, rtol=1e-4, atol=1e-6)
+
+
+def _cnn() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3),
+                         nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+
+
+def test_eval_is_inference_for_a_train_mode_export():
+    """Exported in train mode, Dropout's training_mode is a constant True and BatchNorm's
+    training_mode attribute 1: module.eval() still means inference, the original's eval."""
+    net = _cnn()
+    proto = _export(net.train(), (torch.randn(2, 1, 8, 8),), train=True,
+                    do_constant_folding=False)
+    ops = {n.op_type: n for n in proto.graph.node}
+    assert len(ops["BatchNormalization"].output) == 3 and len(ops["Dropout"].input) == 3
+    m = kiln.to_torch(proto).eval()
+    x = torch.randn(5, 1, 8, 8)
+    with torch.no_grad():
+        first, second, want = m(x), m(x), net.eval()(x)
+    torch.testing.assert_close(first, want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(second, first, rtol=0, atol=0)
+    stats = {k: b.clone() for k, b in m.named_buffers()}
+    for k, b in m.named_buffers():  # eval never moves the running statistics
+        torch.testing.assert_close(b, stats[k], rtol=0, atol=0)
+
+
+def test_a_train_mode_cnn_with_batchnorm_and_dropout_trains_as_the_original():
+    """BatchNormalization with training_mode=1 (three outputs) and Dropout: from the same
+    seed, the same dropout masks, outputs, gradients, running statistics and SGD steps."""
+    net = _cnn().train()
+    # tracing in train mode moves net's running statistics; the file holds them as moved
+    proto = _export(net, (torch.randn(2, 1, 8, 8),), train=True, do_constant_folding=False)
+    m = kiln.to_torch(proto).train()
+    assert len(list(m.parameters())) == len(list(net.parameters()))
+    opts = [torch.optim.SGD(mod.parameters(), lr=0.05, momentum=0.9) for mod in (net, m)]
+    gen = torch.Generator().manual_seed(1)
+    for step in range(3):
+        x = torch.randn(6, 1, 8, 8, generator=gen)
+        y = torch.randint(0, 3, (6,), generator=gen)
+        outs = []
+        for mod, opt in zip((net, m), opts):
+            torch.manual_seed(100 + step)
+            opt.zero_grad()
+            out = mod(x)
+            nn.functional.cross_entropy(out, y).backward()
+            outs.append(out)
+        torch.testing.assert_close(outs[1], outs[0], rtol=1e-5, atol=1e-6)
+        _same_gradients(net, m, rel=1e-4)
+        for opt in opts:
+            opt.step()
+    ref_buffers = dict(net.named_buffers())
+    for k, b in m.named_buffers():  # running statistics moved as PyTorch's
+        torch.testing.assert_close(b, ref_buffers[k], rtol=1e-5, atol=1e-6)
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(p, net.get_parameter(k), rtol=1e-5, atol=1e-6)
+    x = torch.randn(4, 1, 8, 8)
+    with torch.no_grad():
+        torch.testing.assert_close(m.eval()(x), net.eval()(x), rtol=1e-5, atol=1e-6)

@@ -497,12 +497,18 @@ def global_max_pool(x):
 
 @kernel("BatchNormalization", 7, prepare=True)
 def batch_norm(site):
-    if int(site.attr("training_mode", 0)) or site.num_outputs > 1 \
-            or not int(site.attr("spatial", 1)):
-        return None  # training statistics, per-position params: NumPy kernel
-    eps = float(site.attr("epsilon", 1e-5))
+    """Inference with the running statistics; in a training module (:func:`kiln.to_torch`)
+    the module's train()/eval() flag decides, whatever ``training_mode`` says: batch
+    statistics that update the running ones (module buffers) in place as torch.nn.BatchNorm
+    does, and the running statistics as the node's extra outputs."""
     be = site.backend
+    if not int(site.attr("spatial", 1)) or not be.module and (
+            int(site.attr("training_mode", 0)) or site.num_outputs > 1):
+        return None  # training statistics outside a module, per-position params: NumPy kernel
+    eps = float(site.attr("epsilon", 1e-5))
     momentum = 1.0 - float(site.attr("momentum", 0.9))  # torch weighs the batch's share
+    extra = _read(site, 1) or _read(site, 2)
+    n_out = site.num_outputs
 
     def run(x, scale, bias, mean, var):
         if x.dtype not in FLOATS or x.dim() < 2:
@@ -510,12 +516,23 @@ def batch_norm(site):
         if any(t.dim() != 1 for t in (scale, bias, mean, var)):
             return NI
         if be.training:  # batch statistics; updates mean and var (module buffers) in place
-            return F.batch_norm(x, mean, var, scale, bias, True, momentum, eps)
-        dt = x.dtype
-        if not all(t.dtype == dt for t in (scale, bias, mean, var)):
-            return NI
-        return F.batch_norm(x, mean, var, scale, bias, False, 0.0, eps)
+            y = F.batch_norm(x, mean, var, scale, bias, True, momentum, eps)
+        else:
+            dt = x.dtype
+            if not all(t.dtype == dt for t in (scale, bias, mean, var)):
+                return NI
+            y = F.batch_norm(x, mean, var, scale, bias, False, 0.0, eps)
+        if extra:
+            return y, mean.detach().clone(), var.detach().clone()
+        return y if n_out == 1 else (y,) + (None,) * (n_out - 1)
     return run
+
+
+def _read(site, i: int) -> bool:
+    """Whether output ``i`` exists and a node or the graph reads it (exporters leave the
+    extra outputs of training-mode BatchNormalization and Dropout unread)."""
+    outs = site.node.outputs
+    return i < len(outs) and outs[i] is not None and outs[i].is_used()
 
 
 @kernel("InstanceNormalization", 6)
@@ -603,10 +620,14 @@ kernel("LogSoftmax", 1, prepare=True)(_softmax_kernel(torch.log_softmax))
 
 @kernel("Dropout", 7, prepare=True)
 def dropout(site):
-    """Identity in inference; in a training module (:func:`kiln.to_torch`) torch's dropout,
-    with the mask output too when the node has one (in the input's type before opset 10)."""
+    """Identity in inference; in a training module (:func:`kiln.to_torch`) the module's
+    train()/eval() flag decides, whatever ``training_mode`` says (exporters write it as a
+    constant True when exporting in train mode): torch's dropout in train mode, with the
+    mask output too when something reads it (in the input's type before opset 10), the
+    identity in eval mode."""
     be = site.backend
-    masked = site.num_outputs > 1
+    masked = _read(site, 1)
+    unread = (None,) * (site.num_outputs - 1)  # a mask output nothing reads
     input_typed_mask = site.opset < 10
 
     def ones(x):
@@ -614,8 +635,8 @@ def dropout(site):
                           device=x.device)
 
     def drop(x, p: float):
-        if not masked:
-            return F.dropout(x, p, True)
+        if not masked:  # torch.nn.Dropout's own draw: the same mask from the same seed
+            return (F.dropout(x, p, True),) + unread if unread else F.dropout(x, p, True)
         keep = torch.rand(x.shape, device=x.device) >= p
         y = x * keep / (1.0 - p) if p < 1 else torch.zeros_like(x)
         return y, keep.to(x.dtype) if input_typed_mask else keep
@@ -624,9 +645,10 @@ def dropout(site):
         def run12(x, ratio=None, training_mode=None):
             if be.training:
                 return drop(x, 0.5 if ratio is None else floats(ratio)[0])
-            if training_mode is not None and bool(training_mode.reshape(-1)[0]):
+            if not be.module and training_mode is not None \
+                    and bool(training_mode.reshape(-1)[0]):
                 return NI  # asked for by the graph: the NumPy kernel's seeded masks
-            return (x, ones(x)) if masked else x
+            return (x, ones(x)) if masked else (x,) + unread if unread else x
         return run12
 
     ratio = float(site.attr("ratio", 0.5))
@@ -634,7 +656,7 @@ def dropout(site):
     def run(x):
         if be.training:
             return drop(x, ratio)
-        return (x, ones(x)) if masked else x
+        return (x, ones(x)) if masked else (x,) + unread if unread else x
     return run
 
 
