@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import sys
 import time
 from collections.abc import Callable
@@ -340,6 +341,43 @@ def build_parser() -> argparse.ArgumentParser:
     _add_backend(p)
     _add_no_optimize(p)
     p.set_defaults(func=cmd_batch, parser=p)
+
+    p = sub.add_parser("serve", help="serve models over the Open Inference Protocol "
+                       "(KServe v2): HTTP and gRPC, dynamic batching",
+                       description="Serve ONNX models to any KServe v2 / Triton client "
+                       "until SIGTERM or Ctrl-C (requests in flight finish). A file is "
+                       "served under its file stem; a repository folder holds "
+                       "name/VERSION/model.onnx with an optional name/config.json. Needs "
+                       "the serve extra. Docs: docs/serving.md.")
+    p.add_argument("models", nargs="*", metavar="MODEL", help=".onnx files to serve")
+    p.add_argument("--model-repository", metavar="DIR", default=None,
+                   help="folder of models in Triton's layout (name/1/model.onnx)")
+    p.add_argument("--host", default="127.0.0.1",
+                   help="address to listen on (default 127.0.0.1: this machine only)")
+    p.add_argument("--http-port", type=int, default=8000, help="HTTP port (default 8000; "
+                   "0 picks a free one)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="gRPC port (default 8001; "
+                   "0 picks a free one)")
+    p.add_argument("--allow-grpc", choices=["true", "false"], default="true",
+                   help="serve gRPC too (default true)")
+    p.add_argument("--max-batch-size", type=int, default=32,
+                   help="rows one run merges from concurrent requests (default 32; 0 or 1: "
+                        "no batching)")
+    p.add_argument("--max-queue-delay-microseconds", type=int, default=0,
+                   help="how long a request waits for others to batch with (default 0: "
+                        "only requests already queued are merged)")
+    p.add_argument("--max-queue-size", type=_positive, default=256,
+                   help="requests queued per model before 503 / UNAVAILABLE (default 256)")
+    p.add_argument("--max-request-size", type=_positive, default=64 << 20, metavar="BYTES",
+                   help="largest request accepted (default 64 MiB)")
+    p.add_argument("--threads", type=_positive, default=None, help="threads per model run")
+    p.add_argument("--token-env", default="KILN_SERVE_TOKEN", metavar="VAR",
+                   help="environment variable holding a bearer token every request but "
+                        "health checks must carry (default KILN_SERVE_TOKEN; unset: none)")
+    _add_backend(p)
+    p.add_argument("--precision", choices=["fp32", "tf32", "bf16", "fp16"], default=None,
+                   help="torch backend: compute precision")
+    p.set_defaults(func=cmd_serve, parser=p)
 
     p = sub.add_parser("quantize", help="write an INT8 (or weight-only INT4) model in "
                        "standard QDQ format, with a report of what it cost",
@@ -752,6 +790,22 @@ def cmd_batch(args) -> int:
     return 0
 
 
+def cmd_serve(args) -> int:
+    from kiln.serve import ModelConfig, serve
+
+    if not args.models and not args.model_repository:
+        raise UsageError("give model files, --model-repository DIR, or both")
+    config = ModelConfig(backend=args.backend, device=args.device, precision=args.precision,
+                         threads=args.threads, max_batch_size=args.max_batch_size,
+                         max_queue_delay_microseconds=args.max_queue_delay_microseconds,
+                         max_queue_size=args.max_queue_size)
+    serve(args.models, args.model_repository, host=args.host, http_port=args.http_port,
+          grpc_port=args.grpc_port if args.allow_grpc == "true" else None,
+          token=os.environ.get(args.token_env) or None,
+          max_request_bytes=args.max_request_size, config=config)
+    return 0
+
+
 def cmd_quantize(args) -> int:
     from kiln.quantize import quantize
     from kiln.tools.common import resolve_path
@@ -801,7 +855,8 @@ def cmd_zoo(argv: list[str]) -> int:
 # Optional packages and the extra of pyproject.toml that installs each (for the safety net
 # in _guard: the places that need them raise MissingDependencyError themselves).
 _EXTRAS = {"torch": "torch", "PIL": "images", "onnxruntime": "zoo", "transformers": "zoo",
-           "onnxscript": "zoo", "tqdm": "zoo", "ray": "ray"}
+           "onnxscript": "zoo", "tqdm": "zoo", "ray": "ray", "starlette": "serve",
+           "uvicorn": "serve", "grpc": "serve", "prometheus_client": "serve"}
 
 
 def _missing_module_hint(e: ModuleNotFoundError) -> str | None:

@@ -1,0 +1,171 @@
+"""Dynamic batching: requests for one model wait in a bounded queue; one worker takes the
+first and every queued request with the same per-row shapes (up to the max batch size,
+waiting at most the batching window for more), runs them as one batch along dim 0 and
+hands each its rows back. Runs happen on the model's own thread so the event loop keeps
+accepting requests meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kiln.errors import KilnError
+
+RunFn = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
+# (model, batch size in rows, seconds each request waited, seconds the run took)
+Observer = Callable[[str, int, list[float], float], None]
+
+
+class Overloaded(KilnError):
+    """The model's queue is full: retry after a moment (HTTP 503, gRPC UNAVAILABLE)."""
+
+
+@dataclass
+class _Request:
+    feed: dict[str, np.ndarray]
+    future: asyncio.Future
+    key: tuple | None  # requests with equal keys can share a batch; None: never
+    rows: int
+    queued: float = field(default_factory=time.perf_counter)
+
+
+def _key(feed: dict[str, np.ndarray]) -> tuple[tuple | None, int]:
+    rows = {a.shape[0] if a.ndim else -1 for a in feed.values()}
+    if len(rows) != 1 or -1 in rows or any(a.dtype == object for a in feed.values()):
+        return None, 1
+    key = tuple(sorted((n, a.dtype.str, a.shape[1:]) for n, a in feed.items()))
+    return key, rows.pop()
+
+
+class Batcher:
+    """The queue and worker of one model. ``max_batch`` <= 1 runs every request alone."""
+
+    observer: Observer | None = None
+
+    def __init__(self, name: str, run: RunFn, max_batch: int, window_s: float,
+                 max_queue: int):
+        self.name, self._run = name, run
+        self.max_batch, self.window, self.max_queue = max_batch, window_s, max_queue
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix=f"kiln-serve-{name}")
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._wake: asyncio.Event | None = None
+        self._worker: asyncio.Task | None = None
+        self._closed = False
+
+    @property
+    def queued(self) -> int:
+        """Requests waiting for a run."""
+        return len(self._waiting)
+
+    async def submit(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
+        """Queue ``feed`` and return its outputs once its batch has run."""
+        if self._closed:
+            raise Overloaded(f"model {self.name!r} is being unloaded; retry")
+        if len(self._waiting) >= self.max_queue:
+            raise Overloaded(f"model {self.name!r} has {len(self._waiting)} requests queued "
+                             "(its limit); retry after a moment")
+        if self._worker is None:
+            self._loop = asyncio.get_running_loop()
+            self._wake = asyncio.Event()
+            self._worker = self._loop.create_task(self._work())
+        key, rows = _key(feed)
+        req = _Request(feed, self._loop.create_future(), key, rows)
+        self._waiting.append(req)
+        self._wake.set()
+        return await req.future
+
+    def close(self) -> None:
+        """Take no new requests; the worker finishes those queued, then stops. Safe to
+        call from any thread."""
+        self._closed = True
+        if self._loop is None:
+            self._pool.shutdown(wait=False)
+        elif not self._loop.is_closed():
+            self._loop.call_soon_threadsafe(self._wake.set)
+
+    async def _work(self) -> None:
+        while True:
+            while not self._waiting:
+                if self._closed:
+                    self._pool.shutdown(wait=False)
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+            first = self._waiting[0]
+            if self.max_batch > 1 and self.window > 0 and first.key is not None:
+                deadline = first.queued + self.window
+                while self._rows_like(first) < self.max_batch:
+                    left = deadline - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._wake.clear()
+                    try:
+                        await asyncio.wait_for(self._wake.wait(), left)
+                    except asyncio.TimeoutError:
+                        break
+            await self._execute(self._take(first))
+
+    def _rows_like(self, first: _Request) -> int:
+        return sum(r.rows for r in self._waiting if r.key == first.key)
+
+    def _take(self, first: _Request) -> list[_Request]:
+        batch, rows, keep = [], 0, collections.deque()
+        for r in self._waiting:
+            fits = r is first or (self.max_batch > 1 and first.key is not None
+                                  and r.key == first.key and rows + r.rows <= self.max_batch)
+            if fits:
+                batch.append(r)
+                rows += r.rows
+            else:
+                keep.append(r)
+        self._waiting = keep
+        return batch
+
+    async def _execute(self, batch: list[_Request]) -> None:
+        start = time.perf_counter()
+        waits = [start - r.queued for r in batch]
+        loop = asyncio.get_running_loop()
+        try:
+            if len(batch) == 1:
+                results = [await loop.run_in_executor(self._pool, self._run, batch[0].feed)]
+            else:
+                results = await loop.run_in_executor(self._pool, self._run_merged, batch)
+        except Exception as e:  # noqa: BLE001 - handed to the request that caused it
+            results = [e]
+        took = time.perf_counter() - start
+        if self.observer is not None:
+            self.observer(self.name, sum(r.rows for r in batch), waits, took)
+        for r, res in zip(batch, results):
+            if r.future.done():  # the client went away
+                continue
+            if isinstance(res, BaseException):
+                r.future.set_exception(res)
+            else:
+                r.future.set_result(res)
+
+    def _run_merged(self, batch: list[_Request]) -> list:
+        names = list(batch[0].feed)
+        merged = {n: np.concatenate([r.feed[n] for r in batch]) for n in names}
+        total = sum(r.rows for r in batch)
+        try:
+            outs = self._run(merged)
+        except Exception:  # noqa: BLE001 - one bad request must not fail the others
+            outs = None
+        if outs is None or any(o.ndim == 0 or o.shape[0] != total for o in outs):
+            # the run failed, or an output is not per-row: run each request alone
+            return [self._run_alone(r.feed) for r in batch]
+        bounds = np.cumsum([0] + [r.rows for r in batch])
+        return [[o[bounds[i]:bounds[i + 1]] for o in outs] for i in range(len(batch))]
+
+    def _run_alone(self, feed: dict[str, np.ndarray]) -> list[np.ndarray] | Exception:
+        try:
+            return self._run(feed)
+        except Exception as e:  # noqa: BLE001 - handed to its request
+            return e

@@ -1,0 +1,225 @@
+"""The Open Inference Protocol over HTTP/REST as a Starlette (ASGI) app: the same app
+runs under uvicorn (``kiln serve``) and inside Ray Serve. Errors are ``{"error": ...}``
+with the status the protocol uses."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import zlib
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from kiln.serve import tensors
+from kiln.serve.service import (
+    EXTENSIONS,
+    VERSION,
+    BadRequest,
+    Service,
+    TooLarge,
+    message_of,
+    status_of,
+)
+
+HEADER_LENGTH = "inference-header-content-length"
+
+
+def _error(e: BaseException) -> Response:
+    code = status_of(e)[0]
+    headers = {"Retry-After": "1"} if code == 503 else None
+    return JSONResponse({"error": message_of(e)}, status_code=code, headers=headers)
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    """The request body, refused past ``limit`` bytes (also once decompressed)."""
+    declared = request.headers.get("content-length")
+    if declared and declared.isdigit() and int(declared) > limit:
+        raise TooLarge(f"the request has {int(declared)} bytes; this server takes at most "
+                       f"{limit} (--max-request-size)")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise TooLarge(f"the request is over {limit} bytes, this server's limit "
+                           "(--max-request-size)")
+        chunks.append(chunk)
+    body = b"".join(chunks)
+    encoding = request.headers.get("content-encoding", "identity")
+    if encoding in ("gzip", "deflate"):
+        d = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding == "gzip" else zlib.MAX_WBITS)
+        try:
+            body = d.decompress(body, limit + 1)
+        except zlib.error as e:
+            raise BadRequest(f"the {encoding} body does not decompress: {e}") from None
+        if len(body) > limit:
+            raise TooLarge(f"the request decompresses to over {limit} bytes, this server's "
+                           "limit (--max-request-size)")
+    elif encoding != "identity":
+        raise BadRequest(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
+    return body
+
+
+def _parse(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
+    raw = memoryview(body)
+    if header_length is not None:
+        if not header_length.isdigit() or int(header_length) > len(body):
+            raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not "
+                             f"fit a body of {len(body)} bytes")
+        n = int(header_length)
+        head, raw = body[:n], raw[n:]
+    else:
+        head, raw = body, raw[len(body):]
+    try:
+        req = json.loads(head)
+    except (ValueError, UnicodeDecodeError) as e:
+        raise BadRequest(f"the request is not valid JSON: {e}") from None
+    if not isinstance(req, dict) or not isinstance(req.get("inputs"), list):
+        raise BadRequest("an inference request is a JSON object with an 'inputs' list")
+    return req, raw
+
+
+def _decode(req: dict, raw: memoryview) -> dict[str, Any]:
+    feed, pos = {}, 0
+    for i, t in enumerate(req["inputs"]):
+        if not isinstance(t, dict) or not isinstance(t.get("name"), str):
+            raise BadRequest(f"input #{i} is not an object with a 'name'")
+        name = t["name"]
+        shape = tensors.check_shape(name, t.get("shape"))
+        params = t.get("parameters") or {}
+        size = params.get("binary_data_size") if isinstance(params, dict) else None
+        if size is not None:
+            if not isinstance(size, int) or size < 0 or pos + size > len(raw):
+                raise BadRequest(f"input {name!r}: binary_data_size {size!r} runs past the "
+                                 f"{len(raw)} bytes of binary data")
+            feed[name] = tensors.from_bytes(name, t.get("datatype"), shape,
+                                            raw[pos:pos + size])
+            pos += size
+        elif "data" in t:
+            feed[name] = tensors.from_json(name, t.get("datatype"), shape, t["data"])
+        else:
+            raise BadRequest(f"input {name!r} has neither 'data' nor a binary_data_size")
+    if pos != len(raw):
+        raise BadRequest(f"{len(raw) - pos} bytes of binary data belong to no input")
+    return feed
+
+
+def _wanted(req: dict) -> tuple[list[str] | None, dict[str, bool]]:
+    default = bool((req.get("parameters") or {}).get("binary_data_output", False))
+    outs = req.get("outputs")
+    if outs is None:
+        return None, {"*": default}
+    if not isinstance(outs, list) or not all(isinstance(o, dict) and "name" in o
+                                             for o in outs):
+        raise BadRequest("'outputs' must be a list of objects with a 'name'")
+    binary = {o["name"]: bool((o.get("parameters") or {}).get("binary_data", default))
+              for o in outs}
+    return [o["name"] for o in outs], binary
+
+
+def _encode(served: Any, rid: Any, results: dict, binary: dict[str, bool]) -> Response:
+    outputs, blobs = [], []
+    for name, arr in results.items():
+        out: dict[str, Any] = {"name": name, "datatype": tensors.datatype_of(arr),
+                               "shape": list(arr.shape)}
+        if binary.get(name, binary.get("*", False)):
+            blob = tensors.to_bytes(arr)
+            out["parameters"] = {"binary_data_size": len(blob)}
+            blobs.append(blob)
+        else:
+            out["data"] = tensors.to_json(arr)
+        outputs.append(out)
+    resp: dict[str, Any] = {"model_name": served.name, "model_version": served.version,
+                            "outputs": outputs}
+    if rid is not None:
+        resp["id"] = rid
+    head = json.dumps(resp, separators=(",", ":")).encode()
+    if not blobs:
+        return Response(head, media_type="application/json")
+    return Response(b"".join([head, *blobs]), media_type="application/octet-stream",
+                    headers={"Inference-Header-Content-Length": str(len(head))})
+
+
+def build_app(service: Service) -> Starlette:
+    """The ASGI app answering the Open Inference Protocol's HTTP routes for ``service``."""
+
+    def guarded(handler, public: bool = False):
+        async def endpoint(request: Request) -> Response:
+            try:
+                if not public:
+                    service.authorize(request.headers.get("authorization"))
+                return await handler(request)
+            except Exception as e:  # noqa: BLE001 - every failure is an error response
+                return _error(e)
+        return endpoint
+
+    def model_of(request: Request):
+        p = request.path_params
+        return service.repository.get(p["name"], p.get("version", ""))
+
+    async def live(request: Request) -> Response:
+        return JSONResponse({"live": True})
+
+    async def ready(request: Request) -> Response:
+        ok = bool(service.repository.loaded())
+        return JSONResponse({"ready": ok}, status_code=200 if ok else 503)
+
+    async def server_metadata(request: Request) -> Response:
+        return JSONResponse({"name": "kiln", "version": VERSION, "extensions": EXTENSIONS})
+
+    async def model_metadata(request: Request) -> Response:
+        return JSONResponse(model_of(request).metadata())
+
+    async def model_ready(request: Request) -> Response:
+        model_of(request)
+        return JSONResponse({"name": request.path_params["name"], "ready": True})
+
+    async def infer(request: Request) -> Response:
+        served = model_of(request)
+        body = await _body(request, service.max_request_bytes)
+        req, raw = _parse(body, request.headers.get(HEADER_LENGTH))
+        feed = _decode(req, raw)
+        wanted, binary = _wanted(req)
+        results = await service.infer(served, feed, wanted, "http")
+        return _encode(served, req.get("id"), results, binary)
+
+    async def index(request: Request) -> Response:
+        return JSONResponse(service.repository.index())
+
+    async def load(request: Request) -> Response:
+        await asyncio.to_thread(service.load, request.path_params["name"])
+        return JSONResponse({})
+
+    async def unload(request: Request) -> Response:
+        service.unload(request.path_params["name"])
+        return JSONResponse({})
+
+    async def metrics(request: Request) -> Response:
+        body, ctype = service.metrics.exposition()
+        return Response(body, media_type=ctype)
+
+    model = "/v2/models/{name}"
+    version = "/v2/models/{name}/versions/{version}"
+    routes = [
+        Route("/v2/health/live", guarded(live, public=True)),
+        Route("/v2/health/ready", guarded(ready, public=True)),
+        Route("/v2", guarded(server_metadata)),
+        Route("/metrics", guarded(metrics)),
+        Route("/v2/repository/index", guarded(index), methods=["POST"]),
+        Route("/v2/repository/models/{name}/load", guarded(load), methods=["POST"]),
+        Route("/v2/repository/models/{name}/unload", guarded(unload), methods=["POST"]),
+    ]
+    for base in (model, version):
+        routes += [Route(base, guarded(model_metadata)),
+                   Route(base + "/ready", guarded(model_ready)),
+                   Route(base + "/infer", guarded(infer), methods=["POST"])]
+    async def no_route(request: Request, exc: HTTPException) -> Response:
+        return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail}; "
+                                      "the routes are the Open Inference Protocol's (/v2/...)"},
+                            status_code=exc.status_code)
+
+    return Starlette(routes=routes, exception_handlers={404: no_route, 405: no_route})

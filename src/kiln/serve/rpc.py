@@ -1,0 +1,142 @@
+"""The Open Inference Protocol over gRPC (``inference.GRPCInferenceService``) on grpc.aio,
+in the same event loop as the HTTP app. Tensors come as ``raw_input_contents`` (what
+tritonclient sends) or typed ``contents``; outputs go back as ``raw_output_contents``."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import numpy as np
+
+from kiln.errors import MissingDependencyError
+from kiln.serve import tensors
+from kiln.serve.metrics import SERVE_INSTALL
+from kiln.serve.protocol import MESSAGES, SERVICE
+from kiln.serve.service import EXTENSIONS, VERSION, BadRequest, Service, message_of, status_of
+
+# KServe datatype -> the typed ``contents`` field that carries it
+CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
+            "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
+            "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
+            "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+
+
+def _grpc():
+    try:
+        import grpc
+    except ImportError:
+        raise MissingDependencyError("grpcio", SERVE_INSTALL, "kiln serve's gRPC") from None
+    return grpc
+
+
+def _decode(req: Any) -> dict[str, np.ndarray]:
+    raw = list(req.raw_input_contents)
+    if raw and len(raw) != len(req.inputs):
+        raise BadRequest(f"{len(raw)} raw_input_contents for {len(req.inputs)} inputs; send "
+                         "one per input or none")
+    feed = {}
+    for i, t in enumerate(req.inputs):
+        shape = tensors.check_shape(t.name, list(t.shape))
+        if raw:
+            feed[t.name] = tensors.from_bytes(t.name, t.datatype, shape, raw[i])
+        elif t.datatype in CONTENTS:
+            feed[t.name] = tensors.from_json(t.name, t.datatype, shape,
+                                             list(getattr(t.contents, CONTENTS[t.datatype])))
+        else:
+            raise BadRequest(f"input {t.name!r}: {t.datatype!r} travels in "
+                             "raw_input_contents only")
+    return feed
+
+
+def _handlers(service: Service) -> dict[str, tuple[Any, str, str]]:
+    """Method name -> (coroutine, request message, response message)."""
+    M = MESSAGES
+
+    async def live(req, ctx):
+        return M["ServerLiveResponse"](live=True)
+
+    async def ready(req, ctx):
+        return M["ServerReadyResponse"](ready=bool(service.repository.loaded()))
+
+    async def model_ready(req, ctx):
+        service.repository.get(req.name, req.version)
+        return M["ModelReadyResponse"](ready=True)
+
+    async def server_metadata(req, ctx):
+        return M["ServerMetadataResponse"](name="kiln", version=VERSION, extensions=EXTENSIONS)
+
+    async def model_metadata(req, ctx):
+        meta = service.repository.get(req.name, req.version).metadata()
+        return M["ModelMetadataResponse"](**meta)
+
+    async def infer(req, ctx):
+        served = service.repository.get(req.model_name, req.model_version)
+        wanted = [o.name for o in req.outputs] or None
+        results = await service.infer(served, _decode(req), wanted, "grpc")
+        resp = M["ModelInferResponse"](model_name=served.name, model_version=served.version,
+                                       id=req.id)
+        for name, arr in results.items():
+            resp.outputs.add(name=name, datatype=tensors.datatype_of(arr),
+                             shape=list(arr.shape))
+            resp.raw_output_contents.append(tensors.to_bytes(arr))
+        return resp
+
+    async def index(req, ctx):
+        resp = M["RepositoryIndexResponse"]()
+        for row in service.repository.index():
+            resp.models.add(**row)
+        return resp
+
+    async def load(req, ctx):
+        await asyncio.to_thread(service.load, req.model_name)
+        return M["RepositoryModelLoadResponse"]()
+
+    async def unload(req, ctx):
+        service.unload(req.model_name)
+        return M["RepositoryModelUnloadResponse"]()
+
+    return {"ServerLive": (live, "ServerLiveRequest", "ServerLiveResponse"),
+            "ServerReady": (ready, "ServerReadyRequest", "ServerReadyResponse"),
+            "ModelReady": (model_ready, "ModelReadyRequest", "ModelReadyResponse"),
+            "ServerMetadata": (server_metadata, "ServerMetadataRequest",
+                               "ServerMetadataResponse"),
+            "ModelMetadata": (model_metadata, "ModelMetadataRequest", "ModelMetadataResponse"),
+            "ModelInfer": (infer, "ModelInferRequest", "ModelInferResponse"),
+            "RepositoryIndex": (index, "RepositoryIndexRequest", "RepositoryIndexResponse"),
+            "RepositoryModelLoad": (load, "RepositoryModelLoadRequest",
+                                    "RepositoryModelLoadResponse"),
+            "RepositoryModelUnload": (unload, "RepositoryModelUnloadRequest",
+                                      "RepositoryModelUnloadResponse")}
+
+
+def build_server(service: Service, address: str) -> Any:
+    """A grpc.aio server for ``service`` bound to ``address`` ("host:port"; port 0 picks
+    one: read it from ``server.kiln_port``). Start it in a running event loop."""
+    grpc = _grpc()
+    public = {"ServerLive", "ServerReady"}
+
+    def wrap(name: str, fn):
+        async def method(req, ctx):
+            try:
+                if name not in public:
+                    auth = dict(ctx.invocation_metadata()).get("authorization")
+                    service.authorize(auth)
+                return await fn(req, ctx)
+            except Exception as e:  # noqa: BLE001 - every failure is a status, never a crash
+                code = getattr(grpc.StatusCode, status_of(e)[1])
+                if code == grpc.StatusCode.UNAVAILABLE:
+                    ctx.set_trailing_metadata((("retry-after", "1"),))
+                await ctx.abort(code, message_of(e))
+        return method
+
+    methods = {name: grpc.unary_unary_rpc_method_handler(
+        wrap(name, fn), request_deserializer=MESSAGES[req].FromString,
+        response_serializer=MESSAGES[resp].SerializeToString)
+        for name, (fn, req, resp) in _handlers(service).items()}
+    limit = service.max_request_bytes
+    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
+                                      ("grpc.max_send_message_length", -1)])
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
+    server.kiln_port = server.add_insecure_port(address)
+    return server

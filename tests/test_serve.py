@@ -1,0 +1,237 @@
+"""`kiln serve` as a real process on 127.0.0.1, spoken to with raw HTTP (always) and
+with the real tritonclient HTTP and gRPC clients (where installed); every output is
+compared with onnxruntime's run of the same model file."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import re
+import shutil
+import time
+
+import numpy as np
+import pytest
+
+from serve_process import DIGITS, ServeProcess
+
+SERVE_EXTRA = 'kiln serve needs the serve extra: pip install -e ".[serve]"'
+for _module in ("starlette", "uvicorn", "grpc", "prometheus_client"):
+    pytest.importorskip(_module, reason=SERVE_EXTRA)
+ort = pytest.importorskip("onnxruntime")
+
+# tritonclient pins protobuf<7 and ml-dtypes<=0.5.4, so it is not in the test extra (pip
+# would downgrade both); with it installed (`pip install --no-deps tritonclient[http,grpc]`
+# and its small deps) these tests also run the real client.
+TRITON_REASON = ("tritonclient is not installed (kept out of the test extra: it pins "
+                 "protobuf<7 and ml-dtypes<=0.5.4); pip install --no-deps "
+                 "'tritonclient[http,grpc]' python-rapidjson geventhttpclient to run it")
+
+
+def _triton(kind: str):
+    try:
+        if kind == "http":
+            import tritonclient.http as client
+        else:
+            import tritonclient.grpc as client
+    except ImportError:
+        pytest.skip(TRITON_REASON)
+    return client
+
+
+def _reference(x: np.ndarray) -> np.ndarray:
+    return ort.InferenceSession(str(DIGITS)).run(None, {"image": x})[0]
+
+
+def _json_infer(x: np.ndarray) -> dict:
+    return {"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x.shape),
+                        "data": x.reshape(-1).tolist()}]}
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = ServeProcess(str(DIGITS), "--max-request-size", "200000")
+    yield s
+    assert s.stop() == 0
+
+
+def test_health_and_metadata_over_raw_http(server):
+    assert server.request("GET", "/v2/health/live")[0] == 200
+    status, _, body = server.request("GET", "/v2/health/ready")
+    assert status == 200 and json.loads(body) == {"ready": True}
+    meta = json.loads(server.request("GET", "/v2/models/digits_cnn")[2])
+    assert meta["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
+    assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
+    assert json.loads(server.request("GET", "/v2/models/digits_cnn/versions/1/ready")[2])[
+        "ready"] is True
+
+
+def test_json_infer_over_raw_http_matches_onnxruntime(server):
+    x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
+    status, _, body = server.request("POST", "/v2/models/digits_cnn/infer",
+                                     {**_json_infer(x), "id": "r1"})
+    assert status == 200, body
+    resp = json.loads(body)
+    assert resp["id"] == "r1" and resp["model_name"] == "digits_cnn"
+    (out,) = resp["outputs"]
+    assert out["shape"] == [3, 10] and out["datatype"] == "FP32"
+    np.testing.assert_allclose(np.array(out["data"]).reshape(3, 10), _reference(x),
+                               rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("body, status, words", [
+    (b"{not json", 400, "not valid JSON"),
+    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 1, 8, 8],
+                  "data": [0.0] * 64}]}, 400, "no input 'pixels'"),
+    ({"inputs": [{"name": "image", "datatype": "INT32", "shape": [1, 1, 8, 8],
+                  "data": [0] * 64}]}, 400, "is FP32, the request sent INT32"),
+    ({"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 7],
+                  "data": [0.0] * 56}]}, 400, "the request sent [1, 1, 8, 7]"),
+    ({"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8],
+                  "data": [0.0] * 3}]}, 400, "holds 3 values"),
+    ({"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8],
+                  "data": [0.0] * 64}], "outputs": [{"name": "probs"}]}, 400, "no output"),
+    (b"x" * 300000, 413, "at most 200000"),
+])
+def test_bad_requests_get_kserve_errors_and_the_server_keeps_serving(server, body, status,
+                                                                     words):
+    got, _, text = server.request("POST", "/v2/models/digits_cnn/infer", body)
+    assert got == status and words in json.loads(text)["error"]
+    x = np.ones((1, 1, 8, 8), np.float32)
+    assert server.request("POST", "/v2/models/digits_cnn/infer", _json_infer(x))[0] == 200
+
+
+def test_unknown_model_and_version_are_404(server):
+    x = np.ones((1, 1, 8, 8), np.float32)
+    status, _, body = server.request("POST", "/v2/models/resnet/infer", _json_infer(x))
+    assert status == 404 and "'resnet' is not loaded" in json.loads(body)["error"]
+    status, _, body = server.request("GET", "/v2/models/digits_cnn/versions/7")
+    assert status == 404 and "no version '7'" in json.loads(body)["error"]
+
+
+def test_tritonclient_http_binary_and_json(server):
+    th = _triton("http")
+    client = th.InferenceServerClient(server.http)
+    assert client.is_server_live() and client.is_model_ready("digits_cnn")
+    x = np.random.default_rng(1).random((5, 1, 8, 8), dtype=np.float32)
+    for binary in (True, False):
+        inp = th.InferInput("image", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=binary)
+        out = th.InferRequestedOutput("logits", binary_data=binary)
+        got = client.infer("digits_cnn", [inp], outputs=[out]).as_numpy("logits")
+        np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
+    bad = th.InferInput("image", [1, 1, 4, 4], "FP32")
+    bad.set_data_from_numpy(np.zeros((1, 1, 4, 4), np.float32))
+    with pytest.raises(Exception, match=re.escape("the request sent [1, 1, 4, 4]")):
+        client.infer("digits_cnn", [bad])
+
+
+def test_tritonclient_grpc(server):
+    tg = _triton("grpc")
+    client = tg.InferenceServerClient(server.grpc)
+    assert client.is_server_live() and client.is_model_ready("digits_cnn")
+    meta = client.get_model_metadata("digits_cnn", as_json=True)
+    assert meta["inputs"][0]["shape"] == ["-1", "1", "8", "8"]
+    x = np.random.default_rng(2).random((4, 1, 8, 8), dtype=np.float32)
+    inp = tg.InferInput("image", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    got = client.infer("digits_cnn", [inp]).as_numpy("logits")
+    np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
+    bad = tg.InferInput("image", [1, 1, 8, 8], "FP64")
+    bad.set_data_from_numpy(np.zeros((1, 1, 8, 8)))
+    with pytest.raises(tg.InferenceServerException) as e:
+        client.infer("digits_cnn", [bad])
+    assert e.value.status() == "StatusCode.INVALID_ARGUMENT" and "FP64" in e.value.message()
+    with pytest.raises(tg.InferenceServerException) as e:
+        client.get_model_metadata("nope")
+    assert e.value.status() == "StatusCode.NOT_FOUND"
+
+
+def _metric(text: str, name: str, model: str) -> float:
+    m = re.search(rf'^{name}{{model="{model}"}} (\S+)$', text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def test_dynamic_batching_merges_concurrent_requests():
+    s = ServeProcess(str(DIGITS), "--max-batch-size", "16",
+                     "--max-queue-delay-microseconds", "200000")
+    try:
+        rng = np.random.default_rng(3)
+        xs = [rng.random((1 + i % 3, 1, 8, 8), dtype=np.float32) for i in range(12)]
+        with concurrent.futures.ThreadPoolExecutor(12) as pool:
+            answers = list(pool.map(
+                lambda x: s.request("POST", "/v2/models/digits_cnn/infer", _json_infer(x)),
+                xs))
+        for x, (status, _, body) in zip(xs, answers):
+            assert status == 200, body
+            out = json.loads(body)["outputs"][0]
+            np.testing.assert_allclose(np.array(out["data"]).reshape(out["shape"]),
+                                       _reference(x), rtol=1e-4, atol=1e-5)
+        text = s.request("GET", "/metrics")[2].decode()
+        runs = _metric(text, "kiln_batch_size_count", "digits_cnn")
+        rows = _metric(text, "kiln_batch_size_sum", "digits_cnn")
+        assert rows == sum(len(x) for x in xs)
+        assert runs < len(xs), f"{len(xs)} requests ran in {runs} runs: nothing was merged"
+    finally:
+        assert s.stop() == 0
+
+
+def test_full_queue_answers_503_with_retry_after_and_the_queued_finish():
+    # a 2 s window holds the first requests in the queue, so the rest find it full
+    s = ServeProcess(str(DIGITS), "--max-queue-size", "2", "--max-batch-size", "64",
+                     "--max-queue-delay-microseconds", "2000000")
+    try:
+        x = np.ones((1, 1, 8, 8), np.float32)
+
+        def send(_):
+            return s.request("POST", "/v2/models/digits_cnn/infer", _json_infer(x))
+
+        with concurrent.futures.ThreadPoolExecutor(6) as pool:
+            answers = list(pool.map(send, range(6)))
+        codes = sorted(a[0] for a in answers)
+        assert codes == [200, 200, 503, 503, 503, 503], codes
+        refused = [a for a in answers if a[0] == 503][0]
+        assert refused[1].get("retry-after") == "1"
+        assert "queued" in json.loads(refused[2])["error"]
+    finally:
+        assert s.stop() == 0
+
+
+def test_repository_config_token_load_unload_and_graceful_shutdown(tmp_path):
+    for name in ("digits", "spare"):
+        (tmp_path / name / "3").mkdir(parents=True)
+        shutil.copy(DIGITS, tmp_path / name / "3" / "model.onnx")
+    (tmp_path / "digits" / "config.json").write_text(
+        json.dumps({"max_batch_size": 4, "max_queue_delay_microseconds": 1500000}))
+    s = ServeProcess("--model-repository", str(tmp_path), env={"KILN_SERVE_TOKEN": "s3cret"})
+    auth = {"Authorization": "Bearer s3cret"}
+    try:
+        assert s.request("GET", "/v2/health/ready")[0] == 200  # probes need no token
+        status, _, body = s.request("GET", "/v2/models/digits")
+        assert status == 401 and "Bearer" in json.loads(body)["error"]
+        meta = json.loads(s.request("GET", "/v2/models/digits", headers=auth)[2])
+        assert meta["versions"] == ["3"]
+        x = np.random.default_rng(4).random((2, 1, 8, 8), dtype=np.float32)
+        status, _, body = s.request("POST", "/v2/repository/models/spare/unload", b"", auth)
+        assert status == 200, body
+        assert s.request("GET", "/v2/models/spare", headers=auth)[0] == 404
+        index = json.loads(s.request("POST", "/v2/repository/index", b"{}", auth)[2])
+        assert {r["name"]: r["state"] for r in index} == {"digits": "READY",
+                                                          "spare": "UNAVAILABLE"}
+        assert s.request("POST", "/v2/repository/models/spare/load", b"", auth)[0] == 200
+        assert s.request("GET", "/v2/models/spare/ready", headers=auth)[0] == 200
+        # "digits" waits 1.5 s for a batch: SIGTERM arrives while the request is in flight
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pending = pool.submit(s.request, "POST", "/v2/models/digits/infer",
+                                  _json_infer(x), {**auth, "Content-Type": "application/json"})
+            time.sleep(0.5)
+            assert not pending.done()
+            code = s.stop()
+            status, _, body = pending.result()
+        assert status == 200, body
+        out = json.loads(body)["outputs"][0]
+        np.testing.assert_allclose(np.array(out["data"]).reshape(2, 10), _reference(x),
+                                   rtol=1e-4, atol=1e-5)
+        assert code == 0
+    finally:
+        s.stop()
