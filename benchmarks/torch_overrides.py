@@ -229,7 +229,7 @@ def prepare(opdef, kernel, case: Case, backend):
     node = Node(opdef.op_type, ins, outs, dict(case.attrs), domain=opdef.domain,
                 name=opdef.op_type)
     opset = opdef.since
-    bound = kernel.bind(registry.Site(node, opset, dict(case.attrs), backend))
+    bound = kernel.bind(registry.Site(node, opset, dict(case.attrs), backend.target()))
     if bound is None:
         return None
     fn, wants_ctx = bound

@@ -13,8 +13,9 @@ The kernel protocol is the same for every backend. A kernel is either
   and a first parameter named ``ctx`` asks for the :class:`KernelContext`; or
 * prepared: ``prepare(site) -> run | None`` (registered with ``prepare=True``), called once
   per node when a session is created with a :class:`Site` (attributes, constant inputs,
-  backend options); it returns ``run(*inputs)`` with everything precomputable (packed or
-  transformed weights, layouts, geometry) already computed, or None to decline the node.
+  its :class:`Target`: device, compute type, tracing); it returns ``run(*inputs)`` with
+  everything precomputable (packed or transformed weights, layouts, geometry) already
+  computed, or None to decline the node.
 
 A plain kernel is prepared by binding its attributes. At run time a kernel may return
 ``NotImplemented`` for inputs it does not handle (a dtype, say): the next kernel in the
@@ -282,6 +283,42 @@ def register_op(domain: str, op_type: str, kernel: Callable, shape_fn: Callable 
     return add(OpDef(_norm_domain(domain), op_type, since, None, kernel, infer=shape_fn))
 
 
+class Mode:
+    """Switches a caller flips between runs, never during one: ``training`` is set by
+    kiln.train's modules before each run (BatchNormalization then uses batch statistics,
+    Dropout drops)."""
+
+    training: bool = False
+
+
+def _same(x):
+    return x
+
+
+@dataclass
+class Target:
+    """Where the plan runs a node, decided before the first run: what a ``prepare``
+    function may know of its backend. Kernels read this, never the backend object."""
+
+    backend: str = REFERENCE
+    """The backend's name."""
+    device: Any = "cpu"
+    """The device its arrays live on (a ``torch.device`` on torch)."""
+    compute_dtype: Any = None
+    """The reduced type matmul/conv compute in (``precision``), or None."""
+    tracing: bool = False
+    """Kernels are traced into one program (``compile=True``): plain traceable ops only."""
+    channels_last: bool = False
+    """2-D convolutions run in NHWC."""
+    module: bool = False
+    """The node runs inside a kiln.train module: the module's train()/eval() flag (``mode``)
+    decides what training-mode nodes do."""
+    put: Callable = _same
+    """A NumPy array as an array of the backend on its device (types it lacks stay NumPy)."""
+    mode: Mode = field(default_factory=Mode)
+    """Switches between runs (shared by every node of the backend)."""
+
+
 @dataclass
 class Site:
     """What a kernel's ``prepare`` sees about one node while a session is created."""
@@ -289,8 +326,8 @@ class Site:
     node: Any
     opset: int
     attrs: dict[str, Any]
-    backend: Any = None
-    """The backend object (its options: device, precision, layouts); None for NumPy."""
+    target: Target = field(default_factory=Target)
+    """Where the plan runs the node: device, compute type, tracing, layout."""
     wants_ctx: bool = False
     """A prepare function sets this when its ``run`` takes a KernelContext first."""
     notes: list[str] = field(default_factory=list)

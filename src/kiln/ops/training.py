@@ -173,11 +173,12 @@ class _FedSite(Site):
         return super().const(i)
 
 
-def bind_slice(sl: GradientSlice, backend, plan,
+def bind_slice(sl: GradientSlice, target: registry.Target, ctx: KernelContext,
                kernels: Callable[[registry.OpDef], list[Kernel]]) -> list[tuple]:
     """``(node, [run...])`` per node of the slice: each node's kernels (``kernels(opdef)``,
-    best first) prepared as a plan prepares them; a kernel that returns NotImplemented
-    hands the call to the next."""
+    best first) prepared as a plan prepares them, for ``target`` (the Gradient node's);
+    ``ctx`` is the Gradient node's context. A kernel that returns NotImplemented hands the
+    call to the next."""
     out = []
     for n in sl.nodes:
         opset = sl.opsets[n]
@@ -185,18 +186,18 @@ def bind_slice(sl: GradientSlice, backend, plan,
         cands = kernels(d) if d is not None else []
         runs = []
         for k in cands:
-            site = _FedSite(n, opset, dict(n.attrs), backend)
+            site = _FedSite(n, opset, dict(n.attrs), target)
             site.fed = frozenset(sl.fed)
             bound = k.bind(site)
             if bound is None:
                 continue
             fn, wants_ctx = bound
             if wants_ctx:  # node facts only: the slice holds no subgraphs
-                ctx = KernelContext(len(n.outputs), opset, {}, plan, n, backend)
-                fn = (lambda f, c: lambda *a: f(c, *a))(fn, ctx)
+                nctx = KernelContext(len(n.outputs), opset, {}, ctx.runner, n, ctx.backend)
+                fn = (lambda f, c: lambda *a: f(c, *a))(fn, nctx)
             runs.append(fn)
         if not runs:
-            raise UnsupportedOpError(f"Gradient: no differentiable {getattr(backend, 'name', '')}"
+            raise UnsupportedOpError(f"Gradient: no differentiable {target.backend}"
                                      f" kernel for layer {n.name!r} ({n.op_type})", [n.op_type])
         out.append((n, runs))
     return out
@@ -244,7 +245,7 @@ def gradient(site: Site):
 
     def build(ctx: KernelContext):
         sl = gradient_slice(site.node, ctx.runner)
-        bound = bind_slice(sl, site.backend, ctx.runner, lambda d: [d.reference])
+        bound = bind_slice(sl, site.target, ctx, lambda d: [d.reference])
         live = set(sl.fed[:sl.n_xs])  # values that carry a gradient
         on_path = set()
         for n, _ in bound:

@@ -16,7 +16,7 @@ import numpy as np
 
 from kiln.errors import InputError
 from kiln.ir import DType
-from kiln.ops.registry import Kernel, OpDef
+from kiln.ops.registry import Kernel, OpDef, Target
 from kiln.runtime.placement import LayerPlacement, RunStats
 
 
@@ -117,6 +117,10 @@ class Backend:
     """Whether host-parameter constants reach this backend's kernels as Python tuples."""
     array_type: type = np.ndarray
     """The class of this backend's arrays (results of another class are normalized)."""
+
+    def target(self) -> Target:
+        """What the plan tells each kernel's ``prepare`` about where it runs."""
+        return Target(self.name, self.device)
 
     def candidates(self, opdef: OpDef) -> list[tuple[str, Kernel, str]]:
         """The kernels to try for ``opdef``, best first: (placement label, kernel, why)."""

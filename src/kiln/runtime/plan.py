@@ -16,7 +16,7 @@ from typing import Any
 from kiln.errors import KilnError, UnsupportedOpError
 from kiln.ir import AttrRef, Function, Graph, Node, Value, collector_paused
 from kiln.ops import registry
-from kiln.ops.registry import KernelContext, OpDef, Site
+from kiln.ops.registry import KernelContext, OpDef, Site, Target
 from kiln.runtime.backend import Backend, Candidate
 from kiln.runtime.executor import Program, can_run, layer_error, run_state
 from kiln.runtime.placement import LayerPlacement
@@ -68,6 +68,11 @@ class Compiler:
     backend: Backend
     functions: dict[tuple[str, str], Function]
     missing: dict[tuple[str, str, int], None] = field(default_factory=dict)
+    target: Target = field(init=False)
+    """What every kernel's ``prepare`` is told of where it runs (decided once)."""
+
+    def __post_init__(self):
+        self.target = self.backend.target()
 
 
 class Plan:
@@ -271,7 +276,8 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
     be = compiler.backend
     opdef = registry.lookup(node.domain, node.op_type, opset)
     if opdef is not None:
-        fn, wants_ctx, layer, direct, moves = bind(opdef, Site(node, opset, attrs, be), be)
+        fn, wants_ctx, layer, direct, moves = bind(
+            opdef, Site(node, opset, attrs, compiler.target), be)
         return Step(fn=fn, wants_ctx=wants_ctx, layer=layer, host_inputs=opdef.host_inputs,
                     direct=direct, transfers=moves, **common)
     func = compiler.functions.get((node.domain, node.op_type))

@@ -29,7 +29,7 @@ import torch
 from kiln.errors import KilnError, OptionError
 from kiln.ir import DType, TensorType
 from kiln.ops import registry
-from kiln.ops.registry import KernelContext, OpDef
+from kiln.ops.registry import KernelContext, Mode, OpDef, Target
 from kiln.ops.torch.arrays import DTYPE_OF, TORCH_OF, to_numpy, to_torch
 from kiln.ops.torch.nn import native_on_cpu
 from kiln.runtime import compile_cache
@@ -79,9 +79,17 @@ class TorchBackend(Backend):
     module = False
     """Set on the backend of a kiln.train module: kernels declining a mix of float types
     under torch.autocast get fp32 inputs instead of the NumPy fallback."""
-    training = False
-    """Set by kiln.train's modules before each run: BatchNormalization then uses batch
-    statistics (updating its running ones) and Dropout drops."""
+
+    @property
+    def training(self) -> bool:
+        """Set by kiln.train's modules before each run: BatchNormalization then uses batch
+        statistics (updating its running ones) and Dropout drops (kernels read it from
+        their :class:`Target`'s ``mode``)."""
+        return self.mode.training
+
+    @training.setter
+    def training(self, on: bool) -> None:
+        self.mode.training = on
 
     def __init__(self, device: str = "cpu", precision: str = "fp32", compile: bool = False,
                  threads: int | None = None, channels_last: bool | None = None,
@@ -127,6 +135,7 @@ class TorchBackend(Backend):
                                                       usable_cores())))
         # While a specialized program is traced, kernels must use plain traceable ops.
         self.tracing = False
+        self.mode = Mode()
         self._tls = threading.local()
         self._last: RunStats | None = None
         self.cache_folder: Path | None = None  # of compiled programs; specialize sets it
@@ -142,6 +151,10 @@ class TorchBackend(Backend):
                              channels_last=self.channels_last, warn=False)
         t.tracing = True
         return t
+
+    def target(self) -> Target:
+        return Target(self.name, self.tdevice, self.compute_dtype, self.tracing,
+                      self.channels_last, self.module, self.from_numpy, self.mode)
 
     # -- arrays in and out -------------------------------------------------------------
 

@@ -93,7 +93,7 @@ def const_tensor(site, i: int, dtype: torch.dtype | None = None):
     c = site.const(i)
     if c is None:
         return None
-    t = site.backend.from_numpy(c)
+    t = site.target.put(c)
     if not isinstance(t, torch.Tensor):
         return None
     return t.to(dtype) if dtype is not None else t

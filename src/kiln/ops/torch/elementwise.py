@@ -226,7 +226,7 @@ def cast_like(x, like):
 
 def _lowp(site):
     """The reduced compute dtype for fp32 matmul/conv, or None."""
-    return site.backend.compute_dtype
+    return site.target.compute_dtype
 
 
 def _new_tensors_ok(site) -> bool:
@@ -234,8 +234,8 @@ def _new_tensors_ok(site) -> bool:
     while tracing for AOTInductor on the CPU: such a tensor becomes a lifted constant
     that AOTInductor with frozen weights fails on (torch 2.13: "references nonexistent
     attribute _tensor_constant0"), where the same cast inside the program folds."""
-    be = site.backend
-    return not (be.tracing and be.tdevice.type == "cpu")
+    tg = site.target
+    return not (tg.tracing and tg.device.type == "cpu")
 
 
 # faster than the generic kernel, and computes in bf16/fp16 when the session asks for it

@@ -70,7 +70,7 @@ def _sub_site(site: Site, n_inputs: int, drop=("activation", "activation_params"
     attrs = {k: v for k, v in site.attrs.items() if k not in drop}
     node = SimpleNamespace(op_type="", name=site.node.name, inputs=site.node.inputs[:n_inputs],
                            outputs=site.node.outputs[:1])
-    return Site(node, 21, attrs, site.backend)
+    return Site(node, 21, attrs, site.target)
 
 
 @kernel("FusedConv", 1, domain=KILN_DOMAIN, prepare=True)
@@ -118,7 +118,7 @@ def fused_matmul(site):
     act = activation_fn(name, site.attr("activation_params"))
     if act is False:
         return None
-    low = site.backend.compute_dtype
+    low = site.target.compute_dtype
     wc = site.const(1)
     bc = site.const(2)
     # Without a residual (added before the activation) the activation can be oneDNN's
@@ -130,8 +130,8 @@ def fused_matmul(site):
     if low is None and wc is not None and wc.ndim == 2 and wc.dtype.name == "float32" and (
             bc is None or (bc.ndim == 1 and bc.shape[0] == wc.shape[1])):
         post = _onednn_unary(name, site.attr("activation_params")) if inner else None
-        lin = (linear(site, site.backend.from_numpy(wc), inner, post),
-               None if bc is None else site.backend.from_numpy(bc))
+        lin = (linear(site, site.target.put(wc), inner, post),
+               None if bc is None else site.target.put(bc))
         plain = torch.matmul  # for a 1-D ``a``; not MatMul's kernel, which would pack again
     else:
         sub = _sub_site(site, 2)
@@ -199,7 +199,7 @@ def attention(site):
     kt = int(site.attr("k_transposed", 0))
     heads = int(site.attr("num_heads", 0))
     zero_nan = int(site.attr("zero_nan", 0))
-    low = site.backend.compute_dtype
+    low = site.target.compute_dtype
 
     def attend(q, k, v, mask):
         """Over [..., h, s, d] operands, K as [..., s_k, d]."""

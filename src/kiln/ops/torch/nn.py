@@ -87,15 +87,15 @@ def linear(site, weight, act: Callable | None = None, post: tuple | None = None)
     multiplies the weight as it is: it reads the (K, N) layout within 7% of the transposed
     one, so no copy is kept.
     """
-    be = site.backend
+    tg = site.target
     k, n = weight.shape
     wt = weight.t()
 
     def plain(a, bias):
         y = F.linear(a, wt, bias)
         return y if act is None else act(y)
-    if not (PREPACK and be.tdevice.type == "cpu" and not be.tracing
-            and be.compute_dtype is None and weight.dtype == torch.float32):
+    if not (PREPACK and tg.device.type == "cpu" and not tg.tracing
+            and tg.compute_dtype is None and weight.dtype == torch.float32):
         return plain
     big = k * n >= _PACKED_WEIGHT
     packs: list = []
@@ -145,20 +145,20 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     reordered once per input shape, ``post`` (oneDNN's (attr, scalars, algorithm) for
     ``act``; None when it has none) and a same-shape residual applied inside it.
     """
-    be = site.backend
+    tg = site.target
     group = int(site.attr("group", 1))
     wc = site.const(1)
     bc = const_tensor(site, 2)
-    low = be.compute_dtype
+    low = tg.compute_dtype
     # A depthwise convolution is bound by memory, not arithmetic: on the CPU, casting its
     # activations to bf16 and back made MobileNetV2's 17 of them 1.6x slower (7.7 against 4.7 ms
     # at batch 8 kept in fp32; docs/performance.md), so they stay fp32 there.
-    depthwise_fp32 = low is not None and be.tdevice.type == "cpu" and wc is not None \
+    depthwise_fp32 = low is not None and tg.device.type == "cpu" and wc is not None \
         and group > 1 and wc.ndim >= 3 and wc.shape[1] == 1
     if depthwise_fp32:
         low = None
-    cl = be.channels_last
-    packable = (PREPACK and be.tdevice.type == "cpu" and not be.tracing and wc is not None
+    cl = tg.channels_last
+    packable = (PREPACK and tg.device.type == "cpu" and not tg.tracing and wc is not None
                 and post is not None and wc.ndim == 4 and wc.dtype.name == "float32"
                 and (low is None or (low == torch.bfloat16 and PREPACK_BF16)))
     # A 1x1 convolution over NHWC rows is a linear layer, and on the AVX-512 EPYC oneDNN's
@@ -171,7 +171,7 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     # call (layers that always take oneDNN's packed path never hold the copy); not while
     # tracing for torch.compile, where the cast is part of the program
     keep_low = low is not None and wc is not None and wc.dtype.name == "float32" \
-        and not be.tracing
+        and not tg.tracing
     lows: list = []
 
     def as_rows(x, z, b):
@@ -287,7 +287,7 @@ def conv_transpose(site):
     if site.attr("output_shape") or site.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID"):
         return None  # pads derived from output_shape / SAME: NumPy kernel
     group = int(site.attr("group", 1))
-    low = site.backend.compute_dtype
+    low = site.target.compute_dtype
     ks = site.attr("kernel_shape")  # one other than the weights' is the NumPy kernel's error
 
     def run(x, w, b=None):
@@ -335,7 +335,7 @@ def max_pool(site):
         return None
     ceil = bool(site.attr("ceil_mode", 0))
     ks = list(site.attr("kernel_shape"))
-    cl = site.backend.channels_last
+    cl = site.target.channels_last
 
     def run(x):
         n = x.dim() - 2
@@ -501,8 +501,8 @@ def batch_norm(site):
     the module's train()/eval() flag decides, whatever ``training_mode`` says: batch
     statistics that update the running ones (module buffers) in place as torch.nn.BatchNorm
     does, and the running statistics as the node's extra outputs."""
-    be = site.backend
-    if not int(site.attr("spatial", 1)) or not be.module and (
+    tg = site.target
+    if not int(site.attr("spatial", 1)) or not tg.module and (
             int(site.attr("training_mode", 0)) or site.num_outputs > 1):
         return None  # training statistics outside a module, per-position params: NumPy kernel
     eps = float(site.attr("epsilon", 1e-5))
@@ -515,7 +515,7 @@ def batch_norm(site):
             return NI
         if any(t.dim() != 1 for t in (scale, bias, mean, var)):
             return NI
-        if be.training:  # batch statistics; updates mean and var (module buffers) in place
+        if tg.mode.training:  # batch statistics; updates mean and var (module buffers) in place
             y = F.batch_norm(x, mean, var, scale, bias, True, momentum, eps)
         else:
             dt = x.dtype
@@ -625,7 +625,7 @@ def dropout(site):
     constant True when exporting in train mode): torch's dropout in train mode, with the
     mask output too when something reads it (in the input's type before opset 10), the
     identity in eval mode."""
-    be = site.backend
+    tg = site.target
     masked = _read(site, 1)
     unread = (None,) * (site.num_outputs - 1)  # a mask output nothing reads
     input_typed_mask = site.opset < 10
@@ -643,9 +643,9 @@ def dropout(site):
 
     if site.opset >= 12:
         def run12(x, ratio=None, training_mode=None):
-            if be.training:
+            if tg.mode.training:
                 return drop(x, 0.5 if ratio is None else floats(ratio)[0])
-            if not be.module and training_mode is not None \
+            if not tg.module and training_mode is not None \
                     and bool(training_mode.reshape(-1)[0]):
                 return NI  # asked for by the graph: the NumPy kernel's seeded masks
             return (x, ones(x)) if masked else (x,) + unread if unread else x
@@ -654,7 +654,7 @@ def dropout(site):
     ratio = float(site.attr("ratio", 0.5))
 
     def run(x):
-        if be.training:
+        if tg.mode.training:
             return drop(x, ratio)
         return (x, ones(x)) if masked else (x,) + unread if unread else x
     return run

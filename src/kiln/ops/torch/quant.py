@@ -165,8 +165,8 @@ def _float_layer(site, weight_axis: int, compute):
 
 
 def _cpu(site) -> bool:
-    be = site.backend
-    return be is not None and be.tdevice.type == "cpu" and not be.tracing
+    tg = site.target
+    return tg.device.type == "cpu" and not tg.tracing
 
 
 _ONEDNN_QCONV = hasattr(torch.ops.onednn, "qconv2d_pointwise") and \
@@ -454,7 +454,7 @@ def _const_grid(site) -> tuple[torch.Tensor, float, np.dtype] | None:
     zdt = z.dtype if z is not None else np.dtype(np.uint8)
     # On the backend's device: CUDA divides by a CPU scalar as a product with its
     # reciprocal, which rounds ties differently from ONNX's division.
-    dev = getattr(site.backend, "tdevice", None)
+    dev = site.target.device
     return (torch.tensor(float(s.reshape(-1)[0]), device=dev), float(_scalar(z) or 0), zdt)
 
 
@@ -552,7 +552,7 @@ def matmul_integer(site):
         return None
     w = b.astype(np.float32) - (0 if bz is None else bz.astype(np.float32))
     chunk = max(1, int(EXACT_F32 // (255 * max(float(np.abs(w).max(initial=0)), 1.0))))
-    pieces = [(k, site.backend.from_numpy(np.ascontiguousarray(w[k:k + chunk])))
+    pieces = [(k, site.target.put(np.ascontiguousarray(w[k:k + chunk])))
               for k in range(0, w.shape[0], chunk)]
 
     def run(a, b_, a_zero_point=None, b_zero_point=None):

@@ -28,7 +28,7 @@ def _out_device(site):
     outs = [v for v in node.outputs if v is not None]
     if outs and all(v.meta.get("host") for v in outs):
         return torch.device("cpu")
-    return site.backend.tdevice
+    return site.target.device
 
 
 # -- shapes -------------------------------------------------------------------------------

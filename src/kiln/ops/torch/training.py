@@ -22,14 +22,14 @@ def _differentiable(d) -> list:
 @kernel("Gradient", 1, domain=DOMAIN, prepare=True)
 def gradient(site: Site):
     site.wants_ctx = True
-    device = site.backend.device if site.backend is not None else "cpu"
+    device = site.target.device
 
     def build(ctx: KernelContext):
         sl = gradient_slice(site.node, ctx.runner)
         # built on the first run, inside the session's inference mode: leave it, since
         # inference tensors (constants kernels prepare) cannot be saved for backward
         with torch.inference_mode(False):
-            bound = bind_slice(sl, site.backend, ctx.runner, _differentiable)
+            bound = bind_slice(sl, site.target, ctx, _differentiable)
             consts = {v: to_torch(v.const).to(device) for v in sl.constants}
 
         def run(*inputs):
