@@ -14,6 +14,7 @@ schemas (each name exists with the type used here) and the refusals against onnx
 from __future__ import annotations
 
 import functools
+import locale as pylocale
 from collections.abc import Mapping, Sequence
 
 import onnx
@@ -192,12 +193,37 @@ def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, obje
         if isinstance(value, int) and value not in _ELEMENT_TYPES and not (
                 value == 0 and name == "output_dtype"):
             _refuse(where, op_type, name, value, "a TensorProto.DataType number")
+    if domain == "" and op_type == "StringNormalizer":
+        _check_locale(attrs, where)
     if domain == "" and op_type in AXES:
         name = AXES[op_type][0]
         value = attrs.get(name)
         for a in value if isinstance(value, list) else (value,):
             if isinstance(a, int) and not -_INT32 <= a < _INT32:
                 _refuse(where, op_type, name, a, "an axis of its input's rank")
+
+
+_OWN_CASE_RULES = frozenset({"tr", "az"})
+"""Languages whose locales change case by rules of their own (a dotless i): onnxruntime
+follows the C library's locale there, Kiln has only Unicode's mapping."""
+
+
+def _check_locale(attrs: Mapping[str, object], where: object) -> None:
+    """StringNormalizer's ``locale``, where it changes case: onnxruntime refuses a name the
+    C library cannot build a locale of; Kiln refuses a language Python's locale table does
+    not know, and those with case rules of their own, which it does not implement."""
+    loc = attrs.get("locale")
+    if not isinstance(loc, str) or not loc or attrs.get("case_change_action") in (None, "NONE"):
+        return
+    lang = loc.split(".")[0].split("@")[0]
+    if lang.split("_")[0].lower() in _OWN_CASE_RULES:
+        _refuse(where, "StringNormalizer", "locale", loc,
+                "locales with Unicode's case mapping (Kiln does not implement this "
+                "language's own; onnxruntime follows the C library there)")
+    if lang not in ("C", "POSIX") and lang.lower() not in pylocale.locale_alias:
+        _refuse(where, "StringNormalizer", "locale", loc,
+                "a locale name such as en_US, de_DE.UTF-8 or C (onnxruntime refuses a name "
+                "the C library cannot build a locale of)")
 
 
 def check_axes(op_type: str, domain: str, attrs: Mapping[str, object],

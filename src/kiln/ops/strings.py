@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
+import string
 
 import numpy as np
 
@@ -13,6 +14,32 @@ from kiln.ops.registry import op
 
 def _strings(x) -> np.ndarray:
     return np.asarray(x, dtype=object)
+
+
+_UPPER = str.maketrans(string.ascii_lowercase, string.ascii_uppercase)
+_LOWER = str.maketrans(string.ascii_uppercase, string.ascii_lowercase)
+
+
+def _ascii_case(s: str, upper: bool) -> str:
+    """The C and POSIX locales' case change (onnxruntime's there): ASCII letters only."""
+    return s.translate(_UPPER if upper else _LOWER)
+
+
+def _simple_case(s: str, upper: bool) -> str:
+    """Unicode's one-character case mapping, as onnxruntime's per-character towupper and
+    towlower give it in a UTF-8 locale: "ß" stays "ß" (Python's full mapping makes "SS"),
+    "İ" lowers to "i" (Python's makes "i" and a combining dot)."""
+    out = s.upper() if upper else s.lower()
+    if len(out) == len(s):
+        return out
+    chars = []
+    for c in s:
+        m = c.upper() if upper else c.lower()
+        if len(m) != 1:  # no one-character mapping but the titlecase one, if any
+            t = c.title() if upper else m[0]
+            m = t if len(t) == 1 else c
+        chars.append(m)
+    return "".join(chars)
 
 
 @op("StringNormalizer", 10, differentiable=False)
@@ -30,10 +57,9 @@ def string_normalizer(x, *, case_change_action="NONE", is_case_sensitive=0, loca
             keep = [s for s in row if s.casefold() not in stop]
     else:
         keep = list(row)
-    if case_change_action == "LOWER":
-        keep = [s.lower() for s in keep]
-    elif case_change_action == "UPPER":
-        keep = [s.upper() for s in keep]
+    if case_change_action in ("LOWER", "UPPER"):
+        change = _ascii_case if locale in ("C", "POSIX") else _simple_case
+        keep = [change(s, case_change_action == "UPPER") for s in keep]
     if not keep:
         keep = [""]
     y = np.empty(len(keep), dtype=object)
