@@ -629,3 +629,26 @@ def test_a_string_normalizer_locale_kiln_cannot_follow_is_refused(locale):
         kiln.load(m)
     m = _normalizer(locale, "NONE")
     assert _kiln(m, feed, "numpy")[0].tolist() == _ort(m, feed)[0].tolist()
+
+
+def test_a_constant_without_exactly_one_value_is_refused():
+    """A Constant node with no value that nothing reads ran (fuzz case 11002581, and the
+    campaign of 2026-11-28's two cases onnxruntime refused at graph.cc:1357): the spec asks
+    for exactly one value attribute; onnxruntime refuses none whatever reads the node, and
+    of two it takes the first written where ``onnx.reference`` takes ``value_float``."""
+    from onnx.reference import ReferenceEvaluator
+
+    graph = helper.make_graph(
+        [helper.make_node("Constant", [], ["c"]), helper.make_node("Relu", ["x"], ["y"])],
+        "g", [helper.make_tensor_value_info("x", TP.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TP.FLOAT, None)])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    _refused_as_onnxruntime_does(m, {"x": np.ones(2, np.float32)}, "exactly one of value")
+    node = helper.make_node("Constant", [], ["y"])
+    node.attribute.extend([helper.make_attribute("value_int", 2),
+                           helper.make_attribute("value_float", 1.0)])
+    graph = helper.make_graph([node], "g", [], [onnx.ValueInfoProto(name="y")])
+    m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    assert _ort(m, {})[0].dtype != ReferenceEvaluator(m).run(None, {})[0].dtype
+    with pytest.raises(kiln.ModelLoadError, match="exactly one of value"):
+        kiln.load(m)

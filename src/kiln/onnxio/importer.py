@@ -621,7 +621,7 @@ class ModelImporter:
             rules.check_types(op_type, domain, since,
                               [v.type if v is not None else None for v in inputs], where,
                               spec)
-            if attrs:
+            if attrs or op_type == "Constant":
                 rules.check_values(op_type, domain, since, attrs, where)
             if op_type in rules.RANKED:
                 rules.check_axes(op_type, domain, attrs, [_shape(v) for v in inputs], where,

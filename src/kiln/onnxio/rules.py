@@ -195,6 +195,12 @@ def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, obje
             _refuse(where, op_type, name, value, "a TensorProto.DataType number")
     if domain == "" and op_type == "StringNormalizer":
         _check_locale(attrs, where)
+    if domain == "" and op_type == "Constant":
+        given = sorted(name for name in attrs if name in _CONSTANT_VALUES)
+        if len(given) != 1:
+            _refuse(where, op_type, "value", given or "absent",
+                    "exactly one of value, sparse_value and value_* (the spec says so; "
+                    "onnxruntime refuses other counts, even on a node nothing reads)")
     if domain == "" and op_type in AXES:
         name = AXES[op_type][0]
         value = attrs.get(name)
@@ -203,6 +209,8 @@ def check_values(op_type: str, domain: str, since: int, attrs: Mapping[str, obje
                 _refuse(where, op_type, name, a, "an axis of its input's rank")
 
 
+_CONSTANT_VALUES = frozenset({"value", "sparse_value", "value_float", "value_floats",
+                              "value_int", "value_ints", "value_string", "value_strings"})
 _OWN_CASE_RULES = frozenset({"tr", "az"})
 """Languages whose locales change case by rules of their own (a dotless i): onnxruntime
 follows the C library's locale there, Kiln has only Unicode's mapping."""
