@@ -1,6 +1,6 @@
 """Training step (forward + backward + SGD) of kiln.to_torch modules against the PyTorch
-modules they were exported from, side by side in one process: ResNet-18 (224x224) and the
-zoo's small BERT (4 layers, hidden 256, seq 128), batch 8, CPU.
+modules they were exported from, side by side in one process: ResNet-18 and MobileNetV2
+(224x224) and the zoo's small BERT (4 layers, hidden 256, seq 128), batch 8, CPU.
 
 Per model: step time (best of --reps alternating steps; the machine is shared, so best-of)
 and the memory autograd keeps for backward (bytes of the tensors saved by the forward,
@@ -8,7 +8,7 @@ counted with torch.autograd.graph.saved_tensors_hooks: the part of a training st
 that depends on how the forward is run; parameters and gradients are the same in both).
 Prints ratios Kiln / PyTorch. onnx2torch is compared by benchmarks/onnx2torch_compare.py.
 
-    python benchmarks/training.py [--reps 5] [--threads 2]
+    python benchmarks/training.py [--reps 5] [--threads 2] [--models resnet18,mobilenetv2,bert]
 """
 
 from __future__ import annotations
@@ -61,12 +61,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--models", default="resnet18,mobilenetv2,bert")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {a.threads} threads, batch 8, best of {a.reps}")
-    print(f"{'model':<10} {'torch step s':>12} {'kiln step s':>11} {'ratio':>6} "
+    print(f"{'model':<11} {'torch step s':>12} {'kiln step s':>11} {'ratio':>6} "
           f"{'torch saved MB':>14} {'kiln saved MB':>13} {'ratio':>6}")
-    for name in ("resnet18", "bert"):
+    for name in a.models.split(","):
         entry = get_entry(name)
         if entry.is_text:
             feeds = make_inputs(entry, batch=8, seq=128)
@@ -85,7 +86,7 @@ def main() -> None:
                 times[k].append(step(mods[k], opts[k], args))
         mem = {k: saved_bytes(m, args) for k, m in mods.items()}
         t0, t1 = min(times["torch"]), min(times["kiln"])
-        print(f"{name:<10} {t0:>12.3f} {t1:>11.3f} {t1 / t0:>6.2f} {mem['torch'] / 2**20:>14.1f} "
+        print(f"{name:<11} {t0:>12.3f} {t1:>11.3f} {t1 / t0:>6.2f} {mem['torch'] / 2**20:>14.1f} "
               f"{mem['kiln'] / 2**20:>13.1f} {mem['kiln'] / mem['torch']:>6.2f}", flush=True)
 
 

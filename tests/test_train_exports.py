@@ -183,3 +183,21 @@ def test_a_train_mode_cnn_with_batchnorm_and_dropout_trains_as_the_original():
     x = torch.randn(4, 1, 8, 8)
     with torch.no_grad():
         torch.testing.assert_close(m.eval()(x), net.eval()(x), rtol=1e-5, atol=1e-6)
+
+
+def test_relu6_trains_with_the_gradient_of_torch_relu6():
+    """Clip with constant bounds runs as F.hardtanh (torch.nn.ReLU6's own kernel): the same
+    gradient, exactly, even where an input sits on a bound (maximum/minimum would split
+    it there)."""
+    net = nn.Sequential(nn.Linear(5, 5), nn.ReLU6(), nn.Linear(5, 2))
+    with torch.no_grad():
+        net[0].weight.copy_(torch.eye(5))
+        net[0].bias.copy_(torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0]))
+    net.eval()
+    m = kiln.to_torch(_export(net, (torch.randn(2, 5),), do_constant_folding=False))
+    x = torch.tensor([[0.0, 5.5, -3.0, 2.0, 4.0], [-1.0, -0.5, 5.0, 4.5, 7.0]])  # on 0 and 6
+    _loss(net(x)).backward()
+    _loss(m(x)).backward()
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(p.grad, net.get_parameter(k).grad, rtol=0, atol=0)
+    assert net[0].bias.grad.abs().min() < net[0].bias.grad.abs().max()

@@ -6,6 +6,9 @@ rest (integer Div, say), which then run on the generic or NumPy kernel.
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -148,20 +151,49 @@ def thresholded_relu(x, *, alpha=1.0):
     return torch.where(x > alpha, x, torch.zeros_like(x)) if x.dtype in FLOATS else NI
 
 
-@kernel("Clip", 11)  # faster than the generic kernel (one clamp, no casts)
-def clip(x, lo=None, hi=None):
-    if x.dtype not in _SIGNED or any(t is not None and t.dtype != x.dtype for t in (lo, hi)):
-        return NI
-    if lo is not None:
-        x = torch.maximum(x, lo)
-    if hi is not None:
-        x = torch.minimum(x, hi)
-    return x
+def _bounds(lo, hi) -> tuple[float, float] | None:
+    """Float bounds hardtanh takes (None: no bound), or None when it is not Clip's function
+    (min > max clips everything to max)."""
+    lo = -math.inf if lo is None or lo <= -3.4e38 else lo
+    hi = math.inf if hi is None or hi >= 3.4e38 else hi
+    return (lo, hi) if lo <= hi else None
+
+
+def _bound(site, i: int):
+    """Input ``i`` of a Clip as a float, None when absent, ``NotImplemented`` when a feed or
+    a non-scalar."""
+    if not site.has_input(i):
+        return None
+    c = site.const(i)
+    return float(c) if c is not None and np.ndim(c) == 0 else NotImplemented
+
+
+@kernel("Clip", 11, prepare=True)  # faster than the generic kernel (one clamp, no casts)
+def clip(site):
+    """Constant bounds: F.hardtanh, what torch.nn.ReLU6/Hardtanh run, so the gradient is
+    theirs (one kernel; zero at the bounds); bounds fed at run time (a training module's
+    0-d literals among them): torch.clamp, the same function with one backward kernel
+    (its gradient is 1 at the bounds themselves)."""
+    lo, hi = _bound(site, 1), _bound(site, 2)
+    fixed = _bounds(lo, hi) if NotImplemented not in (lo, hi) else None
+
+    def run(x, lo=None, hi=None):
+        if x.dtype not in _SIGNED or any(t is not None and t.dtype != x.dtype
+                                         for t in (lo, hi)):
+            return NI
+        if fixed is not None and x.dtype in FLOATS:
+            return F.hardtanh(x, *fixed)
+        # clamp sets everything to max when min > max, as Clip does
+        return x if lo is None and hi is None else torch.clamp(x, lo, hi)
+    return run
 
 
 @kernel("Clip", 6, until=11)  # faster than the generic kernel (one clamp)
 def clip6(x, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):  # noqa: A002
-    return torch.clamp(x, min, max) if x.dtype in FLOATS else NI
+    if x.dtype not in FLOATS:
+        return NI
+    fixed = _bounds(min, max)  # hardtanh as torch.nn.ReLU6 (see Clip-11)
+    return F.hardtanh(x, *fixed) if fixed is not None else torch.clamp(x, min, max)
 
 
 # -- comparisons and logic ----------------------------------------------------------------
