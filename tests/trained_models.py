@@ -8,7 +8,8 @@ sets that share no sample, and scores a converted model by *task agreement* with
 model: the fraction of evaluation samples where both give the same answer (label, string,
 mask pixel, speech decision). Packages are found, never imported (several pull OpenCV).
 
-Used by tests/test_quantize_trained.py and benchmarks/quantization_trained.py.
+Used by tests/test_quantize_trained.py, benchmarks/quantization_trained.py and
+benchmarks/real_models.py.
 """
 
 from __future__ import annotations
@@ -46,6 +47,11 @@ class TrainedModel:
     """(n_calibration, n_evaluation) -> (calibration feeds, evaluation feeds), disjoint."""
     answers: Callable[[list[np.ndarray]], list]
     """A run's outputs (one feed) -> its per-sample task answers."""
+    batch_axes: dict[str, int | None] | None = None
+    """Each input's batch axis (None: shared by the batch, like a sample rate); the default
+    None means axis 0 of every input."""
+    max_batch: int | None = None
+    """The largest batch the file accepts (its batch dimension is fixed), or None."""
 
     @property
     def path(self) -> str | None:
@@ -264,6 +270,117 @@ def _vad_seq_feeds(n_cal: int, n_eval: int):
     return feeds(_vad_audio(n_cal, 7), 1), feeds(_vad_audio(n_eval, 8), 2)
 
 
+# --- openWakeWord: log-mel front end, speech embedding, a wake-word head ----------------
+
+_OWW = "resources/models/"
+
+
+def _speech(n_samples: int, seed: int) -> np.ndarray:
+    """Speech-like audio at 16 kHz as openWakeWord receives it (int16-scaled floats):
+    voiced windows, noise, silence and tones in a row."""
+    wins = _vad_audio(n_samples // 512 + 1, seed)
+    return (np.concatenate(wins)[:n_samples] * 32767).astype(np.float32)
+
+
+def _ort(path_of: str, feed: dict) -> list[np.ndarray]:
+    import onnxruntime as ort  # the upstream stages' outputs: the oracle makes them
+    s = ort.InferenceSession(_package_file("openwakeword", _OWW + path_of),
+                             providers=["CPUExecutionProvider"])
+    return s.run(None, feed)
+
+
+def _oww_mel_feeds(n_cal: int, n_eval: int):
+    """openWakeWord's streaming step: 1280 new samples (80 ms) and 480 of context."""
+    def feeds(n, seed):
+        a = _speech(1760 * max(n, 1), seed).reshape(-1, 1760)[:n]
+        return [{"input": a[i:i + 1]} for i in range(n)]
+    return feeds(n_cal, 11), feeds(n_eval, 12)
+
+
+def _oww_mels(n: int, seed: int) -> np.ndarray:
+    """``n`` windows of 76 log-mel frames, scaled as openWakeWord does (x / 10 + 2)."""
+    audio = _speech(160 * (76 + 8 * n) + 480, seed)
+    mel = _ort("melspectrogram.onnx", {"input": audio[None]})[0].squeeze() / 10 + 2
+    return np.stack([mel[8 * i:8 * i + 76] for i in range(n)])[..., None].astype(np.float32)
+
+
+def _oww_emb_feeds(n_cal: int, n_eval: int):
+    return (_batched(_oww_mels(n_cal, 13), "input_1", 1) if n_cal else [],
+            _batched(_oww_mels(n_eval, 14), "input_1", 1))
+
+
+def _oww_head_feeds(n_cal: int, n_eval: int):
+    """16 consecutive speech embeddings (1.28 s), as the wake-word heads read them."""
+    def feeds(n, seed):
+        if not n:
+            return []
+        mels = _oww_mels(n + 15, seed)
+        emb = _ort("embedding_model.onnx", {"input_1": mels})[0].reshape(-1, 96)
+        return [{"x.1": emb[i:i + 16][None]} for i in range(n)]
+    return feeds(n_cal, 15), feeds(n_eval, 16)
+
+
+# --- ddddocr's object detector (YOLOX) on real photos -------------------------------------
+
+def _photos() -> list[np.ndarray]:
+    """scikit-learn's two sample photos (HWC uint8 RGB), found on disk, not imported."""
+    from PIL import Image
+
+    d = _package_file("sklearn", "datasets/images")
+    if d is None:
+        return []
+    return [np.asarray(Image.open(os.path.join(d, f)).convert("RGB"))
+            for f in ("china.jpg", "flower.jpg")]
+
+
+def _letterbox(img: np.ndarray, size: int, shift: int) -> np.ndarray:
+    """ddddocr's preprocessing: fit into ``size`` keeping the aspect, pad with 114, BGR,
+    CHW float of 0-255 values; ``shift`` crops a little to make distinct samples."""
+    from PIL import Image
+
+    img = img[shift:, shift:]
+    r = min(size / img.shape[0], size / img.shape[1])
+    h, w = int(img.shape[0] * r), int(img.shape[1] * r)
+    out = np.full((size, size, 3), 114, np.uint8)
+    out[:h, :w] = np.asarray(Image.fromarray(img).resize((w, h), Image.BILINEAR))
+    return np.ascontiguousarray(out[..., ::-1].transpose(2, 0, 1), np.float32)
+
+
+def _captcha(photo: np.ndarray, seed: int) -> np.ndarray:
+    """A click captcha, what the detector is for: a few characters drawn over a photo."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    rng = np.random.default_rng(seed)
+    img = Image.fromarray(photo)
+    d = ImageDraw.Draw(img)
+    for _ in range(int(rng.integers(3, 6))):
+        size = int(rng.integers(32, 64))
+        try:
+            font = ImageFont.load_default(size=size)
+        except TypeError:  # Pillow < 10.1
+            font = ImageFont.load_default()
+        xy = (int(rng.integers(0, photo.shape[1] - size)), int(rng.integers(0, photo.shape[0]
+                                                                            - size)))
+        d.text(xy, str(rng.choice(list("AKQRWX3479"))), font=font,
+               fill=tuple(int(v) for v in rng.integers(0, 256, 3)))
+    return np.asarray(img)
+
+
+def _dddd_det_feeds(n_cal: int, n_eval: int):
+    photos = _photos()
+    def feeds(n, off):
+        return [{"images": _letterbox(_captcha(photos[i % len(photos)], off + i), 416,
+                                      (7 * i + off) % 64)[None]} for i in range(n)]
+    return feeds(n_cal, 0), feeds(n_eval, 1000)
+
+
+def _boxes(outs: list[np.ndarray]) -> list:
+    """Per anchor, whether it detects something (objectness x class score > 0.1, ddddocr's
+    threshold)."""
+    p = outs[0][0]
+    return list((p[:, 4] * p[:, 5:].max(-1)) > 0.1)
+
+
 MODELS: dict[str, TrainedModel] = {m.name: m for m in [
     TrainedModel("magika", "magika", "models/standard_v3_3/model.onnx",
                  "file type (top-1 label) of real files", _magika_feeds,
@@ -280,14 +397,49 @@ MODELS: dict[str, TrainedModel] = {m.name: m for m in [
                  _ocr_det_feeds, _text_mask),
     TrainedModel("silero_vad", "silero_vad", "data/silero_vad.onnx",
                  "speech decision (p > 0.5) of 32 ms windows of synthesized audio",
-                 _vad_feeds, lambda o: list((o[0] > 0.5).reshape(-1))),
+                 _vad_feeds, lambda o: list((o[0] > 0.5).reshape(-1)),
+                 batch_axes={"input": 0, "state": 1, "sr": None}),
     TrainedModel("silero_vad_seq", "silero_vad", "data/silero_vad_16k_sequence.onnx",
                  "speech decision (p > 0.5) per 32 ms window, sequences of 3-12 windows",
-                 _vad_seq_feeds, lambda o: list(o[0].reshape(-1) > 0.5)),
+                 _vad_seq_feeds, lambda o: list(o[0].reshape(-1) > 0.5),
+                 batch_axes={"input": 0, "h": None, "c": None}),
     TrainedModel("silero_vad_ifless", "silero_vad", "data/silero_vad_op18_ifless.onnx",
                  "speech decision (p > 0.5) of 32 ms windows of synthesized audio",
-                 _vad_feeds, lambda o: list((o[0] > 0.5).reshape(-1))),
+                 _vad_feeds, lambda o: list((o[0] > 0.5).reshape(-1)),
+                 batch_axes={"input": 0, "state": 1, "sr": None}),
+    TrainedModel("oww_melspec", "openwakeword", _OWW + "melspectrogram.onnx",
+                 "log-mel bins within 0.05 of fp32 on 110 ms of speech-like audio",
+                 _oww_mel_feeds, lambda o: list(np.round(o[0].reshape(-1) * 20))),
+    TrainedModel("oww_embedding", "openwakeword", _OWW + "embedding_model.onnx",
+                 "speech embedding (96 values, rounded to 0.1) of 76 log-mel frames",
+                 _oww_emb_feeds, lambda o: list(np.round(o[0].reshape(-1) * 10))),
+    TrainedModel("oww_hey_jarvis", "openwakeword", _OWW + "hey_jarvis_v0.1.onnx",
+                 "wake-word decision (score > 0.5) on 16 speech embeddings",
+                 _oww_head_feeds, lambda o: list(o[0].reshape(-1) > 0.5), max_batch=1),
+    TrainedModel("dddd_det", "ddddocr", "common_det.onnx",
+                 "detecting anchors (score > 0.1) on characters drawn over scikit-learn's photos",
+                 _dddd_det_feeds, _boxes, max_batch=1),
 ]}
+
+
+def feed_at_batch(m: TrainedModel, batch: int, seed_samples: int = 16) -> dict | None:
+    """One feed of ``batch`` evaluation samples of ``m`` (samples repeat when there are
+    fewer), or None when the file's batch dimension does not allow ``batch``."""
+    if m.max_batch is not None and batch > m.max_batch:
+        return None
+    _, ev = m.make_feeds(0, seed_samples)
+    axes = m.batch_axes or {k: 0 for k in ev[0]}
+    out = {}
+    for name, first in ev[0].items():
+        ax = axes.get(name, 0)
+        if ax is None:
+            out[name] = first
+            continue
+        parts = np.concatenate([f[name] for f in ev], axis=ax)
+        while parts.shape[ax] < batch:
+            parts = np.concatenate([parts, parts], axis=ax)
+        out[name] = np.ascontiguousarray(np.take(parts, range(batch), axis=ax))
+    return out
 
 
 def get(name: str) -> TrainedModel:

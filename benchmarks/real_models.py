@@ -1,0 +1,181 @@
+"""Trained models that pip packages ship, on realistic inputs: Kiln against onnxruntime.
+
+    python benchmarks/real_models.py                         # every installed model, batch 1, 8
+    python benchmarks/real_models.py --models silero_vad,magika --batches 1 --budget 3
+
+The models and their inputs are tests/trained_models.py's (speech-like audio for the voice
+and wake-word models, rendered text lines and pages for PaddleOCR, characters drawn over
+scikit-learn's sample photos for ddddocr's detector, real files of this Python installation
+for Magika). For each model and batch, one process holds an onnxruntime session, Kiln's
+default session (``kiln.InferenceSession(path)``, no backend named: what a user who never
+reads the docs gets), Kiln on the ``torch`` and ``numpy`` backends, and OpenVINO when it is
+installed, all with the same thread count; outputs are checked against onnxruntime's first,
+then rounds alternate between engines (benchmarks/zoo_suite.py's ``measure``). Reported:
+median latency per engine and its ratio to onnxruntime's (< 1: faster than onnxruntime).
+
+With ``--doc`` (or for a full run) writes the table between the ``real-models`` markers of
+docs/performance.md and ``benchmarks/results/real_models.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import warnings
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "tests"))
+sys.path.insert(0, HERE)
+import zoo_suite as zs  # noqa: E402
+
+import trained_models as tm  # noqa: E402
+
+BEGIN, END = "<!-- real-models:begin -->", "<!-- real-models:end -->"
+ENGINES = ("default", "torch", "numpy", "openvino")
+
+
+def make_runner(engine: str, path: str, threads: int, feeds: dict):
+    """zoo_suite's runners, plus ``default``: a Kiln session given no backend."""
+    if engine != "default":
+        return zs.make_runner(engine, path, threads, feeds)
+    import kiln
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        sess = kiln.InferenceSession(path)
+    return lambda f: sess.run(None, f)
+
+
+def default_backend() -> str:
+    """The backend kiln.InferenceSession picks when none is named."""
+    import kiln
+    return kiln.InferenceSession(os.path.join(ROOT, "src/kiln/data/digits_cnn.onnx")
+                                 ).backend.name
+
+
+def bench_one(name: str, batch: int, args, engines: list[str]) -> dict | None:
+    m = tm.get(name)
+    feeds = tm.feed_at_batch(m, batch)
+    if feeds is None:
+        return None
+    rec: dict = {"model": name, "batch": batch, "engines": {},
+                 "feeds": {k: list(v.shape) for k, v in feeds.items()}}
+    runners, want = {}, None
+    for e in engines:
+        try:
+            fn = make_runner(e, m.path, args.threads, feeds)
+            got = fn(feeds)
+        except Exception as exc:  # an engine that cannot run the model is a cell, not a crash
+            rec["engines"][e] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+            print(f"  {name} b{batch} on {e}: {rec['engines'][e]['error']}", file=sys.stderr)
+            continue
+        runners[e] = fn
+        want = got if want is None else want
+        rec["engines"][e] = {
+            "max_abs_diff_vs_ort": max((float(np.max(np.abs(np.asarray(g, np.float64) -
+                                                            np.asarray(w, np.float64))))
+                                        if np.asarray(w).size else 0.0)
+                                       for g, w in zip(got, want)),
+            "task_agreement": m.agreement([want], [got])}
+    times = zs.measure(runners, feeds, args.budget, args.min_runs, args.max_runs, args.rest)
+    base = statistics.median(times["onnxruntime"])
+    for e, ts in times.items():
+        med = statistics.median(ts)
+        rec["engines"][e].update(runs=len(ts), p50_ms=round(med, 4),
+                                 best_ms=round(min(ts), 4), ratio_vs_ort=round(med / base, 3))
+    return rec
+
+
+def markdown(env: dict, records: list[dict], engines: list[str]) -> str:
+    others = [e for e in engines if e != "onnxruntime"]
+    lines = [f"Run {env['date']} on {env['cpu']} ({env['machine']}), load {env['load']}, "
+             f"{env['threads']} threads per engine; " +
+             ", ".join(f"{k} {env[k]}" for k in ("python", "numpy", "onnxruntime", "torch",
+                                                 "openvino") if k in env) +
+             f". Kiln's default session runs on its `{env['default_backend']}` backend.", "",
+             "| model | batch | onnxruntime ms | " +
+             " | ".join(f"{e} ms | {e} ×ort" for e in others) + " |",
+             "|---|---|---|" + "---|---|" * len(others)]
+    for r in records:
+        cells = []
+        for e in others:
+            x = r["engines"].get(e, {})
+            if "p50_ms" not in x:
+                cells += ["—", "—"]
+            else:
+                cells += [f"{x['p50_ms']:.3g}", f"**{x['ratio_vs_ort']:.2f}**"]
+        ort_ms = r["engines"]["onnxruntime"]["p50_ms"]
+        lines.append(f"| {r['model']} | {r['batch']} | {ort_ms:.3g} | " + " | ".join(cells)
+                     + " |")
+    return "\n".join(lines)
+
+
+def write_docs(md: str, doc: str) -> None:
+    with open(doc) as f:
+        text = f.read()
+    if BEGIN not in text:
+        print(f"no {BEGIN} marker in {doc}; the table was not written", file=sys.stderr)
+        return
+    head, rest = text.split(BEGIN, 1)
+    tail = rest.split(END, 1)[1]
+    with open(doc, "w") as f:
+        f.write(f"{head}{BEGIN}\n{md}\n{END}{tail}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default=",".join(tm.available()))
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--engines", default=",".join(ENGINES))
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--budget", type=float, default=4.0, help="seconds per model and batch")
+    ap.add_argument("--min-runs", type=int, default=20)
+    ap.add_argument("--max-runs", type=int, default=400)
+    ap.add_argument("--rest", type=float, default=0.05)
+    ap.add_argument("--doc", action="store_true", help="write docs/performance.md's table")
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from threadpoolctl import threadpool_limits
+
+    models = [n for n in args.models.split(",") if n]
+    missing = [n for n in models if n not in tm.MODELS or tm.get(n).path is None]
+    if missing:
+        print(f"not available here: {', '.join(missing)} (installed: "
+              f"{', '.join(tm.available())})", file=sys.stderr)
+        return 2
+    engines = zs.engine_names([e for e in args.engines.split(",") if e])
+    records = []
+    with threadpool_limits(args.threads):
+        env = zs.environment(argparse.Namespace(threads=args.threads, seq=None))
+        env["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        env["default_backend"] = default_backend()
+        for name in models:
+            for b in (int(x) for x in args.batches.split(",")):
+                rec = bench_one(name, b, args, engines)
+                if rec is None:
+                    continue
+                records.append(rec)
+                row = "  ".join(f"{e} {x['ratio_vs_ort']:.2f}x" for e, x in
+                                rec["engines"].items() if "ratio_vs_ort" in x)
+                print(f"{name} b{b}: onnxruntime {rec['engines']['onnxruntime']['p50_ms']:.3f}"
+                      f" ms  {row}", flush=True)
+    md = markdown(env, records, engines)
+    print(md)
+    full = set(models) == set(tm.available())
+    if args.doc or full:
+        write_docs(md, os.path.join(ROOT, "docs", "performance.md"))
+    path = args.json or (os.path.join(HERE, "results", "real_models.json") if args.doc or full
+                         else None)
+    if path:
+        with open(path, "w") as f:
+            json.dump({"environment": env, "records": records}, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
