@@ -206,6 +206,9 @@ def conv_core(x, w, b, group, strides, dilations, begin, end, wino=None) -> np.n
         return add_bias(y.reshape(out_shape), b)
     wm = w.reshape(group, m // group, -1)
     kprod = math.prod(kernel)
+    if len(kernel) == 1 and (kprod >= 16 or strides[0] >= 4):
+        return add_bias(_wide_1d(x, wm, kernel[0], strides[0], dilations[0], begin[0],
+                                 end[0]).reshape(out_shape), b)
     per_item = c * kprod * math.prod(o + 2 for o in out)
     step = max(1, _COLS_BUDGET // max(per_item, 1))
     y = np.empty(out_shape, dtype=x.dtype)
@@ -228,6 +231,21 @@ def conv_core(x, w, b, group, strides, dilations, begin, end, wino=None) -> np.n
                       out=yi.reshape(nb, group, m // group, -1))
             add_bias(yi, b)
     return y
+
+
+def _wide_1d(x, wm, k: int, s: int, d: int, begin: int, end: int) -> np.ndarray:
+    """A 1-D convolution with a wide kernel or a long stride (an STFT written as a Conv:
+    k=256, stride 128): the phase split below would make one Python step per kernel offset
+    and per stride phase (256 and 128 of them, 3.5 ms for a 576-sample window), where one
+    strided window view and one matmul take tens of microseconds."""
+    n, c = x.shape[:2]
+    if begin or end:
+        x = np.pad(x, ((0, 0), (0, 0), (begin, end)))
+    win = np.lib.stride_tricks.sliding_window_view(x, (k - 1) * d + 1, axis=2)[:, :, ::s, ::d]
+    g = wm.shape[0]
+    # (n, c, L, k) -> (n, g, c/g * k, L): each group's columns, channel-major like wm
+    cols = np.ascontiguousarray(win.transpose(0, 1, 3, 2)).reshape(n, g, -1, win.shape[2])
+    return np.matmul(wm, cols)
 
 
 def _depthwise(x, w, b, strides, dilations, begin, out):

@@ -133,6 +133,41 @@ def _torch_pad(begins, ends) -> list[int]:
 
 # -- convolution --------------------------------------------------------------------------
 
+_SINGLE_MACS = 1 << 18
+"""Convolutions under this many multiply-adds (tens of microseconds on one core) run on one
+thread: oneDNN splits even a 50k-MAC layer between every OpenMP thread and then waits for the
+slowest; on the shared 2-core VM silero VAD's 1-D convs took 20 us each on one thread and
+300 us-4 ms on two when the second thread was descheduled (benchmarks/real_models.py)."""
+
+
+def _single_threaded(fn: Callable, *args):
+    """``fn(*args)`` with torch's intra-op threads at one. The count is process-wide, so
+    another thread's op running meanwhile may also run on one thread: slower, never wrong."""
+    n = torch.get_num_threads()
+    if n == 1:
+        return fn(*args)
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(n)
+
+
+def _wide_conv1d(x, w, b, stride: int, dil: int, begin: int, end: int, group: int):
+    """A 1-D convolution with a wide kernel or long stride (an STFT written as a Conv: 258
+    filters of 256 taps at stride 128) as one strided window view and a matmul: oneDNN took
+    0.3-4 ms for silero VAD's, the matmul about 25 us."""
+    if begin or end:
+        x = F.pad(x, [begin, end])
+    k = w.shape[2]
+    win = x.unfold(2, (k - 1) * dil + 1, stride)[..., ::dil]  # (n, c, L, k)
+    n, c, length = win.shape[:3]
+    cols = win.reshape(n, group, c // group, length, k).permute(0, 1, 3, 2, 4) \
+        .reshape(n, group, length, -1)
+    y = torch.matmul(cols, w.reshape(group, w.shape[0] // group, -1).transpose(1, 2))
+    y = y.permute(0, 1, 3, 2).reshape(n, w.shape[0], length)
+    return y if b is None else y + b[:, None]
+
 @kernel("Conv", 1, prepare=True)
 def conv(site):
     return conv_kernel(site)
@@ -243,7 +278,19 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
         n = x.dim() - 2
         if n not in _CONV or w.dim() != n + 2 or ks and list(w.shape[2:]) != list(ks):
             return NI
+        if x.numel() * w.shape[0] * math.prod(w.shape[2:]) < _SINGLE_MACS * group \
+                * math.prod(site.attr("strides") or [1]):
+            return _single_threaded(convolve, x, w, b, z)
+        return convolve(x, w, b, z)
+
+    def convolve(x, w, b, z):
+        n = x.dim() - 2
         strides, dil, begins, ends = _window(site, x, list(w.shape[2:]))
+        if n == 1 and low is None and (w.shape[2] >= 16 or strides[0] >= 4):
+            y = _wide_conv1d(x, w, b, strides[0], dil[0], begins[0], ends[0], group)
+            if z is not None:
+                y = y + z
+            return y if act is None else act(y)
         if begins != ends:
             x = F.pad(x, _torch_pad(begins, ends))
             begins = [0] * n
