@@ -26,12 +26,9 @@ _BERNOULLI = ("Bernoulli draws random numbers; the expected output is one draw o
               "global generator at the time the test was made, and the test's own source says "
               "implementations may differ even with a seed. Kiln's draws are checked for type, "
               "shape, p in {0, 1} and seeded replay in tests/test_control_flow.py.")
-_GRADIENT = ("`ai.onnx.preview.training.Gradient` (differentiate the enclosing graph) is not "
-             "implemented (no issue asks for it yet; onnxruntime does not run it either).")
 NOTES: dict[str, str] = {
     **{f"test_bernoulli{s}": _BERNOULLI
        for s in ("", "_expanded", "_double", "_double_expanded", "_seed", "_seed_expanded")},
-    "test_gradient_of_add": _GRADIENT, "test_gradient_of_add_and_mul": _GRADIENT,
     "test_squeezenet": (
         "Its weights are constants, so all 1,000 logits are equal in exact arithmetic but "
         "about 1e10 in size: the softmax's uniform 0.001 holds only where every channel is "
