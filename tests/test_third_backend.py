@@ -16,7 +16,7 @@ from kiln.conformance.runner import collect, run_case
 from kiln.ir import DType
 from kiln.ops import registry
 from kiln.runtime import backend_names, register_backend
-from kiln.runtime.backend import Backend, host_feed
+from kiln.runtime.backend import Backend, Link, host_feed
 from kiln.runtime.placement import LayerPlacement
 from test_conformance import _KNOWN
 
@@ -61,7 +61,7 @@ class SimBackend(Backend):
     def chain(self, chain, node, host_inputs=frozenset()):
         c = chain[0]
         where = "cpu" if c.how == "cpu-fallback" else self.device
-        return c.fn, c.wants_ctx, LayerPlacement.of(node, where, c.how, c.why)
+        return Link(c.fn, c.wants_ctx, LayerPlacement.of(node, where, c.how, c.why))
 
     def transfers(self, chain, node):
         first = chain[0]

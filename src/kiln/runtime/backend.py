@@ -63,6 +63,21 @@ class Candidate(NamedTuple):
     why: str
 
 
+class Link(NamedTuple):
+    """What the plan's step for one node calls, decided once when the session is made."""
+
+    fn: Callable
+    wants_ctx: bool
+    """Whether ``fn`` and ``rest`` take a KernelContext first."""
+    layer: LayerPlacement
+    rest: Callable | None = None
+    """Called on the same arguments when ``fn`` returns NotImplemented (a call it does not
+    take, a dtype say); None: ``fn`` takes every call."""
+    params: bool = False
+    """Whether the node's host-parameter constants (shapes, axes) reach ``fn`` and ``rest``
+    as tuples of Python numbers rather than arrays."""
+
+
 def usable_cores() -> int:
     """CPU cores this process may really use: its affinity mask, capped by a cgroup CPU
     quota (containers), so default thread counts never oversubscribe them."""
@@ -113,8 +128,6 @@ class Backend:
 
     name = "numpy"
     device = "cpu"
-    params_as_tuples = False
-    """Whether host-parameter constants reach this backend's kernels as Python tuples."""
     array_type: type = np.ndarray
     """The class of this backend's arrays (results of another class are normalized)."""
 
@@ -127,18 +140,11 @@ class Backend:
         return [(self.name, opdef.reference, "reference kernel")]
 
     def chain(self, chain: list[Candidate], node, host_inputs: frozenset[int] = frozenset()
-              ) -> tuple[Callable, bool, LayerPlacement]:
-        """One callable for the node from the prepared candidates (the first, here);
+              ) -> Link:
+        """What the node's step calls, from the prepared candidates (the first, here);
         ``host_inputs``: the inputs its op reads on the host."""
         c = chain[0]
-        return c.fn, c.wants_ctx, LayerPlacement.of(node, self.device, c.how, c.why)
-
-    def direct(self, chain: list[Candidate], node) -> tuple[Callable, bool, Callable] | None:
-        """Where ``chain``'s callable only guards its first kernel: (that kernel, whether
-        it takes the context, the rest of the chain for the calls it declines), so that the
-        straight-line executor can call it without the guard. None (here: ``chain``
-        returns the first kernel itself)."""
-        return None
+        return Link(c.fn, c.wants_ctx, LayerPlacement.of(node, self.device, c.how, c.why))
 
     def transfers(self, chain: list[Candidate], node) -> tuple[Callable, Callable] | None:
         """Where the plan itself moves a node's values: (applied to each input before its

@@ -140,7 +140,7 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
         names[v] = f"x{i}"
     params = plan.param_constants()
     as_param = {(j, k) for j, s in enumerate(plan.steps) for k, v in enumerate(s.inputs)
-                if v in params and plan.takes_param(s, k)}
+                if v in params and k in s.params}
     used = {v for j, s in enumerate(plan.steps) for k, v in enumerate(s.inputs)
             if v is not None and (j, k) not in as_param} | set(plan.graph.outputs)
     pnames: dict = {}
@@ -171,7 +171,6 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
         glb[f"f{j}"] = s.fn
         args = ", ".join("None" if v is None else pnames[v] if (j, k) in as_param else names[v]
                          for k, v in enumerate(s.inputs))
-        plain = args
         if s.wants_ctx:  # facts only (no subgraphs here): one context per step, made now
             glb[f"k{j}"] = KernelContext(len(s.outputs), s.opset, {}, plan, s.node,
                                          plan.backend)
@@ -183,32 +182,30 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
             glb[f"t{j}"], glb[f"u{j}"] = s.transfers
             moved = ", ".join("None" if v is None else f"t{j}({names[v]})" for v in s.inputs)
             fcall = f"u{j}(f{j}({moved}))"
-        direct = s.direct if not module else None
-        if direct is not None:
-            # The first kernel called here, the rest of the chain only when it declines
-            # (Backend.direct): no guard's frame per layer.
-            glb[f"d{j}"], glb[f"f{j}"] = direct[0], direct[2]
-            call = f"d{j}({args if direct[1] else plain})"
+        rest = s.rest  # what takes the calls the kernel declines (NotImplemented)
+        if rest is not None:
+            glb[f"n{j}"] = rest
         if len(outs) == 1 and not module:
             # Most kernels return the backend's array: one class test inline instead of
             # two calls (unwrap a 1-tuple, normalize) per layer.
             names[outs[0]] = v = f"v{j}_0"
-            if direct is None:
-                body.append(f"{v} = {fcall}")
+            body.append(f"{v} = {fcall}")
+            if rest is None:
                 body.append(f"if {v}.__class__ is not _T: {v} = _n(_one({v}))")
             else:
-                body.append(f"{v} = {call}")
                 body.append(f"if {v}.__class__ is not _T: "
-                            f"{v} = _n(_one(f{j}({args}) if {v} is _NI else {v}))")
+                            f"{v} = _n(_one(n{j}({args}) if {v} is _NI else {v}))")
         elif len(outs) == 1:
             names[outs[0]] = f"v{j}_0"
-            body.append(f"v{j}_0 = _one({fcall})")
-        else:
-            if direct is None:
-                body.append(f"r{j} = {fcall}")
+            if rest is None:
+                body.append(f"v{j}_0 = _one({fcall})")
             else:
-                body.append(f"r{j} = {call}")
-                body.append(f"if r{j} is _NI: r{j} = f{j}({args})")
+                body.append(f"v{j}_0 = {fcall}")
+                body.append(f"v{j}_0 = _one(n{j}({args}) if v{j}_0 is _NI else v{j}_0)")
+        else:
+            body.append(f"r{j} = {fcall}")
+            if rest is not None:
+                body.append(f"if r{j} is _NI: r{j} = n{j}({args})")
             for k, v in enumerate(outs):
                 if v is not None:
                     names[v] = f"v{j}_{k}"

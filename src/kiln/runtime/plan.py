@@ -17,7 +17,7 @@ from kiln.errors import KilnError, UnsupportedOpError
 from kiln.ir import AttrRef, Function, Graph, Node, Value, collector_paused
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, OpDef, Site, Target
-from kiln.runtime.backend import Backend, Candidate
+from kiln.runtime.backend import Backend, Candidate, Link
 from kiln.runtime.executor import Program, can_run, layer_error, run_state
 from kiln.runtime.placement import LayerPlacement
 
@@ -44,10 +44,11 @@ class Step:
     host_inputs: frozenset[int] = frozenset()
     frees: tuple[Value, ...] = ()
     subplans: tuple[Plan, ...] = ()
-    direct: tuple[Callable, bool, Callable] | None = None
-    """(first kernel, whether it takes the context, the rest of ``fn``'s chain) where the
-    straight-line executor may call the first kernel itself and hand a NotImplemented to
-    the rest (:meth:`Backend.direct`); None: every call goes through ``fn``."""
+    rest: Callable | None = None
+    """Called on the same arguments when ``fn`` returns NotImplemented (:class:`Link`)."""
+    params: frozenset[int] = frozenset()
+    """Inputs whose constants reach the kernels as tuples of Python numbers (host
+    parameters of a backend's own and shared kernels, :attr:`Link.params`)."""
     transfers: tuple[Callable, Callable] | None = None
     """(to the kernel's device, back): transfer steps the plan runs around ``fn`` on each
     input and on the result (:meth:`Backend.transfers`); None: values are used as they
@@ -134,22 +135,14 @@ class Plan:
             for sub in s.subplans:
                 yield from sub.walk()
 
-    def takes_param(self, step: Step, i: int) -> bool:
-        """Whether ``step`` reads its input ``i`` as a host parameter given as Python numbers
-        (backends with ``params_as_tuples``): the backend's own kernels and the shared ones on
-        its arrays (which read host inputs through int_list), not the host fallback, which
-        converts its inputs."""
-        return self.backend.params_as_tuples and i in step.host_inputs and \
-            step.placement in (self.backend.name, f"{self.backend.name}-generic")
-
     def param_constants(self) -> dict[Value, tuple]:
         """Constants some step reads as a host parameter (shapes, axes, sizes;
-        :meth:`takes_param`), as tuples: those steps get the tuple, other readers of the same
+        :attr:`Step.params`), as tuples: those steps get the tuple, other readers of the same
         constant (exporters share one scalar between an axis and arithmetic) the array."""
         out = {}
         for s in self.steps:
             for i, v in enumerate(s.inputs):
-                if v is None or v in out or v not in self.consts or not self.takes_param(s, i):
+                if v is None or v in out or v not in self.consts or i not in s.params:
                     continue
                 c = v.const
                 if c.dtype.kind in "iuf" and c.ndim <= 1:
@@ -235,8 +228,12 @@ class Plan:
                 elif s.wants_ctx:
                     ctx = KernelContext(len(s.outputs), s.opset, env, self, s.node, self.backend)
                     result = s.fn(ctx, *args)
+                    if result is NotImplemented and s.rest is not None:
+                        result = s.rest(ctx, *args)
                 else:
                     result = s.fn(*args)
+                    if result is NotImplemented and s.rest is not None:
+                        result = s.rest(*args)
             except KilnError:
                 raise
             except Exception as e:
@@ -276,10 +273,11 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
     be = compiler.backend
     opdef = registry.lookup(node.domain, node.op_type, opset)
     if opdef is not None:
-        fn, wants_ctx, layer, direct, moves = bind(
-            opdef, Site(node, opset, attrs, compiler.target), be)
-        return Step(fn=fn, wants_ctx=wants_ctx, layer=layer, host_inputs=opdef.host_inputs,
-                    direct=direct, transfers=moves, **common)
+        link, moves = bind(opdef, Site(node, opset, attrs, compiler.target), be)
+        return Step(fn=link.fn, wants_ctx=link.wants_ctx, layer=link.layer,
+                    host_inputs=opdef.host_inputs, rest=link.rest,
+                    params=opdef.host_inputs if link.params else frozenset(),
+                    transfers=moves, **common)
     func = compiler.functions.get((node.domain, node.op_type))
     if func is None:
         from kiln.onnxio.schema_functions import spec_function
@@ -294,12 +292,11 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
         node, be.device, "function", f"body of function {func.name}"), **common)
 
 
-def bind(opdef: OpDef, site: Site, backend: Backend
-         ) -> tuple[Callable, bool, LayerPlacement, tuple | None, tuple | None]:
+def bind(opdef: OpDef, site: Site, backend: Backend) -> tuple[Link, tuple | None]:
     """Prepare ``site``'s node on ``backend``: each kernel the backend would use, in its
-    order of preference, prepared once; the backend chains those that accepted (and says
-    whether the first may be called directly, ``Step.direct``, and which transfers the
-    plan runs around it, ``Step.transfers``)."""
+    order of preference, prepared once; the backend links those that accepted (what the
+    step calls, and on a NotImplemented what next) and says which transfers the plan
+    runs around it (``Step.transfers``)."""
     chain: list[Candidate] = []
     for how, kernel, why in backend.candidates(opdef):
         site.notes = []
@@ -310,8 +307,8 @@ def bind(opdef: OpDef, site: Site, backend: Backend
     if not chain:
         raise UnsupportedOpError(f"no kernel accepts layer {site.node.name!r} "
                                  f"({site.node.op_type})", [site.node.op_type])
-    return (*backend.chain(chain, site.node, opdef.host_inputs),
-            backend.direct(chain, site.node), backend.transfers(chain, site.node))
+    return backend.chain(chain, site.node, opdef.host_inputs), \
+        backend.transfers(chain, site.node)
 
 
 class FunctionCall:

@@ -33,7 +33,7 @@ from kiln.ops.registry import KernelContext, Mode, OpDef, Target
 from kiln.ops.torch.arrays import DTYPE_OF, TORCH_OF, to_numpy, to_torch
 from kiln.ops.torch.nn import native_on_cpu
 from kiln.runtime import compile_cache
-from kiln.runtime.backend import Backend, Candidate, host_feed, usable_cores
+from kiln.runtime.backend import Backend, Candidate, Link, host_feed, usable_cores
 from kiln.runtime.executor import Program
 from kiln.runtime.placement import LayerPlacement, RunStats
 from kiln.runtime.specialize import CompileFailed, CompileWarning, Specializer
@@ -74,7 +74,6 @@ class TorchBackend(Backend):
     """
 
     name = "torch"
-    params_as_tuples = True
     array_type = torch.Tensor
     module = False
     """Set on the backend of a kiln.train module: kernels declining a mix of float types
@@ -217,6 +216,8 @@ class TorchBackend(Backend):
         """Tensor -> NumPy for a NumPy kernel; a transfer only when it leaves a device."""
         if isinstance(x, list):
             return [self.download(e, st) for e in x]
+        if isinstance(x, tuple):  # a host parameter the plan gave as Python numbers
+            return np.asarray(x)
         if isinstance(x, _TENSOR):
             if st is not None and x.device.type != "cpu":
                 st.transfers += 1
@@ -253,28 +254,47 @@ class TorchBackend(Backend):
                     "outputs uploaded"))
         return out
 
-    def chain(self, chain: list[Candidate], node, host_inputs: frozenset[int] = frozenset(),
-              declined: bool = False):
-        """Each candidate hands the calls it declines (NumPy-only inputs, NotImplemented)
-        to the next; the last is the NumPy fallback behind conversions, unless the plan
-        moves the values itself (:meth:`transfers`; not for ``declined`` calls, which a
-        kernel before hands on at run time)."""
+    def chain(self, chain: list[Candidate], node, host_inputs: frozenset[int] = frozenset()
+              ) -> Link:
+        """Where every input is known to arrive as a tensor, the step calls the first
+        kernel as it is and hands the calls it declines (NotImplemented) to the rest;
+        elsewhere each kernel is guarded (NumPy inputs, CUDA moves) and hands on to the
+        next. The last is the NumPy fallback behind conversions, unless the plan moves the
+        values itself (:meth:`transfers`)."""
         host = _host_step(node)
         first = chain[0]
-        ctx = any(c.wants_ctx for c in chain)
-        fns = [_with_ctx(c.fn, c.wants_ctx) if ctx else c.fn for c in chain]
-        if not declined and self._planned_fallback(chain):
-            pass  # the plan moves its inputs and outputs: see transfers()
-        elif chain[-1].how == "cpu-fallback":
-            fns[-1] = self._fallback(fns[-1], ctx, host)
-        run = fns[-1]
-        for fn in reversed(fns[:-1]):
-            run = self._guarded(fn, run, ctx, node, host_inputs)
         where = "cpu" if first.how == "cpu-fallback" else \
             "host" if host and self.is_cuda else self.device
         why = first.why + ("; host-resident outputs" if host and self.is_cuda
                            and first.how != "cpu-fallback" else "")
-        return run, ctx, LayerPlacement.of(node, where, first.how, why)
+        layer = LayerPlacement.of(node, where, first.how, why)
+        if self._planned_fallback(chain):
+            return Link(first.fn, False, layer)
+        ctx = any(c.wants_ctx for c in chain)
+        fns = [_with_ctx(c.fn, c.wants_ctx) if ctx else c.fn for c in chain]
+        if chain[-1].how == "cpu-fallback":
+            fns[-1] = self._fallback(fns[-1], ctx, host)
+        # host parameters as Python numbers for torch's and the shared kernels (which
+        # read them through int_list); the NumPy fallback's conversion makes them arrays
+        params = first.how != "cpu-fallback"
+        if len(fns) > 1 and self._all_tensors(node):
+            return Link(fns[0], ctx, layer, self._link(fns[1:], ctx, node, host_inputs),
+                        params)
+        return Link(self._link(fns, ctx, node, host_inputs), ctx, layer, None, params)
+
+    def _link(self, fns: list[Callable], ctx: bool, node, host_inputs) -> Callable:
+        run = fns[-1]
+        for fn in reversed(fns[:-1]):
+            run = self._guarded(fn, run, ctx, node, host_inputs)
+        return run
+
+    def _all_tensors(self, node) -> bool:
+        """Whether every input of ``node`` is known to arrive as a CPU tensor: of a dtype
+        torch has (feeds, constants, kernel and fallback outputs are converted), on the CPU
+        (no moves), not traced, not in a kiln.train module (autocast retries)."""
+        return not (self.is_cuda or self.tracing or self.module) and all(
+            v is None or (isinstance(v.type, TensorType) and v.type.dtype in TORCH_OF)
+            for v in node.inputs)
 
     def _planned_fallback(self, chain: list[Candidate]) -> bool:
         """Whether the node runs its NumPy kernel alone, with its inputs and outputs moved
@@ -301,23 +321,6 @@ class TorchBackend(Backend):
             return backend.upload(r, st, host)
         return down, up
 
-    def direct(self, chain: list[Candidate], node) -> tuple[Callable, bool, Callable] | None:
-        # The guard's per-call test for NumPy inputs (a sixth of a small layer) is needed
-        # only where one can arrive: every value of a dtype torch has is a tensor here
-        # (feeds, constants, kernel and fallback outputs are converted).
-        if self.is_cuda or self.tracing or self.module or len(chain) < 2 or \
-                chain[0].how == "cpu-fallback" or not all(
-                    v is None or (isinstance(v.type, TensorType) and v.type.dtype in TORCH_OF)
-                    for v in node.inputs):
-            return None
-        rest, rest_ctx, _ = self.chain(chain[1:], node, declined=True)
-
-        def declined(*args):  # a KernelContext passes _arrays unchanged
-            return rest(*_arrays(args))
-        # called as the step's chain is (with a context if any kernel takes one)
-        ctx = any(c.wants_ctx for c in chain)
-        return chain[0].fn, chain[0].wants_ctx, _with_ctx(declined, rest_ctx) if ctx else declined
-
     def _guarded(self, fn: Callable, nxt: Callable, ctx: bool, node, host_inputs) -> Callable:
         move = self._cuda_mover(node, host_inputs) if self.is_cuda else None
         # Traced for compile=True every value is a tensor (checked before the program
@@ -330,7 +333,7 @@ class TorchBackend(Backend):
                     if a.__class__ is nd:
                         return nxt(c, *args)
                 r = fn(c, *(move(args) if move else args))
-                return nxt(c, *_arrays(args)) if r is ni else r
+                return nxt(c, *args) if r is ni else r
             return run_ctx
 
         def run(*args):
@@ -340,7 +343,7 @@ class TorchBackend(Backend):
             r = fn(*(move(args) if move else args))
             if r is ni and self.module:
                 r = _under_autocast(fn, args)
-            return nxt(*_arrays(args)) if r is ni else r
+            return nxt(*args) if r is ni else r
         return run
 
     def _cuda_mover(self, node, params: frozenset[int]) -> Callable | None:
@@ -542,12 +545,6 @@ class _FallbackContext(KernelContext):
         st = be.stats()
         outs = subgraph.run([be.upload(x, st) for x in inputs], outer=self.env)
         return [be.download(x, st) for x in outs]
-
-
-def _arrays(args: tuple) -> tuple:
-    """Arguments for the kernel after one that declined: host-parameter constants, which
-    the plan hands to torch kernels as tuples of Python numbers, become arrays again."""
-    return tuple(np.asarray(a) if isinstance(a, tuple) else a for a in args)
 
 
 def _under_autocast(fn: Callable, args: tuple):
