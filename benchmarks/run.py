@@ -31,6 +31,7 @@ SUITE: dict[str, tuple[str, str]] = {
     "quant-trained": ("quantization_trained.py", "INT8/fp16/bf16 on trained models vs ORT's tool"),
     "validation": ("validation_cost.py", "what load-time validation costs of session creation"),
     "preprocess": ("preprocess_fold.py", "what embedded preprocessing costs at run time"),
+    "serving": ("serving.py", "kiln serve: overhead over HTTP/gRPC, batching throughput"),
     "ray": ("ray_batch.py", "rows per second of `kiln batch` on Ray Data"),
     "torch-overrides": ("torch_overrides.py", "does each torch kernel beat the generic one"),
     "hops": ("run_hops.py", "the Python frames from Session.run to a kernel"),
