@@ -9,8 +9,11 @@ Throughput: C client threads (each its own tritonclient HTTP client, batch-1 req
 for ``--seconds`` per level, against in-process runs of the same rows in batches of the
 server's max batch size; the ratio at 16 is the issue's target (>= 0.8x).
 
+Ray Serve (``--ray``): the same throughput through Ray Serve's proxy with 1 and 2
+replicas of the same app on a local Ray cluster.
+
     python benchmarks/serving.py [--models digits,resnet18] [--backend numpy]
-        [--rounds 5] [--runs 40] [--seconds 5] [--levels 1,4,16,64]
+        [--rounds 5] [--runs 40] [--seconds 5] [--levels 1,4,16,64] [--ray]
 
 Needs the serve extra and tritonclient (not in any extra: see docs/serving.md).
 """
@@ -132,6 +135,44 @@ def in_process_batched(sess, batch: int, seconds: float) -> float:
     return rows / (time.perf_counter() - start)
 
 
+def ray_serve(names: list[str], backend: str, level: int, seconds: float,
+              max_batch: int) -> None:
+    """Throughput through Ray Serve's HTTP proxy with 1 and 2 replicas."""
+    import socket
+
+    import ray
+    from ray import serve
+
+    import kiln
+    from kiln.serve import ModelConfig
+    from kiln.serve.ray import application
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    ray.init(include_dashboard=False, log_to_driver=False)
+    try:
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        for n in names:
+            sess = kiln.InferenceSession(str(_model_path(n)), backend=backend)
+            for replicas in (1, 2):
+                with tempfile.TemporaryDirectory() as repo:
+                    (Path(repo) / n / "1").mkdir(parents=True)
+                    os.symlink(_model_path(n), Path(repo) / n / "1" / "model.onnx")
+                    cfg = ModelConfig(backend=backend, max_batch_size=max_batch)
+                    serve.run(application(model_repository=repo, config=cfg,
+                                          num_replicas=replicas, num_cpus=0.5),
+                              route_prefix="/")
+                    throughput(n, sess, f"127.0.0.1:{port}", 2, 2)  # warm up
+                    rps = throughput(n, sess, f"127.0.0.1:{port}", level, seconds)
+                    print(f"{n} ({backend}) on Ray Serve, {replicas} replica(s), concurrency "
+                          f"{level}: {rps:.1f} req/s", flush=True)
+                    serve.delete("default")
+    finally:
+        serve.shutdown()
+        ray.shutdown()
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="digits,resnet18")
@@ -141,8 +182,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0)
     ap.add_argument("--levels", default="1,4,16,64")
     ap.add_argument("--max-batch-size", type=int, default=16)
+    ap.add_argument("--ray", action="store_true", help="Ray Serve with 1 and 2 replicas")
     args = ap.parse_args(argv)
     import kiln
+
+    if args.ray:
+        ray_serve(args.models.split(","), args.backend, 16, args.seconds, args.max_batch_size)
+        return 0
 
     names = args.models.split(",")
     with tempfile.TemporaryDirectory() as repo:
