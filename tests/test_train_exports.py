@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import io
 
+import numpy as np
 import onnx
 import pytest
 
@@ -201,3 +202,95 @@ def test_relu6_trains_with_the_gradient_of_torch_relu6():
     for k, p in m.named_parameters():
         torch.testing.assert_close(p.grad, net.get_parameter(k).grad, rtol=0, atol=0)
     assert net[0].bias.grad.abs().min() < net[0].bias.grad.abs().max()
+
+
+def _digits_like():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
+                        nn.Flatten(), nn.Linear(4 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 3))
+    with torch.no_grad():
+        net[1].weight.uniform_(0.5, 1.5)
+        net[1].running_var.uniform_(0.5, 2.0)
+    net.eval()
+    buf = io.BytesIO()
+    torch.onnx.export(net, (torch.zeros(2, 1, 8, 8),), buf, dynamo=False, input_names=["x"],
+                      output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
+                      training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False)
+    return net, buf.getvalue()
+
+
+def test_save_a_user_module_holding_a_kiln_body_and_a_head(tmp_path):
+    """SINGA's shape: class MyModel(nn.Module) with the cut body and a new head; the cut
+    says what it removed and how wide its features are."""
+    from conftest import ort_run
+
+    net, blob = _digits_like()
+    body = kiln.to_torch(blob, last_layers=-3)
+    assert [r.split(" (")[1] for r in body.removed_layers] == ["Gemm)", "Relu)", "Gemm)"]
+    width = body.output_shapes[0][-1]
+    assert width == 4 * 8 * 8
+
+    class MyModel(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = body
+            self.head = nn.Sequential(nn.Linear(width, 8), nn.Tanh(), nn.Linear(8, 2))
+
+        def forward(self, x):
+            return torch.softmax(self.head(self.body(x)), dim=-1)
+
+    model = MyModel()
+    x = torch.randn(5, 1, 8, 8)
+    nn.functional.nll_loss(model(x).log(), torch.tensor([0, 1, 0, 1, 1])).backward()
+    torch.optim.SGD(model.parameters(), lr=0.1).step()
+    path = tmp_path / "mine.onnx"
+    kiln.save(model, path)
+    onnx.checker.check_model(str(path), full_check=True)
+    assert model.training  # restored after the export
+    (got,) = ort_run(str(path), {"x": x.numpy()})
+    with torch.no_grad():
+        want = model.eval()(x)
+    np.testing.assert_allclose(got, want.numpy(), rtol=1e-4, atol=1e-6)
+    back = kiln.to_torch(path)
+    assert len(list(back.parameters())) == len(list(model.parameters()))
+    assert {k for k, _ in back.named_parameters()} == {k for k, _ in model.named_parameters()}
+
+
+def test_torch_onnx_export_of_a_kiln_module_writes_its_own_nodes():
+    """torch.onnx.export traces torch ops, whose integer division rounds differently from
+    ONNX's Div; the module writes its graph's nodes instead (at the export's opset too)."""
+    from onnx import TensorProto, helper
+
+    from conftest import make_model, ort_run
+
+    proto = make_model([helper.make_node("Div", ["a", "b"], ["y"])],
+                       [helper.make_tensor_value_info(n, TensorProto.INT64, [4])
+                        for n in ("a", "b")],
+                       [helper.make_tensor_value_info("y", TensorProto.INT64, [4])], opset=13)
+    a, b = np.array([-7, 7, -5, 9]), np.array([2, -2, 3, 4])
+    (want,) = ort_run(proto, {"a": a, "b": b})
+    m = kiln.to_torch(proto)
+    for opset in (13, 17):
+        buf = io.BytesIO()
+        torch.onnx.export(m, (torch.from_numpy(a), torch.from_numpy(b)), buf, dynamo=False,
+                          input_names=["a", "b"], opset_version=opset)
+        back = onnx.load_from_string(buf.getvalue())
+        assert [n.op_type for n in back.graph.node] == ["Div"]
+        (got,) = ort_run(back, {"a": a, "b": b})
+        np.testing.assert_array_equal(got, want)
+
+
+def test_a_model_with_batchnorm_folded_by_its_exporter_warns():
+    pytest.importorskip("onnxscript")
+    net = _cnn().train()
+    buf = io.BytesIO()
+    torch.onnx.export(net, (torch.randn(2, 1, 8, 8),), buf, dynamo=True,
+                      training=torch.onnx.TrainingMode.TRAINING)
+    assert "BatchNormalization" not in {n.op_type for n in onnx.load_from_string(
+        buf.getvalue()).graph.node}
+    with pytest.warns(kiln.train.FoldedBatchNormWarning, match="dynamo=False"):
+        kiln.to_torch(buf.getvalue())
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", kiln.train.FoldedBatchNormWarning)
+        kiln.to_torch(_export(_cnn().train(), (torch.randn(2, 1, 8, 8),), train=True))

@@ -6,6 +6,7 @@ torch layers after it) back to ONNX. torch is imported only when a module is bui
 from __future__ import annotations
 
 import os
+import warnings
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
@@ -19,7 +20,7 @@ from kiln.onnxio.exporter import register_converter
 if TYPE_CHECKING:
     from kiln.train.module import KilnModule
 
-__all__ = ["to_torch"]
+__all__ = ["FoldedBatchNormWarning", "to_torch"]
 
 
 def to_torch(model_or_path: Model | str | os.PathLike | bytes | onnx.ModelProto,
@@ -29,10 +30,13 @@ def to_torch(model_or_path: Model | str | os.PathLike | bytes | onnx.ModelProto,
 
     ``outputs``: end the graph at these tensor or layer names; ``last_layers=-k``: drop
     the last k layers (SINGA's meaning: the outputs of the layer before them are
-    returned); both as :func:`kiln.cut`. The module runs a copy with the fusions that
+    returned); both as :func:`kiln.cut`, and the module's ``removed_layers`` names the
+    layers the cut dropped ("name (OpType)"); ``output_shapes`` gives its outputs' shapes
+    (the feature width a new head takes). The module runs a copy with the fusions that
     mean the same in training (Gelu, LayerNorm, attention); what is saved back is the
     model's own graph with the new weights. ``device``: "cpu" or "cuda[:N]", fixed when the
-    module is built.
+    module is built. Warns (:class:`FoldedBatchNormWarning`) when the file records that its
+    exporter folded BatchNorm into the convolutions.
     """
     try:
         from kiln.train.module import KilnModule
@@ -43,8 +47,49 @@ def to_torch(model_or_path: Model | str | os.PathLike | bytes | onnx.ModelProto,
                                      "kiln.to_torch") from None
 
     # a private copy, typed by shape inference (a head is exported on the cut's output)
-    model = cut(model_or_path, outputs=outputs, last_layers=last_layers)
-    return KilnModule(model, device)
+    model = cut(model_or_path)
+    folded = _batchnorm_folded(model_or_path)
+    removed: list[str] = []
+    if outputs is not None or last_layers is not None:
+        full = model
+        model = cut(full, outputs=outputs, last_layers=last_layers)
+        kept = {_layer(n) for n in model.graph.nodes}
+        removed = [_layer(n) for n in full.graph.nodes if _layer(n) not in kept]
+    module = KilnModule(model, device)
+    module.removed_layers = removed
+    if folded:
+        warnings.warn(
+            f"the exporter folded BatchNormalization into the convolutions ({folded} nodes "
+            "say so: onnxscript's FuseBatchNormIntoConv, what torch.onnx.export(dynamo=True) "
+            "does even in train mode): training trains the folded weights without batch "
+            "statistics, which can diverge. To train a CNN, export it with "
+            "torch.onnx.export(..., dynamo=False, training=torch.onnx.TrainingMode.PRESERVE, "
+            "do_constant_folding=False) (docs/training.md)", FoldedBatchNormWarning,
+            stacklevel=2)
+    return module
+
+
+class FoldedBatchNormWarning(UserWarning):
+    """The model's exporter folded BatchNorm into its convolutions (see :func:`to_torch`)."""
+
+
+def _layer(n) -> str:
+    return f"{n.name or next((v.name for v in n.outputs if v is not None), '?')} ({n.op_type})"
+
+
+def _batchnorm_folded(src) -> int:
+    """How many nodes record that their exporter folded a BatchNorm into them (node
+    metadata, which Kiln's graph does not keep, so the file is read for it)."""
+    if isinstance(src, Model):
+        return 0
+    try:
+        proto = src if isinstance(src, onnx.ModelProto) else \
+            onnx.load_from_string(src) if isinstance(src, bytes) else \
+            onnx.load(os.fspath(src), load_external_data=False)
+    except Exception:  # cut() above read it; a second reader's trouble is not the user's
+        return 0
+    return sum(any(p.key.endswith("rule_name") and "BatchNorm" in p.value
+                   for p in n.metadata_props) for n in proto.graph.node)
 
 
 def _as_model(obj) -> Model | None:

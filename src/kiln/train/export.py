@@ -1,19 +1,20 @@
 """Writing trained modules back to ONNX: a KilnModule is its own graph with the current
-weights; ``nn.Sequential(kiln_module, *head)`` is that graph with the head's nodes
-(exported by ``torch.onnx.export``) appended after it."""
+weights; any other ``nn.Module`` holding one (``nn.Sequential(body, head)``, a user's
+``class MyModel(nn.Module)`` with a body and a head) is exported with
+``torch.onnx.export``, in which each KilnModule writes its own ONNX nodes
+(:mod:`kiln.train.replay`) and the torch layers around it are traced."""
 
 from __future__ import annotations
 
 import io
 
-import onnx
 import torch
-from onnx import compose
 from torch import nn
 
 from kiln.errors import InputError
 from kiln.ir import Model, plain_shape
-from kiln.onnxio import load, to_proto
+from kiln.onnxio import load
+from kiln.ops.torch.arrays import TORCH_OF
 from kiln.train.module import KilnModule
 
 
@@ -22,44 +23,52 @@ def module_to_model(obj) -> Model | None:
     built on kiln.to_torch."""
     if isinstance(obj, KilnModule):
         return obj.kiln_model()
-    if isinstance(obj, nn.Sequential) and len(obj) and isinstance(obj[0], KilnModule):
-        if len(obj) == 1:
-            return obj[0].kiln_model()
-        return _with_head(obj[0], nn.Sequential(*list(obj)[1:]))
-    return None
+    if not isinstance(obj, nn.Module):
+        return None
+    bodies = [m for m in obj.modules() if isinstance(m, KilnModule)]
+    if not bodies:
+        return None
+    if isinstance(obj, nn.Sequential) and len(obj) == 1:
+        return bodies[0].kiln_model()
+    return _traced(obj, bodies[0], max(b.kiln_graph_model.opset for b in bodies))
 
 
-def _with_head(body: KilnModule, head: nn.Module) -> Model:
-    base = to_proto(body.kiln_model())
-    outs = list(base.graph.output)
-    if len(outs) != 1:
-        raise InputError(f"a head can follow a graph with one output; this one has "
-                         f"{[o.name for o in outs]}: cut it with outputs=[name]")
-    v = body.kiln_graph_model.graph.outputs[0]
-    shape = plain_shape(v.type.shape) if v.type is not None and \
-        getattr(v.type, "shape", None) is not None else None
-    if shape is None:
-        raise InputError(f"the shape of {v.name!r} is unknown, so the head cannot be "
-                         "exported; give the model's inputs fixed or symbolic shapes")
-    sample = torch.zeros([d if isinstance(d, int) else 2 for d in shape],
-                         device=next(head.parameters(), torch.zeros(0)).device)
-    dynamic = {i: f"d{i}" for i, d in enumerate(shape) if not isinstance(d, int)}
-    buf = io.BytesIO()
-    was = head.training
-    head.eval()
+def _traced(obj: nn.Module, body: KilnModule, opset: int) -> Model:
+    """``obj`` exported on inputs shaped as ``body``'s (the module must take those)."""
+    sample, names, dynamic = [], [], {}
+    for v in body.kiln_graph_model.graph.inputs:
+        shape = plain_shape(v.type.shape) if v.type is not None and \
+            getattr(v.type, "shape", None) is not None else None
+        if shape is None:
+            raise InputError(f"the shape of the Kiln module's input {v.name!r} is unknown, so "
+                             f"{type(obj).__name__} cannot be traced for export; give the "
+                             "model's inputs fixed or symbolic shapes")
+        t = torch.zeros([d if isinstance(d, int) else 2 for d in shape],
+                        dtype=TORCH_OF.get(getattr(v.type, "dtype", None), torch.float32))
+        sample.append(t.to(next(body.buffers(), next(body.parameters(), t)).device))
+        names.append(v.name)
+        axes = {i: f"{v.name}_{i}" for i, d in enumerate(shape) if not isinstance(d, int)}
+        if axes:
+            dynamic[v.name] = axes
+    modes = {m: m.training for m in obj.modules()}
+    obj.eval()
     try:
-        torch.onnx.export(head, (sample,), buf, dynamo=False, input_names=["x"],
-                          output_names=["y"], opset_version=max(base.opset_import[0].version, 7)
-                          if base.opset_import else 17,
-                          dynamic_axes={"x": dynamic, "y": {0: "d0"}} if dynamic else None)
+        with torch.no_grad():
+            out = obj(*sample)
+        n_out = len(out) if isinstance(out, (tuple, list)) else 1
+        outs = ["y"] if n_out == 1 else [f"y{i}" for i in range(n_out)]
+        if any(0 in a for a in dynamic.values()):  # a batch dimension stays one
+            dynamic.update({o: {0: "batch"} for o in outs})
+        buf = io.BytesIO()
+        torch.onnx.export(obj, tuple(sample), buf, dynamo=False, input_names=names,
+                          output_names=outs, opset_version=max(opset, 7),
+                          dynamic_axes=dynamic or None, do_constant_folding=False,
+                          training=torch.onnx.TrainingMode.PRESERVE)
+    except (TypeError, RuntimeError) as e:
+        raise InputError(f"kiln.save traces {type(obj).__name__} on the Kiln module's inputs "
+                         f"{names} and that failed ({type(e).__name__}: {e}); a module to save "
+                         "must take the Kiln module's inputs and return tensors") from e
     finally:
-        head.train(was)
-    tail = onnx.load_from_string(buf.getvalue())
-    tail.ir_version = base.ir_version
-    opsets = {o.domain: o.version for o in base.opset_import}
-    for o in tail.opset_import:
-        if o.domain in ("", "ai.onnx"):
-            o.version = opsets.get("", opsets.get("ai.onnx", o.version))
-    merged = compose.merge_models(base, compose.add_prefix(tail, "head/"),
-                                  io_map=[(outs[0].name, "head/x")])
-    return load(merged)
+        for m, was in modes.items():
+            m.train(was)
+    return load(buf.getvalue())

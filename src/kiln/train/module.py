@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from kiln.errors import InputError, UnsupportedOpError
-from kiln.ir import DType, Model, Value
+from kiln.ir import DType, Model, Value, plain_shape
 from kiln.ops import registry
 from kiln.ops.torch.arrays import to_torch
 from kiln.optimizer import PASS_NAMES, optimize
@@ -52,6 +52,7 @@ class KilnModule(nn.Module):
     def __init__(self, model: Model, device: str = "cpu"):
         super().__init__()
         self.kiln_graph_model = model
+        self.removed_layers = []
         g = model.graph
         opsets = model.opset_imports
         graph_ops.untie(g)
@@ -102,6 +103,19 @@ class KilnModule(nn.Module):
         self._inputs = list(run.graph.inputs)
         self.non_differentiable = self._check_gradients({inits[v.name] for v in trainable},
                                                         run.opset_imports)
+
+    removed_layers: list[str]
+    """The layers ``outputs=``/``last_layers=`` cut off, "name (OpType)" (empty: no cut)."""
+
+    @property
+    def output_shapes(self) -> list[tuple[int | str | None, ...] | None]:
+        """Each output's shape, a symbolic dimension as its name (None: unknown): the cut's
+        ``output_shapes[0][-1]`` is the feature width a new head takes."""
+        out = []
+        for v in self.kiln_graph_model.graph.outputs:
+            shape = getattr(v.type, "shape", None) if v.type is not None else None
+            out.append(None if shape is None else tuple(plain_shape(shape)))
+        return out
 
     # -- names -----------------------------------------------------------------------
 
@@ -184,6 +198,15 @@ class KilnModule(nn.Module):
         inputs = [be.accept_feed(x, v.type.dtype if v.type is not None and
                                  hasattr(v.type, "dtype") else DType.FLOAT)
                   for x, v in zip(feeds, self._inputs)]
+        if torch.onnx.is_in_onnx_export():  # its own nodes, not the kernels' torch ops
+            from kiln.train.replay import exported
+            out = exported(self, inputs, self._run)
+            if out is not None:
+                return out
+        return self._run(inputs)
+
+    def _run(self, inputs: list):
+        be = self._backend
         overrides = {v: getattr(owner, attr) for v, owner, attr in self._feeds}
         be.training = self.training
         out = self._plan.run(inputs, None, overrides)
