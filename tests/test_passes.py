@@ -10,8 +10,8 @@ import pytest
 
 import kiln
 from kiln.ir import DType, TensorType
+from kiln.ops import symdim
 from kiln.optimize import PASS_NAMES, optimize_with_report
-from kiln.passes import symdim
 from kiln.passes.base import PassRecord, clone_model
 from kiln.passes.infer_shapes import infer_model
 from kiln.passes.rewrite import Rule, apply_plan, run_rules

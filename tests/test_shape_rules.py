@@ -13,8 +13,8 @@ from onnx import TensorProto, helper, numpy_helper
 from kiln.ir import DType, SymDim
 from kiln.onnxio import load
 from kiln.ops import registry
+from kiln.ops.symdim import InferContext, substitute
 from kiln.passes.infer_shapes import infer_model
-from kiln.passes.symdim import InferContext, substitute
 
 F = TensorProto.FLOAT
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 
 from kiln.errors import ShapeError
 from kiln.ir import Model, SymDim, TensorType, Value, as_dim
-from kiln.passes import symdim
+from kiln.ops import symdim
 from kiln.passes.base import Pass, PassRecord, graphs
 from kiln.passes.infer_shapes import clear_syms
 

@@ -24,8 +24,7 @@ import logging
 import numpy as np
 
 from kiln.ir import DType, Graph, Node, TensorType
-from kiln.ops import registry
-from kiln.passes import symdim
+from kiln.ops import registry, symdim
 from kiln.passes.base import RulePass, adopt_const, const_value, tensor_type
 from kiln.passes.rewrite import Rewriter, Rule, ops
 

@@ -24,7 +24,7 @@ import onnx
 
 from kiln.ir import Node
 from kiln.onnxio.infer import op_schema
-from kiln.passes import symdim
+from kiln.ops import symdim
 from kiln.passes.base import RulePass, const_value, dtype_of, shape_of
 from kiln.passes.rewrite import Rewriter, Rule, ops
 

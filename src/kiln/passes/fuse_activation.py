@@ -22,9 +22,9 @@ import math
 import numpy as np
 
 from kiln.ir import Node, Value
+from kiln.ops import symdim
 from kiln.ops.fused import ACTIVATIONS
 from kiln.ops.registry import KILN_DOMAIN, lookup
-from kiln.passes import symdim
 from kiln.passes.base import RulePass, const_value, dtype_of, scalar_value, shape_of
 from kiln.passes.rewrite import Rewriter, Rule, ops
 

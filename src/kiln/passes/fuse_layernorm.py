@@ -21,8 +21,8 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.ir import Graph, Model, Node, Value
+from kiln.ops import symdim
 from kiln.ops.registry import KILN_DOMAIN, lookup
-from kiln.passes import symdim
 from kiln.passes.base import (
     RulePass,
     add_const,

@@ -2,7 +2,7 @@
 and a shape as precise as the inputs allow, with symbolic dims.
 
 Per node: the op's own inference (``OpDef.infer``: Kiln's fused ops, custom ops, and for
-standard ops the symbolic rules of :mod:`kiln.passes.shape_rules` — Reshape, Concat,
+standard ops the symbolic rules of :mod:`kiln.ops.shape_rules` — Reshape, Concat,
 Flatten... whose dims are arithmetic on symbols), merged over ONNX's per-node inference
 (``onnx.shape_inference.infer_node_outputs``) for standard ops. Small integer tensors also
 get their symbolic *value* (``Value.meta["sym"]``), which is what lets a
@@ -24,13 +24,9 @@ import numpy as np
 from kiln.ir import DType, Graph, Model, Node, SequenceType, TensorType, Value
 from kiln.onnxio import rules
 from kiln.onnxio.infer import onnx_infer
-from kiln.ops import registry
-from kiln.passes import (
-    shape_rules,  # noqa: F401 - registers the standard ops' symbolic rules
-    symdim,
-)
+from kiln.ops import registry, symdim
+from kiln.ops.symdim import InferContext, merge_dim
 from kiln.passes.core import Pass, PassRecord, const_value, graphs
-from kiln.passes.symdim import InferContext, merge_dim
 
 log = logging.getLogger(__name__)
 

@@ -26,7 +26,7 @@ from typing import Any
 import numpy as np
 
 from kiln.ir import Node, Value
-from kiln.passes import symdim
+from kiln.ops import symdim
 from kiln.passes.base import const_value, dtype_of, fresh_value, shape_of
 from kiln.passes.rewrite import Rewriter, Rule, ops, producer
 

@@ -12,8 +12,7 @@ Gather, Concat, Unsqueeze, Add, Mul...); it stops at Shape/Size, which need only
 from __future__ import annotations
 
 from kiln.ir import Graph, Model, TensorType, Value
-from kiln.ops import registry
-from kiln.passes import symdim
+from kiln.ops import registry, symdim
 from kiln.passes.base import Pass, PassRecord, graphs
 
 SHAPE_ARITHMETIC = frozenset({

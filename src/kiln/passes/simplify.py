@@ -18,7 +18,7 @@ from __future__ import annotations
 import numpy as np
 
 from kiln.ir import Node, Value
-from kiln.passes import symdim
+from kiln.ops import symdim
 from kiln.passes.base import (
     RulePass,
     const_value,

@@ -1,6 +1,6 @@
 """Symbolic shape rules of the standard ops, registered as their ``OpDef.infer``.
 
-Each rule takes an :class:`~kiln.passes.symdim.InferContext` and returns the output types
+Each rule takes an :class:`~kiln.ops.symdim.InferContext` and returns the output types
 whose dims are arithmetic on symbols (Reshape, Concat, Flatten, Expand, ConstantOfShape,
 Tile, Range, Slice, the broadcasting ops), and records with ``ctx.set_sym`` the symbolic
 values of small integer outputs (what ``Shape -> Gather -> Mul -> Concat`` computes), so
@@ -8,7 +8,7 @@ that a Reshape target built from a Shape gives ``batch*12`` and not an unknown d
 A rule returns None for what ONNX's own inference already types; a rule that types every
 output completely (the elementwise ops) spares the node ONNX's slower inference.
 
-Importing this module registers the rules; :mod:`kiln.passes.infer_shapes` does.
+Importing this module registers the rules; :mod:`kiln.ops` does, after every op module.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import numpy as np
 
 from kiln.ir import Dim, DType, SymDim, TensorType
 from kiln.ops import registry
-from kiln.passes.symdim import (
+from kiln.ops.symdim import (
     MAX_SYM_LEN,
     SYM_TYPES,
     InferContext,

@@ -6,7 +6,7 @@ None. Shape inference (:mod:`kiln.passes.infer_shapes`) keeps, for every small i
 tensor of rank 0 or 1, the tuple of its elements as dims in ``Value.meta["sym"]`` when it
 can tell them (``Shape(x)`` of a ``[batch, seq, 768]`` tensor is ``(batch, seq, 768)``).
 The per-op rules that compute those and the symbolic output shapes live in
-:mod:`kiln.passes.shape_rules`.
+:mod:`kiln.ops.shape_rules`.
 
 The arithmetic helpers also take dims written as text (``mul("batch", 12)``), for tests
 and callers holding user input; internal dims are never re-parsed.
