@@ -39,6 +39,7 @@ from kiln.passes import (
     DeadCodeElimination,
     FixInputShapes,
     FoldConstants,
+    FoldPad,
     Freeze,
     FuseActivation,
     FuseAttention,
@@ -72,7 +73,7 @@ STAGES = (1, 2, 3, 4)
 
 def _rule_passes() -> list[RulePass]:
     """The rewriting passes, in the order their rules are tried on a node."""
-    return [FoldConstants(), Freeze(), Identities(), Simplify(), FuseBatchNorm(),
+    return [FoldConstants(), Freeze(), Identities(), Simplify(), FuseBatchNorm(), FoldPad(),
             CommonSubexpressionElimination(), DeadCodeElimination(),
             FuseGelu(), FuseLayerNorm(), FuseAttention(), FuseQuant(), FuseIntegerOps(),
             FuseChannelShuffle(), FuseRoPE(), FuseActivation(), RoundTrips(), MergeMatMuls()]

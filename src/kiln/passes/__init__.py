@@ -12,6 +12,7 @@ from kiln.passes.cse import CommonSubexpressionElimination
 from kiln.passes.dce import DeadCodeElimination
 from kiln.passes.fix_shapes import FixInputShapes
 from kiln.passes.fold_constants import FoldConstants
+from kiln.passes.fold_pad import FoldPad
 from kiln.passes.freeze import Freeze
 from kiln.passes.fuse_activation import FuseActivation
 from kiln.passes.fuse_attention import FuseAttention
@@ -30,7 +31,7 @@ from kiln.passes.rewrite import Rewriter, Rule, run_rules
 from kiln.passes.simplify import Simplify
 
 __all__ = ["CommonSubexpressionElimination", "DeadCodeElimination", "FixInputShapes",
-           "FoldConstants", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
+           "FoldConstants", "FoldPad", "Freeze", "FuseActivation", "FuseAttention", "FuseBatchNorm",
            "FuseChannelShuffle", "FuseGelu", "FuseIntegerOps", "FuseLayerNorm", "FuseQuant",
            "FuseRoPE", "Identities", "InferShapes", "MergeMatMuls",
            "OptimizeReport", "Pass", "PassRecord", "PinHost", "Rewriter", "Rule", "RulePass",
