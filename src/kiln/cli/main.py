@@ -102,8 +102,12 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "on first use)")
 
 
-def _add_backend(p: argparse.ArgumentParser, runs: bool = True) -> None:
-    if runs:
+def _add_backend(p: argparse.ArgumentParser, runs: bool = True, tuned: bool = False) -> None:
+    if tuned:  # a file `kiln tune` wrote stores its backend and options
+        backend_help = "backend to run on (default: the one `kiln tune` stored in the " \
+                       "file with its options, else numpy; options given here win)"
+        device_help = "torch device: cpu, cuda or cuda:N (default: cpu)"
+    elif runs:
         backend_help = "backend to run on (default: numpy)"
         device_help = "torch device: cpu, cuda or cuda:N (default: cpu)"
     else:  # inspect runs nothing: the backend only decides what the report says
@@ -112,7 +116,7 @@ def _add_backend(p: argparse.ArgumentParser, runs: bool = True) -> None:
                         "nothing is run (default: numpy)")
         device_help = "torch device to describe placement for: cpu, cuda or cuda:N " \
                       "(default: cpu)"
-    p.add_argument("--backend", choices=backend_names(), default="numpy",
+    p.add_argument("--backend", choices=backend_names(), default=None if tuned else "numpy",
                    help=backend_help)
     p.add_argument("--device", default=None, help=device_help)
 
@@ -245,7 +249,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--random", action="store_true",
                    help="random inputs of the declared shapes for inputs not given")
     p.add_argument("--output", metavar="OUT.npz", help="save every output to an .npz")
-    _add_backend(p)
+    _add_backend(p, tuned=True)
     _add_torch_options(p)
     _add_no_optimize(p)
     p.add_argument("--json", action="store_true", help="machine-readable summary")
@@ -425,6 +429,30 @@ def build_parser() -> argparse.ArgumentParser:
                    help="time each quantized layer alone, float and quantized, on --backend "
                         "and keep in float those not measured faster")
     p.set_defaults(func=cmd_quantize, parser=p)
+
+    p = sub.add_parser("tune", help="measure the ways to run a model here and write the "
+                       "fastest within an accuracy budget, with its run settings",
+                       description="Measure the candidates that apply on this machine "
+                       "(backend, eager or compiled, fp32/bf16, INT8 dynamic/static, threads) "
+                       "side by side in alternating rounds, check each one's accuracy on "
+                       "--data against the fp32 model, and write the fastest within the "
+                       "budget as a standard ONNX file whose metadata holds its run settings "
+                       "(kiln.InferenceSession and `kiln run` pick them up).")
+    _add_model(p)
+    p.add_argument("-o", "--output", required=True, metavar="OUT", help="tuned .onnx")
+    p.add_argument("--data", metavar="DATA.npz|DIR",
+                   help="inputs to check accuracy (and calibrate INT8) on: an .npz whose keys "
+                        "are the model's inputs, or a folder of them; without it only exact "
+                        "transformations are tried (backend, compile, threads)")
+    p.add_argument("--budget", metavar="top1=F|rel=R",
+                   help="accuracy the winner must keep against the fp32 model: top1=0.99 "
+                        "(top-1 agreement) or rel=0.01 (max relative output error); default "
+                        "top1=0.99 for a model with score outputs, else rel=0.01")
+    p.add_argument("--batch", type=int, default=1, help="rows per timed run (default 1)")
+    p.add_argument("--time-budget", type=float, default=600.0, metavar="S",
+                   help="seconds for the whole search (default 600)")
+    p.add_argument("--json", action="store_true", help="machine-readable report")
+    p.set_defaults(func=cmd_tune, parser=p)
 
     sub.add_parser("zoo", help="the offline model zoo (kiln zoo --help)", add_help=False)
     return ap
@@ -632,21 +660,23 @@ def cmd_run(args) -> int:
     names = [o.name for o in sess.get_outputs()]
     last = sess.placement().last_run
     compiled = bool(last is not None and last.compiled)
-    how = run_words(args.precision, compiled)
+    backend = sess.backend.name  # with no --backend, the one the file stores
+    precision = getattr(sess.backend, "precision", None)
+    how = run_words(precision, compiled)
     if args.output:
         arrays = {n: np.asarray(o) for n, o in zip(names, outs) if not isinstance(o, list)}
         with open(args.output, "wb") as f:  # the name given: np.savez would add ".npz"
             np.savez(f, **arrays)
     rows = [array_summary(n, o) for n, o in zip(names, outs)]
     if args.json:
-        _emit_json({"ms": dt, "backend": args.backend, "precision": args.precision or "fp32",
+        _emit_json({"ms": dt, "backend": backend, "precision": precision or "fp32",
                     "compiled": compiled, "inputs": {k: [list(v.shape), str(v.dtype)]
                                          for k, v in feeds.items()},
                     "outputs": [dict(zip(["name", "dtype", "shape", "min", "max", "mean"], r))
                                 for r in rows]})
         return 0
     ins = ", ".join(f"{k} {tuple(v.shape)} {v.dtype}" for k, v in feeds.items())
-    print(f"ran {Path(str(args.model)).name} on {args.backend}"
+    print(f"ran {Path(str(args.model)).name} on {backend}"
           + (f" ({', '.join(how)})" if how else "") + f" in {dt:.1f} ms"
           + (f" (inputs: {ins})" if ins else ""))
     print(table(["output", "dtype", "shape", "min", "max", "mean"], rows, right=(3, 4, 5)))
@@ -835,6 +865,22 @@ def cmd_quantize(args) -> int:
               "fbgemm's (2.2-3.4x faster than fp32 on conv nets at batch 8, "
               "docs/quantization.md): measure with --backend torch, run with "
               'backend="torch"')
+    return 0
+
+
+def cmd_tune(args) -> int:
+    from kiln.tools.common import resolve_path
+    from kiln.tools.tune import tune
+
+    with _stages("tune", 0) as stages:
+        r = tune(resolve_path(args.model), args.data, budget=args.budget, batch=args.batch,
+                 time_budget=args.time_budget, output=args.output, on_stage=stages.step)
+        stages.done(f"done in {stages.elapsed():.1f} s")
+    if args.json:
+        _emit_json(r.to_dict())
+        return 0
+    print(f"{args.model} -> {args.output}")
+    print(r)
     return 0
 
 

@@ -233,7 +233,7 @@ def get_device() -> str:
 class Config:
     """What a session is built with, from onnxruntime's arguments and Kiln's own."""
 
-    backend: str
+    backend: str | None  # None: the model file's stored settings, else the default
     options: dict[str, Any]
     providers: list[tuple[str, dict[str, str]]]
     level: int | None = None  # Kiln optimizer level; None: the session's optimize= decides
@@ -262,7 +262,8 @@ def configure(sess_options: SessionOptions | None, providers, provider_options,
                               f"{backend!r}; drop backend= or use the CPUExecutionProvider")
         backend = "torch"
         options.setdefault("device", f"cuda:{int(popts.get('device_id', 0))}")
-    backend = backend or "numpy"
+    if so.use_deterministic_compute and backend is None:
+        backend = "numpy"  # asked for: settings a tuned file stores do not override it
     if so.use_deterministic_compute and backend != "numpy":
         raise OptionError("use_deterministic_compute: only the numpy backend is known to "
                           "give the same result run after run; use backend='numpy'")

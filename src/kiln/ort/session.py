@@ -30,9 +30,10 @@ class InferenceSession(Session):
     many times, from several threads at once if you like.
 
     Takes onnxruntime's arguments in its order (``sess_options``, ``providers``,
-    ``provider_options``) and Kiln's own by keyword: ``backend`` ("numpy" unless a CUDA
-    provider asks for torch), ``optimize`` (True, False or an optimizer level),
-    ``input_shapes`` and the backend's options."""
+    ``provider_options``) and Kiln's own by keyword: ``backend`` (unless a CUDA
+    provider asks for torch: the one ``kiln tune`` stored in the file with its options,
+    else "numpy"), ``optimize`` (True, False or an optimizer level), ``input_shapes``
+    and the backend's options."""
 
     config: Config
 

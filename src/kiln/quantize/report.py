@@ -13,7 +13,8 @@ from kiln.ir import Model
 from kiln.onnxio import to_proto
 from kiln.quantize.engines import open_session
 
-__all__ = ["OutputError", "QuantizeReport", "compare", "latency_ms", "model_bytes"]
+__all__ = ["OutputError", "QuantizeReport", "compare", "latency_ms", "model_bytes",
+           "output_errors"]
 
 
 @dataclass
@@ -115,10 +116,16 @@ def compare(ref: Model, quant: Model, feeds: list[dict], backend: str = "numpy"
         for n, r, g in zip(names, s_ref.run(None, feed), s_q.run(None, feed)):
             refs[n].append(np.asarray(r))
             gots[n].append(np.asarray(g))
+    return output_errors(refs, gots)
+
+
+def output_errors(refs: dict[str, list[np.ndarray]], gots: dict[str, list[np.ndarray]]
+                  ) -> dict[str, OutputError]:
+    """Per-output error of ``gots`` against ``refs`` (output name -> one array per feed)."""
     # Statistics per feed, pooled: outputs may differ in shape between feeds (a 1-D
     # output whose length follows the input's), so they are never concatenated.
     out = {}
-    for n in names:
+    for n in refs:
         diff = scale = 0.0
         same = rows = 0
         mismatched = 0

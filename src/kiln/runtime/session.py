@@ -30,6 +30,7 @@ from kiln.runtime.backends import make_backend
 from kiln.runtime.executor import controlled
 from kiln.runtime.placement import PlacementReport
 from kiln.runtime.plan import Plan, compile_model
+from kiln.runtime.run_settings import backend_for
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,9 @@ class Session:
     """Runs one model. Build once (the plan is computed here), call ``run`` many times,
     from several threads at once if you like.
 
-    ``backend``: "numpy" or "torch"; ``optimize``: True, False or an optimizer level;
+    ``backend``: "numpy" or "torch"; None: the backend and options the model file
+    stores (``kiln tune`` writes them; options given here win), else "numpy";
+    ``optimize``: True, False or an optimizer level;
     ``input_shapes``: fixed shapes for inputs by name; ``dims``: sizes for symbolic dims
     by name (in every input that has them); ``quiet``: no warnings while building;
     ``keep_freed_memory``: once built, switch the process's malloc to keep freed memory
@@ -84,15 +87,18 @@ class Session:
     backend's options (``threads``, torch's ``device``, ``precision``...)."""
 
     def __init__(self, model: Model | str | os.PathLike | bytes | onnx.ModelProto, *,
-                 backend: str = "numpy", optimize: bool | int | str = True,
+                 backend: str | None = None, optimize: bool | int | str = True,
                  input_shapes: dict[str, list[int | str | None]] | None = None,
                  dims: dict[str, int] | None = None, quiet: bool = False,
                  keep_freed_memory: bool = True, **backend_options: Any):
         self._level = optimize
         self._quiet = quiet
         with _silenced(quiet):
-            self.backend = make_backend(backend, **backend_options)  # before any I/O
+            if backend is not None:  # before any I/O: a wrong option fails at once
+                self.backend = make_backend(backend, **backend_options)
             loaded = model if isinstance(model, Model) else load(model)
+            if backend is None:  # what the file stores (kiln tune), else the default
+                self.backend = backend_for(loaded.metadata, backend_options)
             # Kept to build plans that expose intermediate values (run(["name"])): the
             # loaded model rather than bytes, as it shares its arrays with the optimized one.
             self._source = loaded if isinstance(model, bytes) else model

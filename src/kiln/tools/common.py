@@ -14,6 +14,7 @@ from kiln.errors import InputError, KilnError
 from kiln.ir import DType, Model, SymDim, TensorType, Value, parse_dim, plain_shape
 from kiln.onnxio import load, to_proto
 from kiln.runtime.backends import backend_entry, backend_names
+from kiln.runtime.run_settings import DEFAULT_BACKEND, stored
 
 # What to run when an optional dependency is missing (extras of pyproject.toml; the README
 # installs Kiln from its checkout with ``pip install -e .``).
@@ -270,13 +271,17 @@ def backend_options(backend: str, device: str | None = None,
     return opts
 
 
-def session_for(model: Any, backend: str = "numpy", device: str | None = None,
+def session_for(model: Any, backend: str | None = "numpy", device: str | None = None,
                 threads: int | None = None, optimize: bool = True,
                 precision: str | None = None, compile: bool = False):
     """An InferenceSession on ``backend`` (``device``, ``threads``, ``precision`` and
     ``compile`` are torch options), optimized as sessions are by default unless
-    ``optimize`` is False."""
+    ``optimize`` is False. ``backend=None``: the backend and options the model file
+    stores (``kiln tune``), the options given here winning, else the default backend."""
     from kiln.ort import InferenceSession
 
-    opts = backend_options(backend, device, threads, precision, compile)
-    return InferenceSession(load_model(model), backend=backend, optimize=optimize, **opts)
+    m = load_model(model)
+    got = stored(m.metadata) if backend is None else None
+    name = got[0] if got else backend or DEFAULT_BACKEND
+    opts = backend_options(name, device, threads, precision, compile)
+    return InferenceSession(m, backend=None if got else name, optimize=optimize, **opts)

@@ -1,0 +1,119 @@
+"""``kiln tune`` and the run settings a tuned file carries.
+
+Oracles: onnxruntime runs the tuned file (it must stay a standard ONNX file, and its
+outputs are what Kiln's must match within the chosen precision's tolerance); the
+settings are read back from the file with ``onnx`` itself, not through Kiln."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+import kiln
+from conftest import make_model, ort_run
+from kiln.errors import InputError, OptionError
+
+pytest.importorskip("torch")
+
+DIGITS = Path(kiln.__file__).parent / "data"
+KEY = "kiln.run_settings"
+# Worst |kiln - onnxruntime| / max |onnxruntime| the tuned file may show, by what it runs:
+# fp32 reorders sums only; bf16 keeps 8 bits of mantissa in products; int8 layers round
+# differently in each engine (one quantization step of an activation at most, mostly).
+TOLERANCE = {"fp32": 1e-4, "bf16": 3e-2, "int8": 5e-2}
+
+
+def _settings(path: Path) -> dict:
+    props = {p.key: p.value for p in onnx.load(str(path)).metadata_props}
+    return json.loads(props[KEY])
+
+
+def _digits_data(tmp_path: Path, rows: int = 64) -> tuple[Path, np.ndarray]:
+    images = np.load(DIGITS / "digits_test.npz")["images"][:rows]
+    data = tmp_path / "calib.npz"
+    np.savez(data, image=images)
+    return data, images
+
+
+def test_tune_writes_the_winner_with_its_settings_and_onnxruntime_agrees(tmp_path):
+    data, images = _digits_data(tmp_path)
+    out = tmp_path / "tuned.onnx"
+    r = kiln.tune(DIGITS / "digits_cnn.onnx", str(data), batch=4, time_budget=20,
+                  output=out)
+    onnx.checker.check_model(str(out))
+    settings = _settings(out)
+    assert settings["backend"] == r.winner.backend
+    assert settings["options"] == r.winner.settings()
+    # Every candidate measured is listed; the winner meets the budget and is the fastest
+    # of those that do.
+    ok = [c for c in r.candidates if c.status == "ok" and c.latencies_ms]
+    assert r.winner in ok and r.winner.ms == min(c.ms for c in ok)
+    assert r.rounds >= 3 and all(len(c.latencies_ms) == r.rounds for c in ok)
+    assert "fastest" in str(r) and str(r.budget) in str(r)
+
+    sess = kiln.InferenceSession(str(out))  # one line: the stored settings are used
+    assert sess.backend.name == settings["backend"]
+    opts = settings["options"]
+    assert getattr(sess.backend, "precision", "fp32") == opts.get("precision", "fp32")
+    assert getattr(sess.backend, "compile", False) == opts.get("compile", False)
+    x = images[:8]
+    got = sess.run(None, {"image": x})[0]
+    want = ort_run(str(out), {"image": x})[0]
+    kind = "int8" if r.winner.int8 else opts.get("precision", "fp32")
+    assert np.abs(got - want).max() / np.abs(want).max() <= TOLERANCE[kind]
+    # Explicit arguments win over the stored ones.
+    assert kiln.InferenceSession(str(out), backend="numpy").backend.name == "numpy"
+
+
+def test_stored_settings_are_picked_up_and_explicit_ones_win(tmp_path, mlp_model):
+    mlp_model.metadata_props.add(key=KEY, value=json.dumps(
+        {"backend": "torch", "options": {"precision": "bf16", "threads": 1}}))
+    path = tmp_path / "m.onnx"
+    onnx.save(mlp_model, str(path))
+    x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
+    sess = kiln.InferenceSession(str(path))
+    assert (sess.backend.name, sess.backend.precision) == ("torch", "bf16")
+    np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(str(path), {"x": x})[0],
+                               atol=3e-2)
+    # An option given wins over the stored one; a backend given ignores the stored ones.
+    assert kiln.InferenceSession(str(path), precision="fp32").backend.precision == "fp32"
+    assert kiln.InferenceSession(str(path), backend="numpy").backend.name == "numpy"
+    # `kiln run` with no --backend uses them too.
+    cp = subprocess.run([sys.executable, "-m", "kiln", "run", str(path), "--random",
+                         "--json"], capture_output=True, text=True, check=True)
+    got = json.loads(cp.stdout)
+    assert (got["backend"], got["precision"]) == ("torch", "bf16")
+
+
+def test_tune_without_data_tries_exact_transformations_only(tmp_path):
+    out = tmp_path / "t.onnx"
+    cp = subprocess.run([sys.executable, "-m", "kiln", "tune", str(DIGITS / "digits_cnn.onnx"),
+                         "-o", str(out), "--time-budget", "8", "--json"],
+                        capture_output=True, text=True, check=True)
+    r = json.loads(cp.stdout)
+    assert r["budget"] is None
+    names = [c["name"] for c in r["candidates"]]
+    assert not any("int8" in n or "bf16" in n for n in names)
+    assert "tune:" in cp.stderr  # progress lines
+    x = np.load(DIGITS / "digits_test.npz")["images"][:2]
+    np.testing.assert_allclose(kiln.InferenceSession(str(out)).run(None, {"image": x})[0],
+                               ort_run(str(out), {"image": x})[0], rtol=1e-4, atol=1e-4)
+
+
+def test_tune_refuses_what_it_cannot_check(tmp_path):
+    m = make_model([helper.make_node("Relu", ["x"], ["y"])],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3])])
+    path = tmp_path / "relu.onnx"
+    onnx.save(m, str(path))
+    with pytest.raises(OptionError, match="rel="):
+        kiln.tune(str(path), {"x": np.ones(3, np.float32)}, budget="top1=0.99")
+    with pytest.raises(InputError, match="no data file"):
+        kiln.tune(str(path), str(tmp_path / "missing.npz"))
