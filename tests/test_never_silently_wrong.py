@@ -652,3 +652,20 @@ def test_a_constant_without_exactly_one_value_is_refused():
     assert _ort(m, {})[0].dtype != ReferenceEvaluator(m).run(None, {})[0].dtype
     with pytest.raises(kiln.ModelLoadError, match="exactly one of value"):
         kiln.load(m)
+
+
+def test_an_ir_version_past_the_installed_onnxs_is_refused():
+    """IR version 122 (a flipped byte, fuzz case 12517373) ran; onnxruntime refuses any
+    past the one it supports, as Kiln now refuses any past the installed onnx's."""
+    m = _one(helper.make_node("Relu", ["x"], ["y"]), [2])
+    feed = {"x": np.array([-1, 1], np.float32)}
+    for version, refused in ((onnx.IR_VERSION, False), (onnx.IR_VERSION + 1, True),
+                             (122, True)):
+        m.ir_version = version
+        if version != onnx.IR_VERSION + 1:  # onnxruntime's newest may be past onnx's
+            assert _ort_refuses(m, feed) == refused
+        if refused:
+            with pytest.raises(kiln.ModelLoadError, match="IR version"):
+                kiln.InferenceSession(m.SerializeToString())
+        else:
+            np.testing.assert_array_equal(_kiln(m, feed, "numpy")[0], _ort(m, feed)[0])

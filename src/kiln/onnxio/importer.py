@@ -493,6 +493,12 @@ class ModelImporter:
 
     def model(self) -> Model:
         p = self.proto
+        if p.ir_version > onnx.IR_VERSION:
+            raise ModelLoadError(
+                f"the model's IR version is {p.ir_version}, past {onnx.IR_VERSION}, the newest "
+                f"the installed onnx {onnx.__version__} defines (onnxruntime refuses it too): "
+                "a newer format may hold what Kiln cannot read; save it at an older IR version "
+                "or upgrade onnx")
         opsets = {(o.domain if o.domain != "ai.onnx" else ""): o.version for o in p.opset_import}
         if not opsets:
             if p.ir_version >= 3:
