@@ -48,9 +48,24 @@ def _json_infer(x: np.ndarray) -> dict:
                         "data": x.reshape(-1).tolist()}]}
 
 
+def _reshaper(path) -> str:
+    """A model whose run fails for a shape the request chooses (Reshape's target)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])], "reshaper",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),
+         helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return str(path)
+
+
 @pytest.fixture(scope="module")
-def server():
-    s = ServeProcess(str(DIGITS), "--max-request-size", "200000")
+def server(tmp_path_factory):
+    reshaper = _reshaper(tmp_path_factory.mktemp("models") / "reshaper.onnx")
+    s = ServeProcess(str(DIGITS), reshaper, "--max-request-size", "200000")
     yield s
     assert s.stop() == 0
 
@@ -99,6 +114,20 @@ def test_bad_requests_get_kserve_errors_and_the_server_keeps_serving(server, bod
     assert got == status and words in json.loads(text)["error"]
     x = np.ones((1, 1, 8, 8), np.float32)
     assert server.request("POST", "/v2/models/digits_cnn/infer", _json_infer(x))[0] == 200
+
+
+def test_a_failing_run_is_a_500_naming_the_layer_and_the_server_keeps_serving(server):
+    def reshape(target):
+        return server.request("POST", "/v2/models/reshaper/infer", {"inputs": [
+            {"name": "x", "datatype": "FP32", "shape": [2, 4], "data": list(range(8))},
+            {"name": "shape", "datatype": "INT64", "shape": [2], "data": target}]})
+
+    status, _, body = reshape([3, 3])
+    assert status == 500 and "Reshape" in json.loads(body)["error"]
+    status, _, body = reshape([4, 2])
+    assert status == 200
+    out = json.loads(body)["outputs"][0]
+    assert out["shape"] == [4, 2] and out["data"] == list(range(8))
 
 
 def test_unknown_model_and_version_are_404(server):
@@ -193,6 +222,24 @@ def test_full_queue_answers_503_with_retry_after_and_the_queued_finish():
         refused = [a for a in answers if a[0] == 503][0]
         assert refused[1].get("retry-after") == "1"
         assert "queued" in json.loads(refused[2])["error"]
+        try:
+            import tritonclient.grpc as tg
+        except ImportError:
+            return  # the HTTP half ran; the gRPC half needs tritonclient (TRITON_REASON)
+        client = tg.InferenceServerClient(s.grpc)
+        inp = tg.InferInput("image", [1, 1, 8, 8], "FP32")
+        inp.set_data_from_numpy(x)
+
+        def send_grpc(_):
+            try:
+                client.infer("digits_cnn", [inp])
+                return "OK"
+            except tg.InferenceServerException as e:
+                return e.status()
+
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            statuses = sorted(pool.map(send_grpc, range(4)))
+        assert statuses == ["OK", "OK", "StatusCode.UNAVAILABLE", "StatusCode.UNAVAILABLE"]
     finally:
         assert s.stop() == 0
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import logging
 import os
 import signal
@@ -63,7 +64,8 @@ async def serve_async(service: Service, host: str = "127.0.0.1", http_port: int 
     ports = {"http": http.servers[0].sockets[0].getsockname()[1],
              "grpc": rpc.kiln_port if rpc is not None else None}
     service.ports = ports
-    log.info("serving %s on %s: %s", [m.name for m in service.repository.loaded()], host, ports)
+    log.info(json.dumps({"event": "serving", "host": host, **ports,
+                         "models": [m.name for m in service.repository.loaded()]}))
     print(f"kiln serve: HTTP on {host}:{ports['http']}"
           + (f", gRPC on {host}:{ports['grpc']}" if rpc is not None else "")
           + f"; models: {', '.join(m.name for m in service.repository.loaded()) or 'none'}",
@@ -89,6 +91,11 @@ def serve(models: Sequence[str | os.PathLike] = (), model_repository: str | None
     ``model_repository`` (Triton's ``name/version/model.onnx`` layout) over the Open
     Inference Protocol until SIGTERM/SIGINT. Blocks. ``config`` holds the defaults for
     every model (a repository model's ``config.json`` overrides them)."""
+    if not log.handlers:  # one JSON object per line on stderr: loads, unloads, failures
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
     repo = Repository(models, model_repository, config)
     service = Service(repo, token=token, max_request_bytes=max_request_bytes)
     asyncio.run(serve_async(service, host, http_port, grpc_port))
