@@ -6,8 +6,26 @@ import numpy as np
 from array_api_compat import array_namespace
 
 from kiln.errors import KernelError
+from kiln.ops.registry import REFERENCE
 
 _NUMPY_NS = array_namespace(np.zeros(0))
+
+
+NUMPY_NS = _NUMPY_NS
+"""NumPy's array-API namespace."""
+
+
+def on_numpy(site) -> bool:
+    """Whether the plan runs ``site``'s reference kernel on plain NumPy arrays (the NumPy
+    backend, constant folding): its namespace is then known when the kernel is prepared."""
+    return site.target.backend == REFERENCE
+
+
+def input_dtype(site, i: int = 0):
+    """The element type the plan knows input ``i`` has (a DType), or None."""
+    v = site.node.inputs[i] if i < len(site.node.inputs) else None
+    t = None if v is None else v.type
+    return getattr(t, "dtype", None)
 
 
 def namespace(*arrays):

@@ -7,9 +7,10 @@ import math
 
 import numpy as np
 
+from kiln.ir import DType
 from kiln.ops import cost
 from kiln.ops._array import axis as norm_axis
-from kiln.ops._array import namespace
+from kiln.ops._array import input_dtype, namespace, on_numpy
 from kiln.ops._numeric import erf, keep_dtype
 from kiln.ops.registry import op
 
@@ -39,6 +40,7 @@ def _softplus(xp, x):
     return xp.logaddexp(x, xp.zeros_like(x))
 
 
+_NATIVE_FLOATS = (DType.FLOAT, DType.DOUBLE)
 _ZERO: dict = {}  # dtype -> 0-d zero: NumPy converts a Python 0 anew on every call (~2x)
 
 
@@ -59,10 +61,24 @@ def _pos_part(xp, x):
     return xp.maximum(x, _zero(x))
 
 
-@op("Relu", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def relu(x):
     return _pos_part(namespace(x), x)
+
+
+@op("Relu", 1, generic=True, prepare=True, cost=cost.elementwise)
+def _prepare_relu(site):
+    dt = input_dtype(site)
+    if not on_numpy(site) or dt not in _NATIVE_FLOATS:
+        return relu
+    zero = np.zeros((), dt.numpy)  # of the input's type: maximum keeps it
+
+    def run(x):  # the shared kernel's steps, resolved now for a known float type
+        return np.maximum(x, zero)
+    return run
+
+
+_prepare_relu.attributes = frozenset()
 
 
 @op("LeakyRelu", 1, generic=True, cost=cost.elementwise)
@@ -119,10 +135,21 @@ def selu(x, *, alpha=1.67326319217681884765625, gamma=1.05070102214813232421875)
     return (_pos_part(xp, x) + (xp.exp(_neg_part(xp, x)) - 1.0) * alpha) * gamma
 
 
-@op("Sigmoid", 1, generic=True, cost=cost.elementwise)
 @keep_dtype
 def sigmoid(x):
     return _sigmoid(namespace(x), x)
+
+
+@op("Sigmoid", 1, generic=True, prepare=True, cost=cost.elementwise)
+def _prepare_sigmoid(site):
+    dt = input_dtype(site)
+    # what the shared kernel calls for NumPy float32/64 arrays, chosen now
+    fast = _expit is not None and on_numpy(site) and \
+        dt in _NATIVE_FLOATS
+    return _expit if fast else sigmoid
+
+
+_prepare_sigmoid.attributes = frozenset()
 
 
 @op("HardSigmoid", 1, generic=True, cost=cost.elementwise)

@@ -32,8 +32,8 @@ def attribute_names(domain: str, op_type: str, opset: int
         return None
     if domain not in DOMAINS:
         return opdef.since, None
-    if opdef.prepare:
-        return opdef.since, _PREPARED.get(op_type)
+    if opdef.prepare:  # a prepare function may say which attributes it reads
+        return opdef.since, getattr(opdef.kernel, "attributes", _PREPARED.get(op_type))
     if "*" in opdef.reference.attr_names:
         return opdef.since, None
     return opdef.since, opdef.reference.attr_names

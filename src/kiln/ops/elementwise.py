@@ -8,7 +8,7 @@ import functools
 import operator
 
 from kiln.ops import cost
-from kiln.ops._array import namespace
+from kiln.ops._array import NUMPY_NS, namespace, on_numpy
 from kiln.ops._numeric import erf, is_float, is_int, keep_dtype, legacy_broadcast
 from kiln.ops.registry import op
 
@@ -101,10 +101,18 @@ def _unary(op_type: str, since: int, name: str) -> None:
     def kernel(x):
         return getattr(namespace(x), name)(x)
 
+    direct = getattr(NUMPY_NS, name)
+
+    def prepare(site):
+        # On NumPy arrays the namespace is known now: its function is the kernel (the
+        # lookup per call cost as much as the op on a small tensor)
+        return direct if on_numpy(site) else kernel
+
     kernel.__name__ = kernel.__qualname__ = op_type.lower()
+    prepare.attributes = frozenset()  # none, as the plain kernel
     discrete = op_type in ("Ceil", "Floor", "Round", "Sign", "IsNaN")
-    op(op_type, since, generic=True, differentiable=not discrete,
-       cost=cost.elementwise)(kernel)
+    op(op_type, since, generic=True, prepare=True, differentiable=not discrete,
+       cost=cost.elementwise)(prepare)
 
 
 for _op_type, _since, _name in [
