@@ -1,6 +1,9 @@
 """Per-layer overhead: a chain of small elementwise nodes (Add/Mul/Relu/Sigmoid on a
 (1, 16) tensor), so the time per node is dispatch, not arithmetic. onnxruntime and both
 Kiln backends run it in one process, alternating blocks; prints microseconds per node.
+Beside them, each library's floor: the same chain as one straight-line Python function
+calling NumPy's or torch's ops by hand (what any Python engine pays at least), so that
+Kiln minus its floor is Kiln's own overhead per layer.
 
     python benchmarks/layer_overhead.py --nodes 500 --threads 1
 """
@@ -32,6 +35,37 @@ def chain_model(n: int):
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def floor(n: int, lib: str):
+    """The chain as one generated function calling ``lib``'s ops directly, ``fn(x)``."""
+    import torch
+    from scipy.special import expit
+
+    c = np.full((1, 16), 0.5, np.float32)
+    if lib == "torch":
+        glb = {"c": torch.from_numpy(c), "relu": torch.relu, "sigmoid": torch.sigmoid}
+    else:
+        glb = {"c": c, "relu": lambda x: np.maximum(x, np.float32(0)), "sigmoid": expit}
+    body = ["v = v + c", "v = v * c", "v = relu(v)", "v = sigmoid(v)"]
+    src = "def run(v):\n" + "".join(f"    {body[i % 4]}\n" for i in range(n)) + \
+        "    return v\n"
+    exec(src, glb)
+    return glb["run"]
+
+
+class _Floor:
+    """A floor function behind ``sess.run``'s signature."""
+
+    def __init__(self, fn, torch_in: bool):
+        self.fn, self.torch_in = fn, torch_in
+
+    def run(self, _names, feed):
+        import torch
+
+        x = feed["x"]
+        y = self.fn(torch.from_numpy(x) if self.torch_in else x)
+        return [y.numpy() if self.torch_in else y]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--nodes", type=int, default=500)
@@ -54,6 +88,8 @@ def main() -> None:
                                             providers=["CPUExecutionProvider"]),
         "kiln numpy": kiln.InferenceSession(model),
         "kiln torch": kiln.InferenceSession(model, backend="torch"),
+        "numpy floor": _Floor(floor(args.nodes, "numpy"), False),
+        "torch floor": _Floor(floor(args.nodes, "torch"), True),
     }
     feed = {"x": np.random.default_rng(0).standard_normal((1, 16)).astype(np.float32)}
     want = engines["onnxruntime"].run(None, feed)[0]
@@ -69,8 +105,11 @@ def main() -> None:
             best[name].append((time.perf_counter() - t) / args.runs)
     print(f"{args.nodes}-node chain, {args.threads} thread(s): microseconds per node "
           "(median of rounds)")
-    for name, ts in best.items():
-        print(f"  {name:12s} {statistics.median(ts) / args.nodes * 1e6:6.2f}")
+    per = {name: statistics.median(ts) / args.nodes * 1e6 for name, ts in best.items()}
+    for name, us in per.items():
+        print(f"  {name:12s} {us:6.2f}")
+    for lib in ("numpy", "torch"):
+        print(f"  Kiln's own overhead on {lib}: {per[f'kiln {lib}'] - per[f'{lib} floor']:.2f}")
 
 
 if __name__ == "__main__":
