@@ -235,7 +235,7 @@ def prepare(opdef, kernel, case: Case, backend):
     fn, wants_ctx = bound
     if wants_ctx:
         fn = functools.partial(fn, registry.KernelContext(case.outputs, opset, {}, None, node,
-                                                          backend))
+                                                          backend.target()))
     return fn
 
 

@@ -38,7 +38,7 @@ def _scalar(ctx, x):
     """A control value (condition, trip count) as a NumPy scalar, read on the host. ONNX
     defines it as one element; reading the first of several would pick a branch or a trip
     count from data the model never meant as one (onnxruntime refuses it)."""
-    a = np.asarray(ctx.backend.to_numpy(x)).reshape(-1)
+    a = np.asarray(ctx.target.take(x)).reshape(-1)
     if a.size != 1:
         raise KernelError(f"a condition or trip count must hold exactly one element, not "
                           f"{a.size}")
@@ -65,7 +65,7 @@ def _empty_stack(ctx, body, index: int):
             dtype = t.dtype.numpy
         if t.shape is not None and all(isinstance(d, int) for d in t.shape):
             shape = tuple(t.shape)
-    return ctx.backend.from_numpy(np.zeros((0, *shape), dtype=dtype))
+    return ctx.target.put(np.zeros((0, *shape), dtype=dtype))
 
 
 def _stack(items: list):
@@ -89,7 +89,7 @@ def loop(ctx, max_trip_count, cond, *v_initial, body):
     n = len(carried)
     num_scan = len(body.graph.outputs) - 1 - n
     scans: list[list] = [[] for _ in range(num_scan)]
-    to_backend = ctx.backend.from_numpy
+    to_backend = ctx.target.put
     i, held = 0, 0
     start = time.monotonic()
     while keep_going and (trip is None or i < trip):
@@ -163,7 +163,7 @@ def scan_v8(ctx, sequence_lens, *args, body, num_scan_inputs, directions=None):
     own, for its own length, and scan outputs are zero-padded to the longest."""
     m = num_scan_inputs
     n = len(args) - m
-    to_np = ctx.backend.to_numpy
+    to_np = ctx.target.take
     inits = [np.asarray(to_np(x)) for x in args[:n]]
     xs = [np.asarray(to_np(x)) for x in args[n:]]
     batch, max_len = xs[0].shape[:2]

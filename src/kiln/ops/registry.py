@@ -315,6 +315,8 @@ class Target:
     decides what training-mode nodes do."""
     put: Callable = _same
     """A NumPy array as an array of the backend on its device (types it lacks stay NumPy)."""
+    take: Callable = _same
+    """An array of the backend as a NumPy array (what a kernel reads on the host)."""
     mode: Mode = field(default_factory=Mode)
     """Switches between runs (shared by every node of the backend)."""
 
@@ -361,15 +363,18 @@ class Site:
 class KernelContext:
     """What a ``ctx`` kernel sees: node facts plus a way to run its subgraphs."""
 
-    __slots__ = ("num_outputs", "opset", "env", "runner", "node", "backend")
+    __slots__ = ("num_outputs", "opset", "env", "runner", "node", "target")
 
-    def __init__(self, num_outputs: int, opset: int, env: dict, runner, node, backend):
+    def __init__(self, num_outputs: int, opset: int, env: dict, runner, node,
+                 target: Target | None = None):
         self.num_outputs = num_outputs
         self.opset = opset
         self.env = env
         self.runner = runner
         self.node = node
-        self.backend = backend
+        self.target = Target() if target is None else target
+        """Where the node runs (:class:`Target`): its ``put``/``take`` move values in and
+        out of the backend's arrays."""
 
     def run(self, subgraph, inputs: list) -> list:
         """Run a subgraph attribute (given to the kernel already compiled) on ``inputs``,
@@ -391,7 +396,7 @@ def evaluate(node, opset: int, inputs: list) -> list:
         raise ValueError(f"{node.op_type}: the reference kernel declined this node")
     fn, wants_ctx = bound
     if wants_ctx:
-        r = fn(KernelContext(len(node.outputs), opset, {}, None, node, None), *inputs)
+        r = fn(KernelContext(len(node.outputs), opset, {}, None, node), *inputs)
     else:
         r = fn(*inputs)
     return list(r) if isinstance(r, tuple) else [r]

@@ -193,7 +193,7 @@ def bind_slice(sl: GradientSlice, target: registry.Target, ctx: KernelContext,
                 continue
             fn, wants_ctx = bound
             if wants_ctx:  # node facts only: the slice holds no subgraphs
-                nctx = KernelContext(len(n.outputs), opset, {}, ctx.runner, n, ctx.backend)
+                nctx = KernelContext(len(n.outputs), opset, {}, ctx.runner, n, ctx.target)
                 fn = (lambda f, c: lambda *a: f(c, *a))(fn, nctx)
             runs.append(fn)
         if not runs:

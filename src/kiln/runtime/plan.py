@@ -84,6 +84,7 @@ class Plan:
                  bindings: dict[str, Any] | None = None):
         self.graph = graph
         self.backend = compiler.backend
+        self.target = compiler.target
         self.consts = {v: compiler.backend.constant(v) for v in graph.initializers.values()}
         self.captures = graph.captures()
         self.steps: list[Step] = [_step(n, opsets, compiler, bindings or {})
@@ -226,7 +227,7 @@ class Plan:
                     down, up = s.transfers
                     result = up(s.fn(*[None if a is None else down(a) for a in args]))
                 elif s.wants_ctx:
-                    ctx = KernelContext(len(s.outputs), s.opset, env, self, s.node, self.backend)
+                    ctx = KernelContext(len(s.outputs), s.opset, env, self, s.node, self.target)
                     result = s.fn(ctx, *args)
                     if result is NotImplemented and s.rest is not None:
                         result = s.rest(ctx, *args)

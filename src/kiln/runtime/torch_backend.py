@@ -153,7 +153,8 @@ class TorchBackend(Backend):
 
     def target(self) -> Target:
         return Target(self.name, self.tdevice, self.compute_dtype, self.tracing,
-                      self.channels_last, self.module, self.from_numpy, self.mode)
+                      self.channels_last, self.module, self.from_numpy, self.to_numpy,
+                      self.mode)
 
     # -- arrays in and out -------------------------------------------------------------
 
@@ -377,7 +378,7 @@ class TorchBackend(Backend):
 
     def _fallback(self, k: Callable, ctx: bool, host: bool) -> Callable:
         """The NumPy kernel behind conversions (its ctx runs subgraphs on NumPy values)."""
-        backend, numpy = self, Backend()
+        backend = self
 
         def convert(args, st):
             st.fallback_calls += 1
@@ -397,8 +398,7 @@ class TorchBackend(Backend):
         if ctx:
             def run_ctx(c, *args):
                 st = backend.stats()
-                fctx = _FallbackContext(c.num_outputs, c.opset, c.env, c.runner, c.node,
-                                        numpy)
+                fctx = _FallbackContext(c.num_outputs, c.opset, c.env, c.runner, c.node)
                 fctx.owner = backend
                 return finish(k(fctx, *convert(args, st)), st)
             return run_ctx
