@@ -267,6 +267,10 @@ def test_repository_config_token_load_unload_and_graceful_shutdown(tmp_path):
                                                           "spare": "UNAVAILABLE"}
         assert s.request("POST", "/v2/repository/models/spare/load", b"", auth)[0] == 200
         assert s.request("GET", "/v2/models/spare/ready", headers=auth)[0] == 200
+        (tmp_path / "broken" / "1").mkdir(parents=True)  # added while serving
+        (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
+        status, _, body = s.request("POST", "/v2/repository/models/broken/load", b"", auth)
+        assert status == 400 and "not a valid ONNX model" in json.loads(body)["error"], body
         # "digits" waits 1.5 s for a batch: SIGTERM arrives while the request is in flight
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
             pending = pool.submit(s.request, "POST", "/v2/models/digits/infer",

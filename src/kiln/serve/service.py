@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from kiln.errors import InputError, KilnError, ShapeError
+from kiln.errors import InputError, KilnError, ModelLoadError, ShapeError, UnsupportedOpError
 from kiln.serve.batching import Overloaded
 from kiln.serve.metrics import Metrics
 from kiln.serve.models import ModelNotFound, Repository, ServedModel
@@ -39,7 +39,8 @@ STATUS: list[tuple[type, int, str]] = [
     (ModelNotFound, 404, "NOT_FOUND"), (Overloaded, 503, "UNAVAILABLE"),
     (Unauthorized, 401, "UNAUTHENTICATED"), (TooLarge, 413, "RESOURCE_EXHAUSTED"),
     (BadRequest, 400, "INVALID_ARGUMENT"), (InputError, 400, "INVALID_ARGUMENT"),
-    (ShapeError, 400, "INVALID_ARGUMENT"), (KilnError, 500, "INTERNAL"),
+    (ShapeError, 400, "INVALID_ARGUMENT"), (ModelLoadError, 400, "INVALID_ARGUMENT"),
+    (UnsupportedOpError, 400, "INVALID_ARGUMENT"), (KilnError, 500, "INTERNAL"),
 ]
 
 
