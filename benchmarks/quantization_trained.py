@@ -4,7 +4,13 @@ the calibration set, for Kiln's static/dynamic INT8, fp16, bf16 and onnxruntime'
 quantize_static/quantize_dynamic on the same calibration data; file sizes, what Kiln's
 defaults chose, and the accuracy-budget mode's result and time.
 
-    PYTHONPATH=src python benchmarks/quantization_trained.py [MODEL ...] [--budget top1=0.99]
+    PYTHONPATH=src python benchmarks/quantization_trained.py [MODEL ...] [--budget]
+    PYTHONPATH=src python benchmarks/quantization_trained.py [MODEL ...] --speed
+
+``--speed``: Kiln's default static INT8 (``backend="torch"``, so speed-aware timing on
+the torch backend) against the fp32 file, both on Kiln's torch backend, batch 1 and 8,
+in one process, alternating rounds, best of 25: the ratio fp32 time / INT8 time (above 1:
+INT8 faster), and how many layers the speed-aware step kept in float.
 
 Prints one markdown table per model (docs/quantization.md keeps them). INT8 and fp32 files
 run on onnxruntime (the deployment engine); fp16/bf16 files run on Kiln's NumPy backend
@@ -128,12 +134,68 @@ def run(name: str, use_budget: bool) -> list[str]:
     return out
 
 
+def _feed_at(feed: dict, batch: int) -> dict:
+    """``feed`` with its batched inputs (those whose first axis is the sample) repeated or
+    cut to ``batch`` rows; recurrent states and scalars kept."""
+    out = {}
+    for k, v in feed.items():
+        v = np.asarray(v)
+        if v.ndim >= 2 and k not in ("state", "h", "c"):
+            v = np.concatenate([v] * (batch // len(v) + 1))[:batch]
+        out[k] = v
+    return out
+
+
+def speed(name: str, rounds: int = 25) -> list[str]:
+    m = tm.get(name)
+    if m.path is None:
+        return [f"| {name} | {m.package} not installed | | | |"]
+    n_cal, _, _ = SIZES.get(name, (64, 128, ""))
+    cal, ev = m.make_feeds(min(n_cal, 16), 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = kiln.quantize(m.path, calibration=cal, backend="torch", measure_latency=False)
+    timed = len(q.report.layer_times)
+    slower = sum(1 for f, t in q.report.layer_times.values() if t >= f)
+    f32 = kiln.InferenceSession(m.path, backend="torch")
+    i8 = kiln.InferenceSession(q.model, backend="torch")
+    cells = []
+    for batch in (1, 8):
+        feed = _feed_at(ev[0], batch)
+        try:
+            f32.run(None, feed), i8.run(None, feed)
+        except Exception as e:  # a model whose other inputs fix the batch
+            cells.append(f"- ({type(e).__name__})")
+            continue
+        tf = tq = float("inf")
+        for _ in range(rounds):
+            t0 = time.perf_counter()
+            f32.run(None, feed)
+            t1 = time.perf_counter()
+            i8.run(None, feed)
+            t2 = time.perf_counter()
+            tf, tq = min(tf, t1 - t0), min(tq, t2 - t1)
+        cells.append(f"{tf / tq:.2f}x ({tf * 1e3:.2f} / {tq * 1e3:.2f} ms)")
+    return [f"| {name} | {cells[0]} | {cells[1]} | {slower} of {timed} | "
+            f"{len(q.report.quantized)} |"]
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("models", nargs="*", default=list(SIZES))
     p.add_argument("--budget", action="store_true",
                    help="add the accuracy-budget row (SIZES names each model's budget)")
+    p.add_argument("--speed", action="store_true",
+                   help="Kiln INT8 (defaults, torch) against Kiln fp32 on the torch backend")
     a = p.parse_args()
+    if a.speed:
+        print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load "
+              f"{os.getloadavg()[0]:.2f}\n")
+        print("| model | batch 1: fp32 / INT8 (ms) | batch 8 | layers timed slower, kept "
+              "float | quantized nodes |\n| --- | --- | --- | --- | --- |")
+        for name in a.models:
+            print("\n".join(speed(name)), flush=True)
+        return
     print(f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, kiln "
           f"{getattr(kiln, '__version__', '?')}, onnxruntime {ort.__version__}, numpy "
           f"{np.__version__}, load {os.getloadavg()[0]:.2f}")

@@ -44,14 +44,18 @@ def test_speed_aware_mix_matches_report_and_onnxruntime(tmp_path, capsys):
     assert main(["quantize", str(DIGITS / "digits_cnn.onnx"), "-o", str(out), "--mode",
                  "static", "--calibration", str(tmp_path / "cal.npz"), "--backend", "torch",
                  "--speed-aware"]) == 0
-    times = _printed_times(capsys.readouterr().out)
+    printed = capsys.readouterr().out
+    times = _printed_times(printed)
     # the CNN's four compute layers were each timed and printed
     assert sorted(times) == ["/0/Conv", "/11/Gemm", "/3/Conv", "/9/Gemm"]
     proto = onnx.load(str(out))
     onnx.checker.check_model(proto, full_check=True)
+    whole = "the model with" in printed  # the whole model timed not faster: all float
     for layer, (f_ms, q_ms, verdict) in times.items():
         assert f_ms > 0 and q_ms > 0
-        if q_ms != f_ms:  # equal as printed (0.1 us): the verdict may go either way
+        if whole:
+            assert verdict == "reverted", layer
+        elif q_ms != f_ms:  # equal as printed (0.1 us): the verdict may go either way
             assert (verdict == "kept") == (q_ms < f_ms), (layer, f_ms, q_ms, verdict)
         assert _weight_is_quantized(proto, layer) == (verdict == "kept"), layer
     (ref,) = ort_run(proto, {"image": images})
@@ -92,3 +96,29 @@ def test_speed_aware_times_a_product_of_two_activations():
     steps = [float(inits[n.input[1]].max()) for n in out.graph.node
              if n.op_type == "QuantizeLinear"]
     np.testing.assert_allclose(got, ref, atol=1.001 * max(steps, default=1e-4), rtol=0)
+
+
+def test_speed_aware_is_the_default_where_there_is_data():
+    """Issue 42 item 5: a default static quantization times its layers on the target
+    backend and keeps in float those measured slower (then the whole model, float
+    against quantized); the file holds exactly the mix the report states.
+    ``speed_aware=False`` quantizes every layer; a dynamic run without data times none."""
+    path = str(DIGITS / "digits_cnn.onnx")
+    images = np.load(str(DIGITS / "digits_test.npz"))["images"]
+    feeds = [{"image": images[:16]}]
+    q = kiln.quantize(path, "static", feeds, backend="torch", measure_latency=False)
+    assert sorted(q.report.layer_times) == ["/0/Conv", "/11/Gemm", "/3/Conv", "/9/Gemm"]
+    proto = to_proto(q.model)
+    onnx.checker.check_model(proto, full_check=True)
+    # the whole model decides last: if what was left quantized was not faster as a
+    # whole, every layer is float and says why
+    whole = any("the model with" in why for why in q.report.kept.values())
+    for layer, (f_ms, q_ms) in q.report.layer_times.items():
+        float_kept = whole or q_ms >= f_ms
+        assert _weight_is_quantized(proto, layer) == (not float_kept), layer
+        assert ("speed-aware" in q.report.kept.get(layer, "")) == float_kept, layer
+    every = to_proto(kiln.quantize(path, "static", feeds, backend="torch",
+                                   speed_aware=False, measure_latency=False).model)
+    assert all(_weight_is_quantized(every, n) for n in q.report.layer_times)
+    dyn = kiln.quantize(path, "dynamic", measure_latency=False)
+    assert dyn.report.layer_times == {}

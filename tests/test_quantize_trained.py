@@ -137,7 +137,7 @@ def test_budget_tries_cheaper_fixes_and_stops_in_time():
     cal, ev = m.make_feeds(64, 64)
     q = kiln.quantize(m.path, "static", cal, validation=ev, budget="rel=0.03",
                       reduce_range=True, backend="onnxruntime", measure_latency=False,
-                      budget_seconds=300)
+                      speed_aware=False, budget_seconds=300)
     log = "\n".join(q.report.budget_log)
     assert "as asked" in log and "8-bit weights" in log and "ranked" in log
     assert "budget met" in log
@@ -149,7 +149,7 @@ def test_budget_tries_cheaper_fixes_and_stops_in_time():
     assert len(q.report.quantized) >= 5  # not the float model back
     rushed = kiln.quantize(m.path, "static", cal, validation=ev, budget="rel=0.001",
                            reduce_range=True, backend="onnxruntime", measure_latency=False,
-                           budget_seconds=0)
+                           speed_aware=False, budget_seconds=0)
     assert "budget not met within 0 s" in "\n".join(rushed.report.budget_log)
 
 

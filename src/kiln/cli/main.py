@@ -399,8 +399,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--validation", metavar="DATA.npz",
                    help="data the report (and --accuracy-budget) checks on "
                         "(default: the calibration data)")
-    p.add_argument("--method", choices=["minmax", "percentile", "entropy"], default="minmax",
-                   help="how calibration picks each range (default: minmax)")
+    p.add_argument("--method", choices=["minmax", "percentile", "entropy", "auto"],
+                   default="minmax", help="how calibration picks each range (default: "
+                   "minmax; auto: per tensor, the least noisy for the layers reading it)")
+    p.add_argument("--max-noise", type=float, default=None,
+                   help="keep in float each layer whose measured noise ratio exceeds this "
+                        "(e.g. 0.02; docs/quantization.md)")
     p.add_argument("--per-tensor", action="store_true",
                    help="one weight scale per tensor instead of per output channel")
     p.add_argument("--symmetric", action="store_true",
@@ -425,9 +429,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=[*backend_names(), "onnxruntime"], default="numpy",
                    help="engine that calibrates and on which the report, the accuracy budget "
                         "and --speed-aware measure (the one the file will run on)")
-    p.add_argument("--speed-aware", action="store_true",
+    p.add_argument("--speed-aware", action=argparse.BooleanOptionalAction, default=None,
                    help="time each quantized layer alone, float and quantized, on --backend "
-                        "and keep in float those not measured faster")
+                        "and keep in float those not measured faster (default: on where "
+                        "there is data to time on; --no-speed-aware quantizes for size)")
     p.set_defaults(func=cmd_quantize, parser=p)
 
     p = sub.add_parser("tune", help="measure the ways to run a model here and write the "
@@ -849,7 +854,8 @@ def cmd_quantize(args) -> int:
                      reduce_range={"auto": None, "on": True, "off": False}[args.reduce_range],
                      budget=args.accuracy_budget, budget_seconds=args.budget_seconds,
                      backend=args.backend,
-                     speed_aware=args.speed_aware, on_stage=stages.step,
+                     speed_aware=args.speed_aware, max_noise=args.max_noise,
+                     on_stage=stages.step,
                      on_batch=lambda done, total: stages.update(
                          f"calibrating: batch {done}/{total}"))
         stages.done(f"done in {stages.elapsed():.1f} s")

@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
+import numpy as np
+
 from kiln.errors import OptionError
 from kiln.ir import DType, Model
 from kiln.onnxio import save
@@ -14,16 +16,19 @@ from kiln.onnxio.exporter import register_converter
 from kiln.passes import FoldConstants
 from kiln.passes.infer_shapes import infer_model
 from kiln.quantize import qdq, weight_only
-from kiln.quantize.calibrate import calibrate, load_feeds
+from kiln.quantize.calibrate import METHODS, calibrate, calibrate_all, load_feeds
 from kiln.quantize.cpu import weight_range
 from kiln.quantize.engines import BACKENDS
 from kiln.quantize.fp16 import as_model, at_opset, standard_ops
+from kiln.quantize.outliers import measure_noise
 from kiln.quantize.report import QuantizeReport, compare, latency_ms, model_bytes
-from kiln.quantize.speed import LayerTiming, time_layers
+from kiln.quantize.speed import LayerTiming, time_layers, whole_model_ms
 
 __all__ = ["MODES", "Budget", "Quantized", "quantize"]
 
 MODES = ("dynamic", "static", "weight-only")
+INTEGER_ENGINES = ("torch", "onnxruntime")
+"""Engines that run quantized layers on integer kernels: speed-aware by default there."""
 # How many feeds the report's accuracy check runs at most.
 REPORT_FEEDS = 8
 
@@ -47,11 +52,12 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
              per_channel: bool = True, symmetric: bool = False,
              op_types: Iterable[str] | None = None, exclude: Iterable[str] = (),
              reduce_range: bool | None = None, validation=None, percentile: float = 99.99,
+             max_noise: float | None = None,
              bits: int = 4,
              block_size: int = 128, budget: Budget | str | None = None,
              budget_seconds: float = 600.0,
              backend: str = "numpy", measure_latency: bool = True,
-             speed_aware: bool = False,
+             speed_aware: bool | None = None,
              on_batch: Callable[[int, int], None] | None = None,
              on_stage: Callable[[str], None] | None = None) -> Quantized:
     """Quantize ``model`` (a path, bytes, ModelProto or Kiln Model) in QDQ format.
@@ -60,7 +66,13 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     ``"dynamic"`` (int8 weights, activation scales computed at run time) or
     ``"weight-only"`` (MatMul weights int4/int8 in blocks of ``block_size``, ``bits``).
     ``calibration``: an ``.npz`` path (keys = input names), a feed dict or an iterable of
-    feeds; required for static. ``method``: ``minmax``, ``percentile`` or ``entropy``.
+    feeds; required for static. ``method``: ``minmax``, ``percentile``, ``entropy`` or
+    ``auto`` (per tensor, the one whose grid puts the least measured noise into the
+    layers reading it, :mod:`kiln.quantize.outliers`). ``max_noise`` (static; e.g.
+    ``0.02``): a Conv/MatMul/Gemm whose measured noise ratio (the noise its 8-bit input
+    and weights add to its output, over the output's power, per sample) exceeds it is
+    kept in float, the report says so with the figure. Neither is the default: on the
+    trained models measured (docs/quantization.md) they did not beat minmax.
     ``symmetric``: int8 activations around 0 instead of uint8 with a zero point.
     ``reduce_range``: weights in -63..63, so that no pair of 8-bit x int8 products
     overflows the 16-bit sums of x86 integer kernels without VNNI (onnxruntime's and
@@ -83,6 +95,12 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     ``speed_aware``: time every quantized Conv/ConvTranspose/MatMul/Gemm alone, float and
     quantized, on ``backend`` on this machine (:mod:`kiln.quantize.speed`) and keep in
     float those whose quantized version was not faster; the report lists the times.
+    ``None`` (default): on for the engines with integer kernels (``torch``,
+    ``onnxruntime``) wherever there is data to time on (static mode always; the others
+    with ``calibration`` or ``validation``), so that the INT8 file is never slower layer
+    by layer than the float one where it is to run; off on ``numpy``, which computes
+    quantized layers in float (every one measured slower: the file would come back
+    float), the report says so. ``False`` quantizes every layer the plan allows, for size.
     ``on_batch(done, total)`` follows calibration (a progress bar hooks in);
     ``on_stage(text)`` is called as each stage starts (loading, calibrating, ...).
     """
@@ -115,13 +133,35 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     types = tuple(op_types) if op_types is not None else \
         qdq.COMPUTE_OPS + qdq.ELEMENTWISE_OPS + qdq.EMBEDDING_OPS
     ranges = None
+    outlier_kept: dict[str, str] = {}
     if mode == "static":
         plan = qdq.plan_layers(base, mode, types, exclude)
         tensors = sorted({v.name for n in plan.quantized if n.op_type not in qdq.EMBEDDING_OPS
                           for v in list(n.inputs) + list(n.outputs)
                           if v is not None and v.const is None and v.dtype == DType.FLOAT})
         stage(f"calibrating on {len(feeds)} batch(es) on {backend}")
-        ranges = calibrate(base, tensors, feeds, method, percentile, backend, on_batch)
+        if method not in METHODS + ("auto",):
+            raise OptionError(f"unknown calibration method {method!r}; choose one of "
+                              f"{', '.join(METHODS)} or auto")
+        methods = METHODS if method == "auto" else (method,)
+        candidates = calibrate_all(base, tensors, feeds, methods, percentile, backend,
+                                   on_batch)
+
+        def measured(limit: float) -> tuple[dict, dict[str, str]]:
+            """Ranges with each tensor's method chosen by measured noise, and the layers
+            over ``limit`` (module kiln.quantize.outliers)."""
+            stage("measuring each layer's quantization noise")
+            noisy = measure_noise(base, plan, feeds, candidates, symmetric, wrange.bits,
+                                  per_channel, backend, limit)
+            chosen = dict(candidates[methods[0]])
+            chosen.update({t: candidates[k][t] for t, k in noisy.method.items()})
+            return chosen, noisy.keep
+
+        ranges = dict(candidates[methods[0]])
+        if max_noise is not None or method == "auto":
+            ranges, keep = measured(np.inf if max_noise is None else max_noise)
+            outlier_kept = {n: why for n, why in keep.items() if n not in exclude}
+            exclude = exclude | set(outlier_kept)
 
     setting = Setting("as asked", ranges, per_channel, wrange.bits)
 
@@ -146,16 +186,26 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         if not setting.per_channel:
             alts.append(Setting("per-channel weights", ranges, True, setting.bits))
         if mode == "static":
-            for other in ("percentile", "entropy"):
+            for other in METHODS + ("auto",):
                 if other != method:
-                    alts.append(Setting(f"{other} calibration", None, setting.per_channel,
-                                        setting.bits, other))
+                    label = "each tensor's calibration method chosen by measured noise" \
+                        if other == "auto" else f"{other} calibration"
+                    alts.append(Setting(label, None, setting.per_channel, setting.bits,
+                                        other))
         return alts
 
     def ranges_by(how: Setting) -> Setting:
         if how.ranges is None and how.method is not None:
             stage(f"accuracy budget: calibrating with {how.method}")
-            how.ranges = calibrate(base, tensors, feeds, how.method, percentile, backend)
+            if how.method == "auto":
+                missing = tuple(k for k in METHODS if k not in candidates)
+                if missing:
+                    candidates.update(calibrate_all(base, tensors, feeds, missing,
+                                                    percentile, backend))
+                how.ranges = measured(np.inf)[0]
+            else:
+                how.ranges = calibrate(base, tensors, feeds, how.method, percentile,
+                                       backend)
         return how
 
     check = (load_feeds(validation, inputs) if validation is not None else feeds)[:REPORT_FEEDS]
@@ -172,6 +222,14 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         m, plan, reverted = search.model, search.plan, search.reverted
         setting = search.how or setting  # what build() uses from here on
     timings: dict[str, LayerTiming] = {}
+    speed_note = []
+    if speed_aware is None:
+        speed_aware = bool(check) and mode != "weight-only" and backend in INTEGER_ENGINES
+        if mode != "weight-only" and backend not in INTEGER_ENGINES:
+            speed_note = [f"speed-aware off on {backend}, which runs quantized layers in "
+                          "float (slower than the float model); to keep in float what "
+                          "is slower where the file will run, pass backend='torch' or "
+                          "'onnxruntime'"]
     if speed_aware and mode != "weight-only":
         if not check:
             raise OptionError("speed-aware quantization times layers on real inputs: give "
@@ -187,10 +245,22 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         if slower:
             reverted.update(slower)
             m, plan = build(exclude | set(reverted))
+        left = [n.name for n in plan.quantized if n.op_type in qdq.COMPUTE_OPS and n.name]
+        if left:
+            # Layers timed alone miss what lies between them (a chain broken by a
+            # reverted neighbour pays Q/DQ both sides): the whole model decides last.
+            stage(f"timing the whole model float and quantized on {backend}")
+            f_ms, q_ms = whole_model_ms(base, m, check[0], backend)
+            if q_ms >= f_ms:
+                reverted.update({name: f"reverted to float, speed-aware: the model with "
+                                       f"{len(left)} layer(s) quantized ran in {q_ms:.3f} "
+                                       f"ms vs {f_ms:.3f} ms float on {backend}"
+                                 for name in left})
+                m, plan = build(exclude | set(reverted))
     report = QuantizeReport(mode=mode, size_before=model_bytes(original),
                             size_after=model_bytes(m), backend=backend,
                             quantized=[_label(n) for n in plan.quantized],
-                            kept={**plan.kept, **reverted,
+                            kept={**plan.kept, **outlier_kept, **reverted,
                                   **{name: "a Kiln op with no standard-ONNX body"
                                      for name in opaque},
                                   **{_label(n): "inside a subgraph (If/Loop/Scan body): "
@@ -201,7 +271,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                             weight_bits=None if mode == "weight-only" else setting.bits,
                             weight_bits_reason=wrange.reason,
                             budget_log=search.log if budget is not None else [],
-                            advice=_advice(base, mode))
+                            advice=_advice(base, mode) + speed_note)
     if check:
         stage(f"measuring the error on {backend}")
         report.outputs = compare(original, m, check, backend)

@@ -26,7 +26,7 @@ from kiln.ir import Model
 from kiln.passes.base import clone_model
 from kiln.quantize.engines import open_session
 
-__all__ = ["METHODS", "Range", "calibrate", "load_feeds"]
+__all__ = ["METHODS", "Range", "calibrate", "calibrate_all", "load_feeds", "session_with"]
 
 METHODS = ("minmax", "percentile", "entropy")
 BINS = 2048
@@ -69,12 +69,24 @@ def calibrate(model: Model, tensors: list[str], feeds: list[dict], method: str =
               on_batch: Callable[[int, int], None] | None = None) -> dict[str, Range]:
     """The range of each of ``tensors`` (value names of ``model``) over ``feeds``.
     ``on_batch(done, total)`` is called after every batch (a progress bar hooks in)."""
-    if method not in METHODS:
-        raise OptionError(f"unknown calibration method {method!r}; choose one of "
-                          f"{', '.join(METHODS)}")
-    sess, names = _session(model, tensors, backend)
-    passes = 1 if method == "minmax" else 2
-    total = passes * len(feeds)
+    return calibrate_all(model, tensors, feeds, (method,), percentile, backend,
+                         on_batch)[method]
+
+
+def calibrate_all(model: Model, tensors: list[str], feeds: list[dict],
+                  methods: tuple[str, ...] = METHODS, percentile: float = 99.99,
+                  backend: str = "numpy",
+                  on_batch: Callable[[int, int], None] | None = None
+                  ) -> dict[str, dict[str, Range]]:
+    """Per method of ``methods``, the range of each of ``tensors`` over ``feeds``: one
+    pass for the extremes and, where a method needs histograms, one pass for all."""
+    for method in methods:
+        if method not in METHODS:
+            raise OptionError(f"unknown calibration method {method!r}; choose one of "
+                              f"{', '.join(METHODS)}")
+    sess, names = session_with(model, tensors, backend)
+    hist_methods = [m for m in methods if m != "minmax"]
+    total = (1 + bool(hist_methods)) * len(feeds)
     lo = {t: np.inf for t in names}
     hi = {t: -np.inf for t in names}
     step = 0
@@ -88,38 +100,43 @@ def calibrate(model: Model, tensors: list[str], feeds: list[dict], method: str =
             on_batch(step, total)
     lo = {t: v if np.isfinite(v) else 0.0 for t, v in lo.items()}
     hi = {t: v if np.isfinite(v) else 0.0 for t, v in hi.items()}
-    if method == "minmax":
-        return {t: Range(lo[t], hi[t]) for t in names}
+    result: dict[str, dict[str, Range]] = {}
+    if "minmax" in methods:
+        result["minmax"] = {t: Range(lo[t], hi[t]) for t in names}
+    if not hist_methods:
+        return result
 
     # Second pass: histograms of |x| over [0, max|x|] (entropy) or of x over [lo, hi].
-    edges = {t: (0.0, max(abs(lo[t]), abs(hi[t]))) if method == "entropy" else (lo[t], hi[t])
-             for t in names}
-    hists = {t: np.zeros(BINS, np.int64) for t in names}
+    edges = {m: {t: (0.0, max(abs(lo[t]), abs(hi[t]))) if m == "entropy" else (lo[t], hi[t])
+                 for t in names} for m in hist_methods}
+    hists = {m: {t: np.zeros(BINS, np.int64) for t in names} for m in hist_methods}
     for outs in _outputs(sess, names, feeds):
         for t, a in outs.items():
-            a0, a1 = edges[t]
-            if a1 > a0:
-                # Exact zeros (ReLU's, padding's) are exact on any grid: the entropy
-                # search would only fit the grid to that spike.
-                vals = np.abs(a[a != 0]) if method == "entropy" else a
-                hists[t] += np.histogram(vals, BINS, (a0, a1))[0]
+            for m in hist_methods:
+                a0, a1 = edges[m][t]
+                if a1 > a0:
+                    # Exact zeros (ReLU's, padding's) are exact on any grid: the entropy
+                    # search would only fit the grid to that spike.
+                    vals = np.abs(a[a != 0]) if m == "entropy" else a
+                    hists[m][t] += np.histogram(vals, BINS, (a0, a1))[0]
         step += 1
         if on_batch is not None:
             on_batch(step, total)
-    out = {}
-    for t in names:
-        a0, a1 = edges[t]
-        if a1 <= a0:
-            out[t] = Range(lo[t], hi[t])
-        elif method == "percentile":
-            out[t] = _percentile_range(hists[t], a0, a1, percentile)
-        else:
-            thr = _entropy_threshold(hists[t], a1)
-            out[t] = Range(max(lo[t], -thr), min(hi[t], thr))
-    return out
+    for m in hist_methods:
+        out = result[m] = {}
+        for t in names:
+            a0, a1 = edges[m][t]
+            if a1 <= a0:
+                out[t] = Range(lo[t], hi[t])
+            elif m == "percentile":
+                out[t] = _percentile_range(hists[m][t], a0, a1, percentile)
+            else:
+                thr = _entropy_threshold(hists[m][t], a1)
+                out[t] = Range(max(lo[t], -thr), min(hi[t], thr))
+    return result
 
 
-def _session(model: Model, tensors: list[str], backend: str):
+def session_with(model: Model, tensors: list[str], backend: str):
     """A session on a copy of ``model`` that also returns ``tensors``."""
     m = clone_model(model)
     by_name = {v.name: v for _, n in m.graph.walk() for v in n.outputs if v is not None}

@@ -80,9 +80,9 @@ class QuantizeReport:
         lines += [f"advice: {a}" for a in self.advice]
         if self.layer_times:
             lines.append(f"per-layer times on {self.backend}, float -> quantized "
-                         "(speed-aware; slower ones reverted):")
+                         "(speed-aware; slower ones reverted, then the whole model timed):")
             for name, (f_ms, q_ms) in self.layer_times.items():
-                verdict = "kept" if q_ms < f_ms else "reverted"
+                verdict = "reverted" if name in self.kept else "kept"
                 lines.append(f"  {name}: {f_ms:.4f} ms -> {q_ms:.4f} ms ({verdict})")
         if self.outputs:
             lines.append(f"error against the float model on {self.samples} sample(s):")

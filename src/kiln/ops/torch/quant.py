@@ -291,17 +291,30 @@ def _int_float(site, w: np.ndarray, channels: int, prepack, product):
     lo, hi = activation_bounds(site.attr("activation", ""), site.attr("activation_params"))
     clamp = (None if lo == -np.inf else lo, None if hi == np.inf else hi)
 
+    # x_scale * w_scale first, as onnxruntime's integer files multiply: oneDNN then gives
+    # their float32 values bit for bit (with x_scale apart it rounds twice). A constant
+    # input grid (a static file's logits layer) is multiplied in once, here.
+    xs_c, xz_c = site.const(1), site.const(2)
+    fixed = xs_c is not None and xs_c.size == 1 and (not site.has_input(2) or (
+        xz_c is not None and xz_c.size == 1))
+    if fixed:
+        out_scales = torch.from_numpy(np.float32(xs_c.reshape(())) * scales.numpy())
+        zp_fixed = int(_scalar(xz_c) or 0)
+
     def run(x, x_scale, x_zero_point=None, *rest):
         u = as_uint8(x)
         if u is None or x.dim() < 2:
             return NI
-        zp = 0 if x_zero_point is None else int(x_zero_point.reshape(()))
+        if fixed:
+            zp, s = zp_fixed, out_scales
+        else:
+            zp = 0 if x_zero_point is None else int(x_zero_point.reshape(()))
+            s = x_scale.reshape(()) * scales
         zp += 128 if x.dtype == torch.int8 else 0
-        # x_scale * w_scale first, as onnxruntime's integer files multiply: oneDNN then
-        # gives their float32 values bit for bit (with x_scale apart it rounds twice)
-        y = product(u, 1.0, zp, packed, x_scale.reshape(()) * scales, zeros, bias)
+        y = product(u, 1.0, zp, packed, s, zeros, bias)
         return y.clamp_(*clamp) if clamp != (None, None) else y
-    site.notes.append("oneDNN int8 kernel with a float32 result, weights packed once")
+    site.notes.append("oneDNN int8 kernel with a float32 result, weights packed once" +
+                      (", output scales once" if fixed else ""))
     return run
 
 
