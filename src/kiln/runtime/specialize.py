@@ -7,10 +7,17 @@ with a warning saying why. Serves any backend that can compile a plan.
 
 from __future__ import annotations
 
+import contextlib
+import io
+import logging
+import sys
 import threading
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
+
+log = logging.getLogger("kiln.compile")
+"""What compilers printed while Kiln compiled (FX graphs, guard failures): debug level."""
 
 
 class CompileWarning(UserWarning):
@@ -31,6 +38,7 @@ class Specializer:
         self.signature = signature
         self.programs: dict[tuple, Callable | None] = {}
         self._lock = threading.Lock()
+        self._pending: list[str] = []  # warnings to give once the compiler is done
 
     def __call__(self, inputs: list) -> list | None:
         """The outputs from the specialized program, or None to run the plan eagerly."""
@@ -40,12 +48,23 @@ class Specializer:
         with self._lock:
             prog = self.programs.get(key, False)
             if prog is False:
-                prog = self.programs[key] = self._build(inputs)
+                with compiler_output():
+                    prog = self.programs[key] = self._build(inputs)
+                    # Compilers compile lazily, at the first call.
+                    out = None if prog is None else self._first(key, prog, inputs)
+                for why in self._pending:  # after compiler_output: on the user's stderr
+                    warnings.warn(f"compile=True: {why}; running eagerly for these inputs",
+                                  CompileWarning, stacklevel=5)
+                self._pending.clear()
+                return out
         if prog is None:
             return None
+        return prog(inputs)
+
+    def _first(self, key: tuple, prog: Callable, inputs: list) -> list | None:
         try:
             return prog(inputs)
-        except CompileFailed as e:  # compilers compile lazily, at the first call
+        except CompileFailed as e:
             self.programs[key] = None
             self._note(str(e))
             return None
@@ -78,8 +97,32 @@ class Specializer:
 
     def _note(self, why: str) -> None:
         self.plan.compile_status = f"partly: {why}; running eagerly for these inputs"
-        warnings.warn(f"compile=True: {why}; running eagerly for these inputs",
-                      CompileWarning, stacklevel=6)
+        self._pending.append(why)
+
+
+@contextlib.contextmanager
+def compiler_output() -> Iterator[None]:
+    """Keep what compilers print while compiling (a whole FX graph when a guard fails,
+    torch's own warnings) off the user's stderr: it goes to the ``kiln.compile`` logger at
+    debug level, and the user sees Kiln's one-line CompileWarning. sys.stderr is swapped
+    for the whole process meanwhile: another thread's stderr lines written during a
+    compile land in that log too."""
+    buf = io.StringIO()
+    # torch gives its module loggers their own stderr handlers (torch._logging).
+    loggers = [logging.getLogger(n) for n in list(logging.root.manager.loggerDict)
+               if n == "torch" or n.startswith("torch.")]
+    handlers = {h for lg in loggers for h in lg.handlers
+                if isinstance(h, logging.StreamHandler) and h.stream in (sys.stderr,
+                                                                        sys.__stderr__)}
+    streams = {h: h.setStream(buf) for h in handlers}
+    try:
+        with contextlib.redirect_stderr(buf):
+            yield
+    finally:
+        for h, stream in streams.items():
+            h.setStream(stream)
+        if buf.getvalue().strip():
+            log.debug("compiler output:\n%s", buf.getvalue())
 
 
 class CompileFailed(Exception):
