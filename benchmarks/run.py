@@ -28,6 +28,7 @@ SUITE: dict[str, tuple[str, str]] = {
     "training": ("training.py", "kiln.to_torch training steps against the PyTorch module"),
     "onnx2torch": ("onnx2torch_compare.py", "kiln.to_torch against onnx2torch"),
     "quantization": ("quantization.py", "fp16/int8/int4 files: size, error, latency"),
+    "tune": ("tune.py", "kiln tune's winner vs onnxruntime fp32 and its own int8 file"),
     "quant-trained": ("quantization_trained.py", "INT8/fp16/bf16 on trained models vs ORT's tool"),
     "validation": ("validation_cost.py", "what load-time validation costs of session creation"),
     "preprocess": ("preprocess_fold.py", "what embedded preprocessing costs at run time"),

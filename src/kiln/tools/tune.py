@@ -112,7 +112,8 @@ class TuneResult:
         for c in sorted(self.candidates, key=lambda c: c.ms):
             ms = f"{c.ms:.2f}" if c.latencies_ms else "-"
             mark = "*" if c is self.winner else " "
-            rows.append(f"{mark}{c.name:<33} {ms:>10} {c.size / 1e6:>8.2f}  {c.accuracy()}"
+            size = f"{c.size / 1e6:.2f}" if c.size else "-"
+            rows.append(f"{mark}{c.name:<33} {ms:>10} {size:>8}  {c.accuracy()}"
                         + ("" if c.status == "ok" else f" ({c.status})"))
         head = f"batch {self.batch}, {self.rounds} alternating round(s), {self.seconds:.0f} s"
         tail = [self.why()] + ([f"wrote {self.output}"] if self.output else [])

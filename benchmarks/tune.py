@@ -1,0 +1,123 @@
+"""kiln tune's winner against onnxruntime: fp32, and onnxruntime running its own quantized
+file (quantize_static, QDQ, per-channel weights, the same calibration data) of the same
+model. Models: the shipped digits CNN, ResNet-18 (zoo, random weights: its accuracy
+figures say little) and magika (a trained model from tests/trained_models.py); batch 1
+and 8. Each engine runs once per round, the order reversed every other round, in one
+process; medians and the ratios Kiln / onnxruntime (below 1: Kiln faster, as in
+docs/performance.md).
+
+    PYTHONPATH=src python benchmarks/tune.py [--models digits resnet18 magika]
+        [--batches 1 8] [--time-budget 300] [--rounds 60]
+
+Each tune runs with its default budget (top-1 agreement >= 99% on score outputs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+import kiln  # noqa: E402
+
+DIGITS = os.path.join(os.path.dirname(kiln.__file__), "data")
+
+
+def _feeds(name: str) -> tuple[str, list[dict]]:
+    """The model file and its calibration/check feeds (batches of up to 16 rows)."""
+    if name == "digits":
+        x = np.load(os.path.join(DIGITS, "digits_test.npz"))["images"][:128]
+        return os.path.join(DIGITS, "digits_cnn.onnx"), [
+            {"image": x[i:i + 16]} for i in range(0, len(x), 16)]
+    if name == "magika":
+        import trained_models as tm
+        m = tm.get("magika")
+        if m.path is None:
+            raise SystemExit("magika is not installed (pip install magika)")
+        cal, _ = m.make_feeds(64, 8)
+        return m.path, cal
+    from kiln.zoo import path
+    from kiln.zoo.registry import make_inputs
+    return str(path(name)), [make_inputs(name, batch=8, seed=s) for s in range(4)]
+
+
+def _rows(feed: dict, batch: int) -> dict:
+    out = {}
+    for k, v in feed.items():
+        reps = -(-batch // len(v))
+        out[k] = np.concatenate([v] * reps)[:batch]
+    return out
+
+
+def _ort_int8(src: str, feeds: list[dict], dst: str) -> str:
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(feeds)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(src, dst, Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    return dst
+
+
+def _alternate(runs: dict, feed: dict, rounds: int) -> dict[str, float]:
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for fn in runs.values():
+        fn(None, feed)
+    names = list(runs)
+    for r in range(rounds):
+        for k in names if r % 2 == 0 else names[::-1]:
+            t = time.perf_counter()
+            runs[k](None, feed)
+            times[k].append((time.perf_counter() - t) * 1e3)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", nargs="+", default=["digits", "resnet18", "magika"])
+    ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
+    ap.add_argument("--time-budget", type=float, default=300.0)
+    ap.add_argument("--rounds", type=int, default=60)
+    args = ap.parse_args()
+    warnings.simplefilter("ignore")
+    tmp = tempfile.mkdtemp()
+    print("| model | batch | tune's winner | Kiln ms | ORT fp32 ms | ORT int8 ms "
+          "| Kiln / ORT fp32 | Kiln / ORT int8 | tune s |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name in args.models:
+        src, feeds = _feeds(name)
+        q = _ort_int8(src, feeds, os.path.join(tmp, f"{name}.ort-int8.onnx"))
+        for b in args.batches:
+            out = os.path.join(tmp, f"{name}.b{b}.tuned.onnx")
+            r = kiln.tune(src, feeds, batch=b, time_budget=args.time_budget, output=out,
+                          on_stage=lambda s, tag=f"{name} b{b}": print(f"  [{tag}] {s}",
+                                                                  file=sys.stderr))
+            print(r, file=sys.stderr)
+            k = kiln.InferenceSession(out)
+            o32 = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+            o8 = ort.InferenceSession(q, providers=["CPUExecutionProvider"])
+            med = _alternate({"kiln": k.run, "ort32": o32.run, "ort8": o8.run},
+                             _rows(feeds[0], b), args.rounds)
+            print(f"| {name} | {b} | {r.winner.name} | {med['kiln']:.2f} | "
+                  f"{med['ort32']:.2f} | {med['ort8']:.2f} | {med['kiln'] / med['ort32']:.2f} | "
+                  f"{med['kiln'] / med['ort8']:.2f} | {r.seconds:.0f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
