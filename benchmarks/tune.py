@@ -2,12 +2,12 @@
 file (quantize_static, QDQ, per-channel weights, the same calibration data) of the same
 model. Models: the shipped digits CNN, ResNet-18 (zoo, random weights: its accuracy
 figures say little) and magika (a trained model from tests/trained_models.py); batch 1
-and 8. Each engine runs once per round, the order reversed every other round, in one
-process; medians and the ratios Kiln / onnxruntime (below 1: Kiln faster, as in
-docs/performance.md).
+and 8. Each engine runs a block per round (one untimed run, three timed), the order
+reversed every other round, in one process; medians and the ratios Kiln / onnxruntime
+(below 1: Kiln faster, as in docs/performance.md).
 
     PYTHONPATH=src python benchmarks/tune.py [--models digits resnet18 magika]
-        [--batches 1 8] [--time-budget 300] [--rounds 60]
+        [--batches 1 8] [--time-budget 300] [--rounds 20]
 
 Each tune runs with its default budget (top-1 agreement >= 99% on score outputs).
 """
@@ -82,9 +82,13 @@ def _alternate(runs: dict, feed: dict, rounds: int) -> dict[str, float]:
     names = list(runs)
     for r in range(rounds):
         for k in names if r % 2 == 0 else names[::-1]:
-            t = time.perf_counter()
+            # A block per engine, its first run untimed: onnxruntime's worker threads spin
+            # for a while after a run and would slow whatever runs next on 2 cores.
             runs[k](None, feed)
-            times[k].append((time.perf_counter() - t) * 1e3)
+            for _ in range(3):
+                t = time.perf_counter()
+                runs[k](None, feed)
+                times[k].append((time.perf_counter() - t) * 1e3)
     return {k: statistics.median(v) for k, v in times.items()}
 
 
@@ -93,7 +97,7 @@ def main() -> None:
     ap.add_argument("--models", nargs="+", default=["digits", "resnet18", "magika"])
     ap.add_argument("--batches", nargs="+", type=int, default=[1, 8])
     ap.add_argument("--time-budget", type=float, default=300.0)
-    ap.add_argument("--rounds", type=int, default=60)
+    ap.add_argument("--rounds", type=int, default=20)
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     tmp = tempfile.mkdtemp()
