@@ -272,14 +272,18 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     # fed weights: a kernel_shape that differs from theirs is the NumPy kernel's error
     ks = site.attr("kernel_shape") if wc is None else None
 
+    # Not while tracing for torch.compile (the thread count is no tensor operation to trace)
+    # nor on a GPU, where torch's CPU threads do not run the convolution
+    one_thread_ok = tg.device.type == "cpu" and not tg.tracing
+
     def run(x, w, b=None, z=None):
         if x.dtype not in FLOATS or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
             return NI
         n = x.dim() - 2
         if n not in _CONV or w.dim() != n + 2 or ks and list(w.shape[2:]) != list(ks):
             return NI
-        if x.numel() * w.shape[0] * math.prod(w.shape[2:]) < _SINGLE_MACS * group \
-                * math.prod(site.attr("strides") or [1]):
+        if one_thread_ok and x.numel() * w.shape[0] * math.prod(w.shape[2:]) \
+                < _SINGLE_MACS * group * math.prod(site.attr("strides") or [1]):
             return _single_threaded(convolve, x, w, b, z)
         return convolve(x, w, b, z)
 
