@@ -15,6 +15,7 @@ import torch
 
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS
+from kiln.ops.torch.nn import _SINGLE_MACS, _single_threaded
 
 NI = NotImplemented
 
@@ -91,6 +92,8 @@ def _recurrent(site, op: str):
         fixed = _params(*(None if c is None else torch.from_numpy(c.copy()) for c in consts),
                         order)
 
+    one_thread_ok = site.target.device.type == "cpu" and not site.target.tracing
+
     def run(x, w, r, b=None, seq=None, h0=None, c0=None, p=None):
         if x.dtype not in FLOATS or w.dtype != x.dtype or x.dim() != 3:
             return NI
@@ -116,7 +119,13 @@ def _recurrent(site, op: str):
             else h0
         if direction == "reverse":
             x = x.flip(0)
-        res = fn(x.contiguous(), hx, params, True, 1, 0.0, False, dirs == 2, False)
+        args = (x.contiguous(), hx, params, True, 1, 0.0, False, dirs == 2, False)
+        # One step's products are tiny at batch 1 (silero VAD's: 131k MACs): split over two
+        # threads every step, a 50-step layer ran 15-20x slower on the loaded VM than on one
+        if one_thread_ok and batch * params[0].shape[0] * (x.shape[2] + hidden) < _SINGLE_MACS:
+            res = _single_threaded(fn, *args)
+        else:
+            res = fn(*args)
         y = res[0]
         if direction == "reverse":
             y = y.flip(0)
