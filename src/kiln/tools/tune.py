@@ -282,7 +282,9 @@ def _build(c: Candidate, base: Model, feeds: list, check: list, budget: Budget |
                      backend="torch", measure_latency=False)
         c.model = q.model
     if c.options.get("compile"):
-        _precompile(base, feed, left)
+        # Loading the program it made takes this process tens of seconds more on a busy
+        # machine (torch's inductor imports): the child gets part of what is left.
+        _precompile(base, feed, 0.7 * left)
     c.size = model_bytes(c.model if c.model is not None else base)
     opts = {**c.options, **({"warn": False} if c.backend == "torch" else {})}
     c.session = InferenceSession(c.model if c.model is not None else base,
