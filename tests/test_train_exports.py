@@ -294,3 +294,20 @@ def test_a_model_with_batchnorm_folded_by_its_exporter_warns():
     with warnings.catch_warnings():
         warnings.simplefilter("error", kiln.train.FoldedBatchNormWarning)
         kiln.to_torch(_export(_cnn().train(), (torch.randn(2, 1, 8, 8),), train=True))
+
+
+def test_torch_onnx_export_writes_a_transpose_without_perm():
+    from onnx import TensorProto, helper
+
+    from conftest import make_model, ort_run
+
+    proto = make_model([helper.make_node("Transpose", ["x"], ["y"])],
+                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3, 2])],
+                       opset=13)
+    x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
+    buf = io.BytesIO()
+    torch.onnx.export(kiln.to_torch(proto), (torch.from_numpy(x),), buf, dynamo=False,
+                      input_names=["x"], opset_version=13)
+    (got,) = ort_run(onnx.load_from_string(buf.getvalue()), {"x": x})
+    np.testing.assert_array_equal(got, x.transpose(2, 1, 0))

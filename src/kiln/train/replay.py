@@ -102,6 +102,14 @@ def _replay(g, proto: onnx.ModelProto, inputs: list, params: dict) -> list:
                 "attribute); write the module with kiln.save", [n.op_type])
         args = [env[x] if x else _absent(g) for x in n.input]
         attrs = {f"{a.name}_{_SUFFIX[a.type]}": _attr(a) for a in n.attribute}
+        if n.op_type == "Transpose" and "perm_i" not in attrs:
+            # ONNX's default (reverse the axes); the exporter's Transpose requires perm
+            rank = args[0].type().dim() if hasattr(args[0].type(), "dim") else None
+            if rank is None:
+                raise UnsupportedOpError(
+                    f"torch.onnx.export cannot write Transpose {n.name!r} without perm on an "
+                    "input of unknown rank; write the module with kiln.save", ["Transpose"])
+            attrs["perm_i"] = list(range(rank))[::-1]
         out = g.op(n.op_type, *args, outputs=len(n.output), **attrs)
         for name, v in zip(n.output, out if len(n.output) > 1 else [out]):
             if name:
