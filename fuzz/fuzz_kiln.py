@@ -292,10 +292,11 @@ def _failing_op_unused(data: bytes, message: str) -> bool:
     g = onnx.load_from_string(data).graph
     if not g.output:
         return True
-    hit = re.search(r"Op \((\w+)\)|running (\w+) node|of operator \((\w+)\)", message)
+    hit = re.search(r"Op \((\w+)\)|running (\w+) node|of operator \((\w+)\)|"
+                    r"of Optype \((\w+)\)", message)
     if hit is None:
         return False
-    op = hit.group(1) or hit.group(2) or hit.group(3)
+    op = next(g for g in hit.groups() if g)
     made = {o: n for n in g.node for o in n.output}
     stack, seen = [o.name for o in g.output], set()
     while stack:

@@ -111,6 +111,16 @@ def test_the_oracle_asks_the_reference_and_explains_each_refusal():
         opset_imports=[helper.make_opsetid("", 1)])
     cls, why = fuzz_kiln.classify(legacy.SerializeToString(), feeds)
     assert cls == "unchecked" and why == fuzz_kiln.UNUSED_NODE, (cls, why)
+    # a type-constraint refusal ("of Optype (Greater)") of a node no output reads (12633015)
+    unused = helper.make_model(helper.make_graph(
+        [helper.make_node("ReduceMax", ["x"], ["m"], keepdims=0),
+         helper.make_node("Greater", ["m", "zero"], ["c"])], "g",
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2])],
+        [helper.make_tensor_value_info("x", TensorProto.DOUBLE, [2])],
+        [helper.make_tensor("zero", TensorProto.FLOAT, [], [0.0])]),
+        opset_imports=[helper.make_opsetid("", 17)])
+    cls, why = fuzz_kiln.classify(unused.SerializeToString(), {"x": np.ones(2)})
+    assert cls == "unchecked" and why == fuzz_kiln.UNUSED_NODE, (cls, why)
     assert fuzz_kiln.explained("[ONNXRuntimeError] something new") is None
     assert "unexplained" not in fuzz_kiln.OK_CLASSES and "wrong" not in fuzz_kiln.OK_CLASSES
 
