@@ -140,11 +140,24 @@ slowest; on the shared 2-core VM silero VAD's 1-D convs took 20 us each on one t
 300 us-4 ms on two when the second thread was descheduled (benchmarks/real_models.py)."""
 
 
+def _records_grad(args: tuple) -> bool:
+    """Whether autograd records an op on ``args`` (tensors, or lists/tuples of them)."""
+    if not torch.is_grad_enabled():
+        return False
+    flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else (x,))]
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
+
+
 def _single_threaded(fn: Callable, *args):
     """``fn(*args)`` with torch's intra-op threads at one. The count is process-wide, so
-    another thread's op running meanwhile may also run on one thread: slower, never wrong."""
+    another thread's op running meanwhile may also run on one thread: slower, never wrong.
+
+    Not when autograd records the op (training): oneDNN picks another algorithm on one
+    thread, so the forward's rounding differs from the PyTorch module's, and train-mode
+    BatchNorm over few pixels amplifies that into the gradients (MobileNetV2 at 32x32:
+    Kiln's gradient went from closer to the float64 one than PyTorch's to 1.6x farther)."""
     n = torch.get_num_threads()
-    if n == 1:
+    if n == 1 or _records_grad(args):
         return fn(*args)
     torch.set_num_threads(1)
     try:
