@@ -144,8 +144,8 @@ def ray_serve(names: list[str], backend: str, level: int, seconds: float,
     from ray import serve
 
     import kiln
-    from kiln.serve import ModelConfig
-    from kiln.serve.ray import application
+    from kiln.serving import ModelConfig
+    from kiln.serving.ray import application
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -19,7 +19,7 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "kiln"
 
 # Lower layers first; a module may import its own layer and any layer before it.
 LAYERS = ["errors", "ir", "onnxio", "ops", "passes", "edit", "runtime", "ort", "onnxruntime",
-          "train", "quantize", "tools", "integrations", "zoo", "serve", "cli"]
+          "train", "quantize", "tools", "integrations", "zoo", "serving", "cli"]
 # Top-level modules that belong to a layer.
 MODULE_LAYER = {"optimize": "passes", "demo": "cli", "conformance": "cli", "__init__": "cli",
                 "__main__": "cli", "model_names": "cli", "optimizer": "passes"}

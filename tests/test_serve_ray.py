@@ -38,7 +38,7 @@ def _post(url: str, body: dict) -> dict:
 
 
 def test_two_replicas_on_ray_serve_answer_the_protocol():
-    from kiln.serve.ray import application
+    from kiln.serving.ray import application
 
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -76,7 +76,7 @@ def test_a_replica_killed_under_load_fails_no_request_silently():
     and the deployment serves again afterwards."""
     import time
 
-    from kiln.serve.ray import application
+    from kiln.serving.ray import application
 
     port = _free_port()
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)

@@ -36,6 +36,7 @@ from kiln.ort import (
 )
 from kiln.quantize import convert_float16, quantize
 from kiln.runtime import NodeArg, Session
+from kiln.serving import serve
 from kiln.tools import bench, inspect, profile, report, tune
 from kiln.train import to_torch
 
@@ -50,4 +51,4 @@ __all__ = ["DType", "ExecutionMode", "ExternalDataError", "GraphOptimizationLeve
            "KilnError", "Model", "ModelLoadError", "NodeArg", "Session", "ShapeError",
            "UnsupportedOpError", "add_tail", "bench", "compose", "convert_float16", "cut",
            "inspect", "load", "optimize", "preprocess", "profile", "quantize", "register_op",
-           "report", "rename", "save", "set_batch", "to_torch", "tune"]
+           "report", "rename", "save", "serve", "set_batch", "to_torch", "tune"]

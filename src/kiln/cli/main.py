@@ -826,7 +826,7 @@ def cmd_batch(args) -> int:
 
 
 def cmd_serve(args) -> int:
-    from kiln.serve import ModelConfig, serve
+    from kiln.serving import ModelConfig, serve
 
     if not args.models and not args.model_repository:
         raise UsageError("give model files, --model-repository DIR, or both")

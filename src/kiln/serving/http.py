@@ -15,8 +15,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from kiln.serve import tensors
-from kiln.serve.service import (
+from kiln.serving import tensors
+from kiln.serving.service import (
     EXTENSIONS,
     VERSION,
     BadRequest,

@@ -10,10 +10,10 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import MissingDependencyError
-from kiln.serve import tensors
-from kiln.serve.metrics import SERVE_INSTALL
-from kiln.serve.protocol import MESSAGES, SERVICE
-from kiln.serve.service import EXTENSIONS, VERSION, BadRequest, Service, message_of, status_of
+from kiln.serving import tensors
+from kiln.serving.metrics import SERVE_INSTALL
+from kiln.serving.protocol import MESSAGES, SERVICE
+from kiln.serving.service import EXTENSIONS, VERSION, BadRequest, Service, message_of, status_of
 
 # KServe datatype -> the typed ``contents`` field that carries it
 CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",

@@ -15,8 +15,8 @@ import numpy as np
 
 from kiln.errors import InputError, KilnError, ModelLoadError
 from kiln.ort import InferenceSession
-from kiln.serve.batching import Batcher
-from kiln.serve.tensors import ONNX_TYPES, datatype_of
+from kiln.serving.batching import Batcher
+from kiln.serving.tensors import ONNX_TYPES, datatype_of
 from kiln.tools.common import backend_options
 
 

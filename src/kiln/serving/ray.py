@@ -4,7 +4,7 @@ within the replica; Ray Serve's proxy spreads requests over replicas and its aut
 adds and removes them.
 
     from ray import serve
-    from kiln.serve.ray import application
+    from kiln.serving.ray import application
     serve.run(application(["model.onnx"], num_replicas=2), route_prefix="/")
 
 Model paths must be readable on every node that hosts a replica (a shared or copied
@@ -18,9 +18,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from kiln.errors import MissingDependencyError
-from kiln.serve.http import build_app
-from kiln.serve.models import ModelConfig, Repository
-from kiln.serve.service import Service
+from kiln.serving.http import build_app
+from kiln.serving.models import ModelConfig, Repository
+from kiln.serving.service import Service
 
 
 def _serve() -> Any:

@@ -13,13 +13,11 @@ import sys
 from collections.abc import Sequence
 
 from kiln.errors import MissingDependencyError
-from kiln.serve.http import build_app
-from kiln.serve.metrics import SERVE_INSTALL
-from kiln.serve.models import ModelConfig, Repository
-from kiln.serve.rpc import build_server
-from kiln.serve.service import Service
+from kiln.serving.metrics import SERVE_INSTALL
+from kiln.serving.models import ModelConfig, Repository
+from kiln.serving.service import Service
 
-log = logging.getLogger("kiln.serve")
+log = logging.getLogger("kiln.serving")
 
 
 def _uvicorn():
@@ -36,6 +34,9 @@ async def serve_async(service: Service, host: str = "127.0.0.1", http_port: int 
     """Serve ``service`` until SIGTERM/SIGINT (or the task is cancelled), then finish the
     requests in flight for up to ``grace_s`` seconds. ``grpc_port`` None: HTTP only."""
     uvicorn = _uvicorn()
+    # here, not at the top: ``import kiln`` names this function without the serve extra
+    from kiln.serving.http import build_app
+    from kiln.serving.rpc import build_server
 
     class _Server(uvicorn.Server):
         # uvicorn re-raises a caught signal once it stops, which would end the process

@@ -12,11 +12,11 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from kiln.errors import InputError, KilnError, ModelLoadError, ShapeError, UnsupportedOpError
-from kiln.serve.batching import Overloaded
-from kiln.serve.metrics import Metrics
-from kiln.serve.models import ModelNotFound, Repository, ServedModel
+from kiln.serving.batching import Overloaded
+from kiln.serving.metrics import Metrics
+from kiln.serving.models import ModelNotFound, Repository, ServedModel
 
-log = logging.getLogger("kiln.serve")
+log = logging.getLogger("kiln.serving")
 
 VERSION = "0.1.0"
 EXTENSIONS = ["binary_tensor_data", "model_repository"]
