@@ -15,10 +15,12 @@ import pytest
 from serve_process import DIGITS
 
 ray = pytest.importorskip("ray", reason='ray is not installed: pip install "ray[serve]"')
-serve = pytest.importorskip("ray.serve", reason='ray[serve] is not installed: pip install '
-                            '"ray[serve]"')
-pytest.importorskip("starlette", reason='kiln serve needs the serve extra: pip install -e '
-                    '".[serve]"')
+serve = pytest.importorskip(
+    "ray.serve", reason='ray[serve] is not installed: pip install "ray[serve]"'
+)
+pytest.importorskip(
+    "starlette", reason='kiln serve needs the serve extra: pip install -e ".[serve]"'
+)
 ort = pytest.importorskip("onnxruntime")
 
 pytestmark = [pytest.mark.ray, pytest.mark.slow]
@@ -31,8 +33,9 @@ def _free_port() -> int:
 
 
 def _post(url: str, body: dict) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(),
-                                 headers={"Content-Type": "application/json"})
+    req = urllib.request.Request(
+        url, json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(req, timeout=60) as r:
         return json.load(r)
 
@@ -53,16 +56,28 @@ def test_two_replicas_on_ray_serve_answer_the_protocol():
         ref = ort.InferenceSession(str(DIGITS))
 
         def infer(x):
-            body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [2, 1, 8, 8],
-                                "data": x.reshape(-1).tolist()}]}
+            body = {
+                "inputs": [
+                    {
+                        "name": "image",
+                        "datatype": "FP32",
+                        "shape": [2, 1, 8, 8],
+                        "data": x.reshape(-1).tolist(),
+                    }
+                ]
+            }
             return _post(f"{base}/v2/models/digits_cnn/infer", body)
 
         with concurrent.futures.ThreadPoolExecutor(8) as pool:
             answers = list(pool.map(infer, xs))
         for x, a in zip(xs, answers):
             out = a["outputs"][0]
-            np.testing.assert_allclose(np.array(out["data"]).reshape(2, 10),
-                                       ref.run(None, {"image": x})[0], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(
+                np.array(out["data"]).reshape(2, 10),
+                ref.run(None, {"image": x})[0],
+                rtol=1e-4,
+                atol=1e-5,
+            )
         status = serve.status().applications["default"].deployments["kiln"]
         assert status.status == "HEALTHY" and sum(status.replica_states.values()) == 2
     finally:
@@ -86,8 +101,16 @@ def test_a_replica_killed_under_load_fails_no_request_silently():
         url = f"http://127.0.0.1:{port}/v2/models/digits_cnn/infer"
         x = np.random.default_rng(6).random((1, 1, 8, 8), dtype=np.float32)
         want = ort.InferenceSession(str(DIGITS)).run(None, {"image": x})[0]
-        body = {"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8],
-                            "data": x.reshape(-1).tolist()}]}
+        body = {
+            "inputs": [
+                {
+                    "name": "image",
+                    "datatype": "FP32",
+                    "shape": [1, 1, 8, 8],
+                    "data": x.reshape(-1).tolist(),
+                }
+            ]
+        }
         outcomes: list[str] = []
         stop = time.monotonic() + 8
 
@@ -102,14 +125,16 @@ def test_a_replica_killed_under_load_fails_no_request_silently():
                     outcomes.append(type(e).__name__)
                     continue
                 got = np.array(out["data"], np.float32).reshape(1, 10)
-                outcomes.append("ok" if np.allclose(got, want, rtol=1e-4, atol=1e-5)
-                                else "WRONG")
+                outcomes.append("ok" if np.allclose(got, want, rtol=1e-4, atol=1e-5) else "WRONG")
 
         with concurrent.futures.ThreadPoolExecutor(4) as pool:
             futures = [pool.submit(client) for _ in range(4)]
             time.sleep(3)
-            names = [a["name"] for a in ray.util.list_named_actors(all_namespaces=True)
-                     if "SERVE_REPLICA" in a["name"]]
+            names = [
+                a["name"]
+                for a in ray.util.list_named_actors(all_namespaces=True)
+                if "SERVE_REPLICA" in a["name"]
+            ]
             assert len(names) == 2, names
             ray.kill(ray.get_actor(names[0], namespace="serve"), no_restart=True)
             for f in futures:
@@ -123,8 +148,9 @@ def test_a_replica_killed_under_load_fails_no_request_silently():
             except OSError:
                 assert time.monotonic() < deadline
                 time.sleep(1)
-        assert np.allclose(np.array(out["data"], np.float32).reshape(1, 10), want,
-                           rtol=1e-4, atol=1e-5)
+        assert np.allclose(
+            np.array(out["data"], np.float32).reshape(1, 10), want, rtol=1e-4, atol=1e-5
+        )
     finally:
         serve.shutdown()
         ray.shutdown()

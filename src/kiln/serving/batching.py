@@ -55,8 +55,7 @@ class Batcher:
 
     observer: Observer | None = None
 
-    def __init__(self, name: str, run: RunFn, max_batch: int, window_s: float,
-                 max_queue: int):
+    def __init__(self, name: str, run: RunFn, max_batch: int, window_s: float, max_queue: int):
         self.name, self._run = name, run
         self.max_batch, self.window, self.max_queue = max_batch, window_s, max_queue
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -78,14 +77,20 @@ class Batcher:
         if self._closed:
             raise Overloaded(f"model {self.name!r} is being unloaded; retry")
         if len(self._waiting) >= self.max_queue:
-            raise Overloaded(f"model {self.name!r} has {len(self._waiting)} requests queued "
-                             "(its limit); retry after a moment")
+            raise Overloaded(
+                f"model {self.name!r} has {len(self._waiting)} requests queued "
+                "(its limit); retry after a moment"
+            )
         if self._worker is None:
             self._loop = asyncio.get_running_loop()
             self._wake = asyncio.Event()
             self._worker = self._loop.create_task(self._work())
-        if self._worker_idle and not self._waiting and self._recent_s < INLINE_S \
-                and self.window == 0:
+        if (
+            self._worker_idle
+            and not self._waiting
+            and self._recent_s < INLINE_S
+            and self.window == 0
+        ):
             return self._run_inline(feed)
         key, rows = _key(feed)
         req = _Request(feed, self._loop.create_future(), key, rows)
@@ -130,8 +135,12 @@ class Batcher:
     def _take(self, first: _Request) -> list[_Request]:
         batch, rows, keep = [], 0, collections.deque()
         for r in self._waiting:
-            fits = r is first or (self.max_batch > 1 and first.key is not None
-                                  and r.key == first.key and rows + r.rows <= self.max_batch)
+            fits = r is first or (
+                self.max_batch > 1
+                and first.key is not None
+                and r.key == first.key
+                and rows + r.rows <= self.max_batch
+            )
             if fits:
                 batch.append(r)
                 rows += r.rows
@@ -188,7 +197,7 @@ class Batcher:
             # the run failed, or an output is not per-row: run each request alone
             return [self._run_alone(r.feed) for r in batch]
         bounds = np.cumsum([0] + [r.rows for r in batch])
-        return [[o[bounds[i]:bounds[i + 1]] for o in outs] for i in range(len(batch))]
+        return [[o[bounds[i] : bounds[i + 1]] for o in outs] for i in range(len(batch))]
 
     def _run_alone(self, feed: dict[str, np.ndarray]) -> list[np.ndarray] | Exception:
         try:

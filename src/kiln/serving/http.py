@@ -39,14 +39,17 @@ async def _body(request: Request, limit: int) -> bytes:
     """The request body, refused past ``limit`` bytes (also once decompressed)."""
     declared = request.headers.get("content-length")
     if declared and declared.isdigit() and int(declared) > limit:
-        raise TooLarge(f"the request has {int(declared)} bytes; this server takes at most "
-                       f"{limit} (--max-request-size)")
+        raise TooLarge(
+            f"the request has {int(declared)} bytes; this server takes at most "
+            f"{limit} (--max-request-size)"
+        )
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
-            raise TooLarge(f"the request is over {limit} bytes, this server's limit "
-                           "(--max-request-size)")
+            raise TooLarge(
+                f"the request is over {limit} bytes, this server's limit (--max-request-size)"
+            )
         chunks.append(chunk)
     body = b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity")
@@ -57,8 +60,10 @@ async def _body(request: Request, limit: int) -> bytes:
         except zlib.error as e:
             raise BadRequest(f"the {encoding} body does not decompress: {e}") from None
         if len(body) > limit:
-            raise TooLarge(f"the request decompresses to over {limit} bytes, this server's "
-                           "limit (--max-request-size)")
+            raise TooLarge(
+                f"the request decompresses to over {limit} bytes, this server's "
+                "limit (--max-request-size)"
+            )
     elif encoding != "identity":
         raise BadRequest(f"Content-Encoding {encoding!r} is not supported (gzip, deflate)")
     return body
@@ -68,12 +73,14 @@ def _parse(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
     raw = memoryview(body)
     if header_length is not None:
         if not header_length.isdigit() or int(header_length) > len(body):
-            raise BadRequest(f"Inference-Header-Content-Length {header_length!r} does not "
-                             f"fit a body of {len(body)} bytes")
+            raise BadRequest(
+                f"Inference-Header-Content-Length {header_length!r} does not "
+                f"fit a body of {len(body)} bytes"
+            )
         n = int(header_length)
         head, raw = body[:n], raw[n:]
     else:
-        head, raw = body, raw[len(body):]
+        head, raw = body, raw[len(body) :]
     try:
         req = json.loads(head)
     except (ValueError, UnicodeDecodeError) as e:
@@ -94,10 +101,11 @@ def _decode(req: dict, raw: memoryview) -> dict[str, Any]:
         size = params.get("binary_data_size") if isinstance(params, dict) else None
         if size is not None:
             if not isinstance(size, int) or size < 0 or pos + size > len(raw):
-                raise BadRequest(f"input {name!r}: binary_data_size {size!r} runs past the "
-                                 f"{len(raw)} bytes of binary data")
-            feed[name] = tensors.from_bytes(name, t.get("datatype"), shape,
-                                            raw[pos:pos + size])
+                raise BadRequest(
+                    f"input {name!r}: binary_data_size {size!r} runs past the "
+                    f"{len(raw)} bytes of binary data"
+                )
+            feed[name] = tensors.from_bytes(name, t.get("datatype"), shape, raw[pos : pos + size])
             pos += size
         elif "data" in t:
             feed[name] = tensors.from_json(name, t.get("datatype"), shape, t["data"])
@@ -113,19 +121,22 @@ def _wanted(req: dict) -> tuple[list[str] | None, dict[str, bool]]:
     outs = req.get("outputs")
     if outs is None:
         return None, {"*": default}
-    if not isinstance(outs, list) or not all(isinstance(o, dict) and "name" in o
-                                             for o in outs):
+    if not isinstance(outs, list) or not all(isinstance(o, dict) and "name" in o for o in outs):
         raise BadRequest("'outputs' must be a list of objects with a 'name'")
-    binary = {o["name"]: bool((o.get("parameters") or {}).get("binary_data", default))
-              for o in outs}
+    binary = {
+        o["name"]: bool((o.get("parameters") or {}).get("binary_data", default)) for o in outs
+    }
     return [o["name"] for o in outs], binary
 
 
 def _encode(served: Any, rid: Any, results: dict, binary: dict[str, bool]) -> Response:
     outputs, blobs = [], []
     for name, arr in results.items():
-        out: dict[str, Any] = {"name": name, "datatype": tensors.datatype_of(arr),
-                               "shape": list(arr.shape)}
+        out: dict[str, Any] = {
+            "name": name,
+            "datatype": tensors.datatype_of(arr),
+            "shape": list(arr.shape),
+        }
         if binary.get(name, binary.get("*", False)):
             blob = tensors.to_bytes(arr)
             out["parameters"] = {"binary_data_size": len(blob)}
@@ -133,15 +144,21 @@ def _encode(served: Any, rid: Any, results: dict, binary: dict[str, bool]) -> Re
         else:
             out["data"] = tensors.to_json(arr)
         outputs.append(out)
-    resp: dict[str, Any] = {"model_name": served.name, "model_version": served.version,
-                            "outputs": outputs}
+    resp: dict[str, Any] = {
+        "model_name": served.name,
+        "model_version": served.version,
+        "outputs": outputs,
+    }
     if rid is not None:
         resp["id"] = rid
     head = json.dumps(resp, separators=(",", ":")).encode()
     if not blobs:
         return Response(head, media_type="application/json")
-    return Response(b"".join([head, *blobs]), media_type="application/octet-stream",
-                    headers={"Inference-Header-Content-Length": str(len(head))})
+    return Response(
+        b"".join([head, *blobs]),
+        media_type="application/octet-stream",
+        headers={"Inference-Header-Content-Length": str(len(head))},
+    )
 
 
 def build_app(service: Service) -> Starlette:
@@ -155,6 +172,7 @@ def build_app(service: Service) -> Starlette:
                 return await handler(request)
             except Exception as e:  # noqa: BLE001 - every failure is an error response
                 return _error(e)
+
         return endpoint
 
     def model_of(request: Request):
@@ -214,12 +232,19 @@ def build_app(service: Service) -> Starlette:
         Route("/v2/repository/models/{name}/unload", guarded(unload), methods=["POST"]),
     ]
     for base in (model, version):
-        routes += [Route(base, guarded(model_metadata)),
-                   Route(base + "/ready", guarded(model_ready)),
-                   Route(base + "/infer", guarded(infer), methods=["POST"])]
+        routes += [
+            Route(base, guarded(model_metadata)),
+            Route(base + "/ready", guarded(model_ready)),
+            Route(base + "/infer", guarded(infer), methods=["POST"]),
+        ]
+
     async def no_route(request: Request, exc: HTTPException) -> Response:
-        return JSONResponse({"error": f"{request.method} {request.url.path}: {exc.detail}; "
-                                      "the routes are the Open Inference Protocol's (/v2/...)"},
-                            status_code=exc.status_code)
+        return JSONResponse(
+            {
+                "error": f"{request.method} {request.url.path}: {exc.detail}; "
+                "the routes are the Open Inference Protocol's (/v2/...)"
+            },
+            status_code=exc.status_code,
+        )
 
     return Starlette(routes=routes, exception_handlers={404: no_route, 405: no_route})

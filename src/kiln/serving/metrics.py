@@ -12,8 +12,9 @@ def _prometheus():
     try:
         import prometheus_client
     except ImportError:
-        raise MissingDependencyError("prometheus-client", SERVE_INSTALL,
-                                     "kiln serve's /metrics") from None
+        raise MissingDependencyError(
+            "prometheus-client", SERVE_INSTALL, "kiln serve's /metrics"
+        ) from None
     return prometheus_client
 
 
@@ -25,16 +26,28 @@ class Metrics:
         self._p = p
         self.registry = p.CollectorRegistry()
         r = self.registry
-        self.requests = p.Counter("kiln_requests", "Inference requests answered",
-                                  ["model", "protocol", "code"], registry=r)
-        self.latency = p.Histogram("kiln_request_seconds", "Successful requests, arrival to "
-                                   "outputs", ["model"], registry=r)
-        self.queue = p.Histogram("kiln_queue_seconds", "Time a request waited for its run",
-                                 ["model"], registry=r)
-        self.compute = p.Histogram("kiln_compute_seconds", "Time of one (batched) run",
-                                   ["model"], registry=r)
-        self.batch = p.Histogram("kiln_batch_size", "Rows per run", ["model"], registry=r,
-                                 buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512))
+        self.requests = p.Counter(
+            "kiln_requests",
+            "Inference requests answered",
+            ["model", "protocol", "code"],
+            registry=r,
+        )
+        self.latency = p.Histogram(
+            "kiln_request_seconds", "Successful requests, arrival to outputs", ["model"], registry=r
+        )
+        self.queue = p.Histogram(
+            "kiln_queue_seconds", "Time a request waited for its run", ["model"], registry=r
+        )
+        self.compute = p.Histogram(
+            "kiln_compute_seconds", "Time of one (batched) run", ["model"], registry=r
+        )
+        self.batch = p.Histogram(
+            "kiln_batch_size",
+            "Rows per run",
+            ["model"],
+            registry=r,
+            buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
+        )
 
     def count(self, model: str, protocol: str, code: int, seconds: float | None = None) -> None:
         """One request answered with ``code`` (and its latency when it succeeded)."""

@@ -48,8 +48,9 @@ class ModelConfig:
         known = {f.name for f in fields(cls)}
         if not isinstance(given, dict) or set(given) - known:
             extra = sorted(set(given) - known) if isinstance(given, dict) else given
-            raise ModelLoadError(f"{path}: unknown settings {extra}; the keys are "
-                                 f"{', '.join(sorted(known))}")
+            raise ModelLoadError(
+                f"{path}: unknown settings {extra}; the keys are {', '.join(sorted(known))}"
+            )
         values = {f.name: getattr(defaults, f.name) for f in fields(cls)}
         values.update(given)
         return cls(**values)
@@ -91,40 +92,55 @@ class ServedModel:
         # Merging along dim 0 is only right when every input and output has a free dim 0.
         batchable = all(s.shape and s.shape[0] == -1 for s in self.inputs + self.outputs)
         max_batch = self.config.max_batch_size if batchable else 0
-        self.batcher = Batcher(self.name, self._run, max_batch,
-                               self.config.max_queue_delay_microseconds / 1e6,
-                               self.config.max_queue_size)
+        self.batcher = Batcher(
+            self.name,
+            self._run,
+            max_batch,
+            self.config.max_queue_delay_microseconds / 1e6,
+            self.config.max_queue_size,
+        )
 
     def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         return self.session.run(None, feed)
 
     def metadata(self) -> dict:
         """The model metadata response of the Open Inference Protocol."""
-        return {"name": self.name, "versions": [self.version], "platform": "onnx_kiln",
-                "inputs": [s.as_json() for s in self.inputs],
-                "outputs": [s.as_json() for s in self.outputs]}
+        return {
+            "name": self.name,
+            "versions": [self.version],
+            "platform": "onnx_kiln",
+            "inputs": [s.as_json() for s in self.inputs],
+            "outputs": [s.as_json() for s in self.outputs],
+        }
 
     def check_feed(self, feed: dict[str, np.ndarray]) -> None:
         """Refuse a feed the model cannot take, before it joins a batch with others."""
         specs = {s.name: s for s in self.inputs}
         for name in feed:
             if name not in specs:
-                raise InputError(f"model {self.name!r} has no input {name!r}; its inputs are "
-                                 f"{', '.join(specs)}")
+                raise InputError(
+                    f"model {self.name!r} has no input {name!r}; its inputs are {', '.join(specs)}"
+                )
         for s in self.inputs:
             if s.name not in feed:
-                raise InputError(f"model {self.name!r} needs input {s.name!r} "
-                                 f"({s.datatype} {s.shape})")
+                raise InputError(
+                    f"model {self.name!r} needs input {s.name!r} ({s.datatype} {s.shape})"
+                )
             arr = feed[s.name]
             got = datatype_of(arr)
             if got != s.datatype:
-                raise InputError(f"input {s.name!r} of model {self.name!r} is {s.datatype}, "
-                                 f"the request sent {got}")
+                raise InputError(
+                    f"input {s.name!r} of model {self.name!r} is {s.datatype}, "
+                    f"the request sent {got}"
+                )
             if len(arr.shape) != len(s.shape) or any(
-                    want not in (-1, have) for want, have in zip(s.shape, arr.shape)):
-                raise InputError(f"input {s.name!r} of model {self.name!r} has shape "
-                                 f"{s.shape} (-1: any size), the request sent "
-                                 f"{list(arr.shape)}")
+                want not in (-1, have) for want, have in zip(s.shape, arr.shape)
+            ):
+                raise InputError(
+                    f"input {s.name!r} of model {self.name!r} has shape "
+                    f"{s.shape} (-1: any size), the request sent "
+                    f"{list(arr.shape)}"
+                )
 
 
 def load_model(name: str, version: str, path: Path, config: ModelConfig) -> ServedModel:
@@ -139,8 +155,13 @@ class Repository:
     others keep serving. Models given as files are fixed; a repository folder's models
     can be loaded and unloaded through the repository API."""
 
-    def __init__(self, models: list[str | os.PathLike] = (), repository: str | None = None,
-                 defaults: ModelConfig | None = None, load_all: bool = True):
+    def __init__(
+        self,
+        models: list[str | os.PathLike] = (),
+        repository: str | None = None,
+        defaults: ModelConfig | None = None,
+        load_all: bool = True,
+    ):
         self.defaults = defaults or ModelConfig()
         self.root = Path(repository) if repository else None
         self.files: dict[str, Path] = {}
@@ -153,8 +174,10 @@ class Repository:
             if not p.is_file():
                 raise ModelLoadError(f"model file {p} does not exist")
             if p.stem in self.files:
-                raise ModelLoadError(f"two model files are named {p.stem!r}; rename one "
-                                     "(a model's name is its file stem)")
+                raise ModelLoadError(
+                    f"two model files are named {p.stem!r}; rename one "
+                    "(a model's name is its file stem)"
+                )
             self.files[p.stem] = p
         for name in self.files:
             self.load(name)
@@ -166,14 +189,18 @@ class Repository:
         """Model folders of the repository (those with a version holding model.onnx)."""
         if self.root is None:
             return []
-        return sorted(d.name for d in self.root.iterdir()
-                      if d.is_dir() and self._versions(d))
+        return sorted(d.name for d in self.root.iterdir() if d.is_dir() and self._versions(d))
 
     @staticmethod
     def _versions(folder: Path) -> list[str]:
-        return sorted((v.name for v in folder.iterdir()
-                       if v.is_dir() and v.name.isdigit() and (v / "model.onnx").is_file()),
-                      key=int)
+        return sorted(
+            (
+                v.name
+                for v in folder.iterdir()
+                if v.is_dir() and v.name.isdigit() and (v / "model.onnx").is_file()
+            ),
+            key=int,
+        )
 
     def load(self, name: str) -> ServedModel:
         """Load (or reload) ``name``: its newest version from the repository, or its file.
@@ -186,12 +213,13 @@ class Repository:
                 raise ModelNotFound(f"no model {name!r} in the model repository")
             versions = self._versions(folder)
             if not versions:
-                raise ModelNotFound(f"model {name!r} has no version folder holding "
-                                    "model.onnx (the layout is name/1/model.onnx)")
+                raise ModelNotFound(
+                    f"model {name!r} has no version folder holding "
+                    "model.onnx (the layout is name/1/model.onnx)"
+                )
             cfg = folder / "config.json"
             config = ModelConfig.read(cfg, self.defaults) if cfg.is_file() else self.defaults
-            served = load_model(name, versions[-1], folder / versions[-1] / "model.onnx",
-                                config)
+            served = load_model(name, versions[-1], folder / versions[-1] / "model.onnx", config)
         with self._lock:
             old = self._models.get(name)
             self._models[name] = served
@@ -211,17 +239,22 @@ class Repository:
         """The loaded model ``name`` (at ``version`` if given) or ModelNotFound."""
         served = self._models.get(name)
         if served is None:
-            raise ModelNotFound(f"model {name!r} is not loaded; loaded models: "
-                                f"{', '.join(sorted(self._models)) or 'none'}")
+            raise ModelNotFound(
+                f"model {name!r} is not loaded; loaded models: "
+                f"{', '.join(sorted(self._models)) or 'none'}"
+            )
         if version and version != served.version:
-            raise ModelNotFound(f"model {name!r} has no version {version!r} loaded (loaded: "
-                                f"{served.version})")
+            raise ModelNotFound(
+                f"model {name!r} has no version {version!r} loaded (loaded: {served.version})"
+            )
         return served
 
     def index(self) -> list[dict]:
         """The repository index: every known model with its state."""
-        rows = {n: {"name": n, "state": "UNAVAILABLE", "reason": "unloaded"}
-                for n in self.names_in_repository()}
+        rows = {
+            n: {"name": n, "state": "UNAVAILABLE", "reason": "unloaded"}
+            for n in self.names_in_repository()
+        }
         for n, m in list(self._models.items()):
             rows[n] = {"name": n, "version": m.version, "state": "READY"}
         return [rows[n] for n in sorted(rows)]

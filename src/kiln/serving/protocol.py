@@ -39,74 +39,158 @@ def _message(parent, name: str, fields: list[tuple], oneof: str | None = None) -
 def _map(message, full: str, field: str, number: int, value_type: str) -> None:
     """A ``map<string, value_type>`` field of ``message`` (full name ``full``): a repeated
     nested entry message."""
-    entry = _message(message, field.title().replace("_", "") + "Entry",
-                     [("key", 1, STR), ("value", 2, MSG, value_type)])
+    entry = _message(
+        message,
+        field.title().replace("_", "") + "Entry",
+        [("key", 1, STR), ("value", 2, MSG, value_type)],
+    )
     entry.options.map_entry = True
-    message.field.add(name=field, number=number, type=MSG, label=F.LABEL_REPEATED,
-                      type_name=f".{PACKAGE}.{full}.{entry.name}")
+    message.field.add(
+        name=field,
+        number=number,
+        type=MSG,
+        label=F.LABEL_REPEATED,
+        type_name=f".{PACKAGE}.{full}.{entry.name}",
+    )
 
 
 def _file() -> descriptor_pb2.FileDescriptorProto:
-    fd = descriptor_pb2.FileDescriptorProto(name="kiln_inference.proto", package=PACKAGE,
-                                            syntax="proto3")
+    fd = descriptor_pb2.FileDescriptorProto(
+        name="kiln_inference.proto", package=PACKAGE, syntax="proto3"
+    )
     p = f".{PACKAGE}."
-    for call, reply in [("ServerLive", "live"), ("ServerReady", "ready"),
-                        ("ModelReady", "ready")]:
-        _message(fd, f"{call}Request", [("name", 1, STR), ("version", 2, STR)]
-                 if call == "ModelReady" else [])
+    for call, reply in [("ServerLive", "live"), ("ServerReady", "ready"), ("ModelReady", "ready")]:
+        _message(
+            fd,
+            f"{call}Request",
+            [("name", 1, STR), ("version", 2, STR)] if call == "ModelReady" else [],
+        )
         _message(fd, f"{call}Response", [(reply, 1, B)])
     _message(fd, "ServerMetadataRequest", [])
-    _message(fd, "ServerMetadataResponse", [("name", 1, STR), ("version", 2, STR),
-                                            ("extensions", 3, STR, REP)])
+    _message(
+        fd,
+        "ServerMetadataResponse",
+        [("name", 1, STR), ("version", 2, STR), ("extensions", 3, STR, REP)],
+    )
     _message(fd, "ModelMetadataRequest", [("name", 1, STR), ("version", 2, STR)])
-    meta = _message(fd, "ModelMetadataResponse", [
-        ("name", 1, STR), ("versions", 2, STR, REP), ("platform", 3, STR),
-        ("inputs", 4, MSG, REP, f"{p}ModelMetadataResponse.TensorMetadata"),
-        ("outputs", 5, MSG, REP, f"{p}ModelMetadataResponse.TensorMetadata")])
-    _message(meta, "TensorMetadata", [("name", 1, STR), ("datatype", 2, STR),
-                                      ("shape", 3, I64, REP)])
-    _message(fd, "InferParameter", [("bool_param", 1, B), ("int64_param", 2, I64),
-                                    ("string_param", 3, STR), ("double_param", 4, DBL),
-                                    ("uint64_param", 5, U64)], oneof="parameter_choice")
-    _message(fd, "InferTensorContents", [
-        ("bool_contents", 1, B, REP), ("int_contents", 2, I32, REP),
-        ("int64_contents", 3, I64, REP), ("uint_contents", 4, U32, REP),
-        ("uint64_contents", 5, U64, REP), ("fp32_contents", 6, FLT, REP),
-        ("fp64_contents", 7, DBL, REP), ("bytes_contents", 8, BYT, REP)])
+    meta = _message(
+        fd,
+        "ModelMetadataResponse",
+        [
+            ("name", 1, STR),
+            ("versions", 2, STR, REP),
+            ("platform", 3, STR),
+            ("inputs", 4, MSG, REP, f"{p}ModelMetadataResponse.TensorMetadata"),
+            ("outputs", 5, MSG, REP, f"{p}ModelMetadataResponse.TensorMetadata"),
+        ],
+    )
+    _message(
+        meta, "TensorMetadata", [("name", 1, STR), ("datatype", 2, STR), ("shape", 3, I64, REP)]
+    )
+    _message(
+        fd,
+        "InferParameter",
+        [
+            ("bool_param", 1, B),
+            ("int64_param", 2, I64),
+            ("string_param", 3, STR),
+            ("double_param", 4, DBL),
+            ("uint64_param", 5, U64),
+        ],
+        oneof="parameter_choice",
+    )
+    _message(
+        fd,
+        "InferTensorContents",
+        [
+            ("bool_contents", 1, B, REP),
+            ("int_contents", 2, I32, REP),
+            ("int64_contents", 3, I64, REP),
+            ("uint_contents", 4, U32, REP),
+            ("uint64_contents", 5, U64, REP),
+            ("fp32_contents", 6, FLT, REP),
+            ("fp64_contents", 7, DBL, REP),
+            ("bytes_contents", 8, BYT, REP),
+        ],
+    )
     param, contents = f"{p}InferParameter", f"{p}InferTensorContents"
-    req = _message(fd, "ModelInferRequest", [
-        ("model_name", 1, STR), ("model_version", 2, STR), ("id", 3, STR),
-        ("inputs", 5, MSG, REP, f"{p}ModelInferRequest.InferInputTensor"),
-        ("outputs", 6, MSG, REP, f"{p}ModelInferRequest.InferRequestedOutputTensor"),
-        ("raw_input_contents", 7, BYT, REP)])
+    req = _message(
+        fd,
+        "ModelInferRequest",
+        [
+            ("model_name", 1, STR),
+            ("model_version", 2, STR),
+            ("id", 3, STR),
+            ("inputs", 5, MSG, REP, f"{p}ModelInferRequest.InferInputTensor"),
+            ("outputs", 6, MSG, REP, f"{p}ModelInferRequest.InferRequestedOutputTensor"),
+            ("raw_input_contents", 7, BYT, REP),
+        ],
+    )
     _map(req, "ModelInferRequest", "parameters", 4, param)
-    tin = _message(req, "InferInputTensor", [("name", 1, STR), ("datatype", 2, STR),
-                                             ("shape", 3, I64, REP),
-                                             ("contents", 5, MSG, contents)])
+    tin = _message(
+        req,
+        "InferInputTensor",
+        [
+            ("name", 1, STR),
+            ("datatype", 2, STR),
+            ("shape", 3, I64, REP),
+            ("contents", 5, MSG, contents),
+        ],
+    )
     _map(tin, "ModelInferRequest.InferInputTensor", "parameters", 4, param)
     tout = _message(req, "InferRequestedOutputTensor", [("name", 1, STR)])
     _map(tout, "ModelInferRequest.InferRequestedOutputTensor", "parameters", 2, param)
-    resp = _message(fd, "ModelInferResponse", [
-        ("model_name", 1, STR), ("model_version", 2, STR), ("id", 3, STR),
-        ("outputs", 5, MSG, REP, f"{p}ModelInferResponse.InferOutputTensor"),
-        ("raw_output_contents", 6, BYT, REP)])
+    resp = _message(
+        fd,
+        "ModelInferResponse",
+        [
+            ("model_name", 1, STR),
+            ("model_version", 2, STR),
+            ("id", 3, STR),
+            ("outputs", 5, MSG, REP, f"{p}ModelInferResponse.InferOutputTensor"),
+            ("raw_output_contents", 6, BYT, REP),
+        ],
+    )
     _map(resp, "ModelInferResponse", "parameters", 4, param)
-    rout = _message(resp, "InferOutputTensor", [("name", 1, STR), ("datatype", 2, STR),
-                                                ("shape", 3, I64, REP),
-                                                ("contents", 5, MSG, contents)])
+    rout = _message(
+        resp,
+        "InferOutputTensor",
+        [
+            ("name", 1, STR),
+            ("datatype", 2, STR),
+            ("shape", 3, I64, REP),
+            ("contents", 5, MSG, contents),
+        ],
+    )
     _map(rout, "ModelInferResponse.InferOutputTensor", "parameters", 4, param)
     _message(fd, "RepositoryIndexRequest", [("repository_name", 1, STR), ("ready", 2, B)])
-    index = _message(fd, "RepositoryIndexResponse", [
-        ("models", 1, MSG, REP, f"{p}RepositoryIndexResponse.ModelIndex")])
-    _message(index, "ModelIndex", [("name", 1, STR), ("version", 2, STR), ("state", 3, STR),
-                                   ("reason", 4, STR)])
-    _message(fd, "ModelRepositoryParameter", [("bool_param", 1, B), ("int64_param", 2, I64),
-                                              ("string_param", 3, STR),
-                                              ("bytes_param", 4, BYT)],
-             oneof="parameter_choice")
+    index = _message(
+        fd,
+        "RepositoryIndexResponse",
+        [("models", 1, MSG, REP, f"{p}RepositoryIndexResponse.ModelIndex")],
+    )
+    _message(
+        index,
+        "ModelIndex",
+        [("name", 1, STR), ("version", 2, STR), ("state", 3, STR), ("reason", 4, STR)],
+    )
+    _message(
+        fd,
+        "ModelRepositoryParameter",
+        [
+            ("bool_param", 1, B),
+            ("int64_param", 2, I64),
+            ("string_param", 3, STR),
+            ("bytes_param", 4, BYT),
+        ],
+        oneof="parameter_choice",
+    )
     for call in ("Load", "Unload"):
-        m = _message(fd, f"RepositoryModel{call}Request", [("repository_name", 1, STR),
-                                                           ("model_name", 2, STR)])
+        m = _message(
+            fd,
+            f"RepositoryModel{call}Request",
+            [("repository_name", 1, STR), ("model_name", 2, STR)],
+        )
         _map(m, f"RepositoryModel{call}Request", "parameters", 3, f"{p}ModelRepositoryParameter")
         _message(fd, f"RepositoryModel{call}Response", [])
     return fd
@@ -118,8 +202,9 @@ def _classes() -> dict[str, type]:
     pool = descriptor_pool.DescriptorPool()
     pool.Add(_file())
     file = pool.FindFileByName("kiln_inference.proto")
-    return {name: message_factory.GetMessageClass(d)
-            for name, d in file.message_types_by_name.items()}
+    return {
+        name: message_factory.GetMessageClass(d) for name, d in file.message_types_by_name.items()
+    }
 
 
 MESSAGES = _classes()

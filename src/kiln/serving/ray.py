@@ -27,16 +27,23 @@ def _serve() -> Any:
     try:
         from ray import serve
     except ImportError:
-        raise MissingDependencyError("ray[serve]", 'pip install "ray[serve]"',
-                                     "kiln serve on Ray Serve") from None
+        raise MissingDependencyError(
+            "ray[serve]", 'pip install "ray[serve]"', "kiln serve on Ray Serve"
+        ) from None
     return serve
 
 
 class KilnReplica:
     """One Ray Serve replica: the models and the Open Inference Protocol app over them."""
 
-    def __init__(self, models: Sequence[str], model_repository: str | None,
-                 config: ModelConfig | None, token: str | None, max_request_bytes: int):
+    def __init__(
+        self,
+        models: Sequence[str],
+        model_repository: str | None,
+        config: ModelConfig | None,
+        token: str | None,
+        max_request_bytes: int,
+    ):
         repo = Repository(list(models), model_repository, config)
         self.service = Service(repo, token=token, max_request_bytes=max_request_bytes)
 
@@ -44,11 +51,18 @@ class KilnReplica:
         return build_app(self.service)
 
 
-def application(models: Sequence[str | os.PathLike] = (), model_repository: str | None = None,
-                *, config: ModelConfig | None = None, token: str | None = None,
-                max_request_bytes: int = 64 << 20, num_replicas: int | str = 1,
-                autoscaling_config: dict | None = None, num_cpus: float = 1,
-                max_ongoing_requests: int = 64) -> Any:
+def application(
+    models: Sequence[str | os.PathLike] = (),
+    model_repository: str | None = None,
+    *,
+    config: ModelConfig | None = None,
+    token: str | None = None,
+    max_request_bytes: int = 64 << 20,
+    num_replicas: int | str = 1,
+    autoscaling_config: dict | None = None,
+    num_cpus: float = 1,
+    max_ongoing_requests: int = 64,
+) -> Any:
     """A bound Ray Serve application serving ``models`` / ``model_repository`` like
     ``kiln serve``; run it with ``serve.run(app, route_prefix="/")`` (the protocol's
     routes start at /v2). ``autoscaling_config`` (Ray Serve's) replaces ``num_replicas``;
@@ -58,13 +72,19 @@ def application(models: Sequence[str | os.PathLike] = (), model_repository: str 
     config = config or ModelConfig()
     if config.threads is None and config.backend != "numpy":
         config.threads = max(1, int(num_cpus))
-    options: dict[str, Any] = {"ray_actor_options": {"num_cpus": num_cpus},
-                               "max_ongoing_requests": max_ongoing_requests}
+    options: dict[str, Any] = {
+        "ray_actor_options": {"num_cpus": num_cpus},
+        "max_ongoing_requests": max_ongoing_requests,
+    }
     if autoscaling_config is not None:
         options["autoscaling_config"] = autoscaling_config
     else:
         options["num_replicas"] = num_replicas
     cls = serve.deployment(serve.ingress()(KilnReplica), name="kiln").options(**options)
-    return cls.bind([str(os.path.abspath(m)) for m in models],
-                    os.path.abspath(model_repository) if model_repository else None,
-                    config, token, max_request_bytes)
+    return cls.bind(
+        [str(os.path.abspath(m)) for m in models],
+        os.path.abspath(model_repository) if model_repository else None,
+        config,
+        token,
+        max_request_bytes,
+    )

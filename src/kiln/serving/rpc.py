@@ -16,10 +16,20 @@ from kiln.serving.protocol import MESSAGES, SERVICE
 from kiln.serving.service import EXTENSIONS, VERSION, BadRequest, Service, message_of, status_of
 
 # KServe datatype -> the typed ``contents`` field that carries it
-CONTENTS = {"BOOL": "bool_contents", "INT8": "int_contents", "INT16": "int_contents",
-            "INT32": "int_contents", "INT64": "int64_contents", "UINT8": "uint_contents",
-            "UINT16": "uint_contents", "UINT32": "uint_contents", "UINT64": "uint64_contents",
-            "FP32": "fp32_contents", "FP64": "fp64_contents", "BYTES": "bytes_contents"}
+CONTENTS = {
+    "BOOL": "bool_contents",
+    "INT8": "int_contents",
+    "INT16": "int_contents",
+    "INT32": "int_contents",
+    "INT64": "int64_contents",
+    "UINT8": "uint_contents",
+    "UINT16": "uint_contents",
+    "UINT32": "uint_contents",
+    "UINT64": "uint64_contents",
+    "FP32": "fp32_contents",
+    "FP64": "fp64_contents",
+    "BYTES": "bytes_contents",
+}
 
 
 def _grpc():
@@ -33,19 +43,21 @@ def _grpc():
 def _decode(req: Any) -> dict[str, np.ndarray]:
     raw = list(req.raw_input_contents)
     if raw and len(raw) != len(req.inputs):
-        raise BadRequest(f"{len(raw)} raw_input_contents for {len(req.inputs)} inputs; send "
-                         "one per input or none")
+        raise BadRequest(
+            f"{len(raw)} raw_input_contents for {len(req.inputs)} inputs; send "
+            "one per input or none"
+        )
     feed = {}
     for i, t in enumerate(req.inputs):
         shape = tensors.check_shape(t.name, list(t.shape))
         if raw:
             feed[t.name] = tensors.from_bytes(t.name, t.datatype, shape, raw[i])
         elif t.datatype in CONTENTS:
-            feed[t.name] = tensors.from_json(t.name, t.datatype, shape,
-                                             list(getattr(t.contents, CONTENTS[t.datatype])))
+            feed[t.name] = tensors.from_json(
+                t.name, t.datatype, shape, list(getattr(t.contents, CONTENTS[t.datatype]))
+            )
         else:
-            raise BadRequest(f"input {t.name!r}: {t.datatype!r} travels in "
-                             "raw_input_contents only")
+            raise BadRequest(f"input {t.name!r}: {t.datatype!r} travels in raw_input_contents only")
     return feed
 
 
@@ -74,11 +86,11 @@ def _handlers(service: Service) -> dict[str, tuple[Any, str, str]]:
         served = service.repository.get(req.model_name, req.model_version)
         wanted = [o.name for o in req.outputs] or None
         results = await service.infer(served, _decode(req), wanted, "grpc")
-        resp = M["ModelInferResponse"](model_name=served.name, model_version=served.version,
-                                       id=req.id)
+        resp = M["ModelInferResponse"](
+            model_name=served.name, model_version=served.version, id=req.id
+        )
         for name, arr in results.items():
-            resp.outputs.add(name=name, datatype=tensors.datatype_of(arr),
-                             shape=list(arr.shape))
+            resp.outputs.add(name=name, datatype=tensors.datatype_of(arr), shape=list(arr.shape))
             resp.raw_output_contents.append(tensors.to_bytes(arr))
         return resp
 
@@ -96,18 +108,21 @@ def _handlers(service: Service) -> dict[str, tuple[Any, str, str]]:
         service.unload(req.model_name)
         return M["RepositoryModelUnloadResponse"]()
 
-    return {"ServerLive": (live, "ServerLiveRequest", "ServerLiveResponse"),
-            "ServerReady": (ready, "ServerReadyRequest", "ServerReadyResponse"),
-            "ModelReady": (model_ready, "ModelReadyRequest", "ModelReadyResponse"),
-            "ServerMetadata": (server_metadata, "ServerMetadataRequest",
-                               "ServerMetadataResponse"),
-            "ModelMetadata": (model_metadata, "ModelMetadataRequest", "ModelMetadataResponse"),
-            "ModelInfer": (infer, "ModelInferRequest", "ModelInferResponse"),
-            "RepositoryIndex": (index, "RepositoryIndexRequest", "RepositoryIndexResponse"),
-            "RepositoryModelLoad": (load, "RepositoryModelLoadRequest",
-                                    "RepositoryModelLoadResponse"),
-            "RepositoryModelUnload": (unload, "RepositoryModelUnloadRequest",
-                                      "RepositoryModelUnloadResponse")}
+    return {
+        "ServerLive": (live, "ServerLiveRequest", "ServerLiveResponse"),
+        "ServerReady": (ready, "ServerReadyRequest", "ServerReadyResponse"),
+        "ModelReady": (model_ready, "ModelReadyRequest", "ModelReadyResponse"),
+        "ServerMetadata": (server_metadata, "ServerMetadataRequest", "ServerMetadataResponse"),
+        "ModelMetadata": (model_metadata, "ModelMetadataRequest", "ModelMetadataResponse"),
+        "ModelInfer": (infer, "ModelInferRequest", "ModelInferResponse"),
+        "RepositoryIndex": (index, "RepositoryIndexRequest", "RepositoryIndexResponse"),
+        "RepositoryModelLoad": (load, "RepositoryModelLoadRequest", "RepositoryModelLoadResponse"),
+        "RepositoryModelUnload": (
+            unload,
+            "RepositoryModelUnloadRequest",
+            "RepositoryModelUnloadResponse",
+        ),
+    }
 
 
 def build_server(service: Service, address: str) -> Any:
@@ -128,15 +143,21 @@ def build_server(service: Service, address: str) -> Any:
                 if code == grpc.StatusCode.UNAVAILABLE:
                     ctx.set_trailing_metadata((("retry-after", "1"),))
                 await ctx.abort(code, message_of(e))
+
         return method
 
-    methods = {name: grpc.unary_unary_rpc_method_handler(
-        wrap(name, fn), request_deserializer=MESSAGES[req].FromString,
-        response_serializer=MESSAGES[resp].SerializeToString)
-        for name, (fn, req, resp) in _handlers(service).items()}
+    methods = {
+        name: grpc.unary_unary_rpc_method_handler(
+            wrap(name, fn),
+            request_deserializer=MESSAGES[req].FromString,
+            response_serializer=MESSAGES[resp].SerializeToString,
+        )
+        for name, (fn, req, resp) in _handlers(service).items()
+    }
     limit = service.max_request_bytes
-    server = grpc.aio.server(options=[("grpc.max_receive_message_length", limit),
-                                      ("grpc.max_send_message_length", -1)])
+    server = grpc.aio.server(
+        options=[("grpc.max_receive_message_length", limit), ("grpc.max_send_message_length", -1)]
+    )
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, methods),))
     server.kiln_port = server.add_insecure_port(address)
     return server

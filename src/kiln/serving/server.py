@@ -28,9 +28,14 @@ def _uvicorn():
     return uvicorn
 
 
-async def serve_async(service: Service, host: str = "127.0.0.1", http_port: int = 8000,
-                      grpc_port: int | None = 8001, grace_s: float = 30.0,
-                      started: asyncio.Event | None = None) -> None:
+async def serve_async(
+    service: Service,
+    host: str = "127.0.0.1",
+    http_port: int = 8000,
+    grpc_port: int | None = 8001,
+    grace_s: float = 30.0,
+    started: asyncio.Event | None = None,
+) -> None:
     """Serve ``service`` until SIGTERM/SIGINT (or the task is cancelled), then finish the
     requests in flight for up to ``grace_s`` seconds. ``grpc_port`` None: HTTP only."""
     uvicorn = _uvicorn()
@@ -45,8 +50,14 @@ async def serve_async(service: Service, host: str = "127.0.0.1", http_port: int 
         def capture_signals(self):
             yield
 
-    config = uvicorn.Config(build_app(service), host=host, port=http_port, log_level="warning",
-                            timeout_graceful_shutdown=int(grace_s), lifespan="off")
+    config = uvicorn.Config(
+        build_app(service),
+        host=host,
+        port=http_port,
+        log_level="warning",
+        timeout_graceful_shutdown=int(grace_s),
+        lifespan="off",
+    )
     http = _Server(config)
     rpc = build_server(service, f"{host}:{grpc_port}") if grpc_port is not None else None
     loop = asyncio.get_running_loop()
@@ -62,15 +73,28 @@ async def serve_async(service: Service, host: str = "127.0.0.1", http_port: int 
     if task.done():
         await task  # binding failed: let its error out
         raise OSError(f"could not serve HTTP on {host}:{http_port}")
-    ports = {"http": http.servers[0].sockets[0].getsockname()[1],
-             "grpc": rpc.kiln_port if rpc is not None else None}
+    ports = {
+        "http": http.servers[0].sockets[0].getsockname()[1],
+        "grpc": rpc.kiln_port if rpc is not None else None,
+    }
     service.ports = ports
-    log.info(json.dumps({"event": "serving", "host": host, **ports,
-                         "models": [m.name for m in service.repository.loaded()]}))
-    print(f"kiln serve: HTTP on {host}:{ports['http']}"
-          + (f", gRPC on {host}:{ports['grpc']}" if rpc is not None else "")
-          + f"; models: {', '.join(m.name for m in service.repository.loaded()) or 'none'}",
-          file=sys.stderr, flush=True)
+    log.info(
+        json.dumps(
+            {
+                "event": "serving",
+                "host": host,
+                **ports,
+                "models": [m.name for m in service.repository.loaded()],
+            }
+        )
+    )
+    print(
+        f"kiln serve: HTTP on {host}:{ports['http']}"
+        + (f", gRPC on {host}:{ports['grpc']}" if rpc is not None else "")
+        + f"; models: {', '.join(m.name for m in service.repository.loaded()) or 'none'}",
+        file=sys.stderr,
+        flush=True,
+    )
     if started is not None:
         started.set()
     try:
@@ -84,10 +108,17 @@ async def serve_async(service: Service, host: str = "127.0.0.1", http_port: int 
             m.batcher.close()
 
 
-def serve(models: Sequence[str | os.PathLike] = (), model_repository: str | None = None, *,
-          host: str = "127.0.0.1", http_port: int = 8000, grpc_port: int | None = 8001,
-          token: str | None = None, max_request_bytes: int = 64 << 20,
-          config: ModelConfig | None = None) -> None:
+def serve(
+    models: Sequence[str | os.PathLike] = (),
+    model_repository: str | None = None,
+    *,
+    host: str = "127.0.0.1",
+    http_port: int = 8000,
+    grpc_port: int | None = 8001,
+    token: str | None = None,
+    max_request_bytes: int = 64 << 20,
+    config: ModelConfig | None = None,
+) -> None:
     """Serve ``models`` (ONNX files, each named by its file stem) and/or every model of
     ``model_repository`` (Triton's ``name/version/model.onnx`` layout) over the Open
     Inference Protocol until SIGTERM/SIGINT. Blocks. ``config`` holds the defaults for

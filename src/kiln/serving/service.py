@@ -36,11 +36,16 @@ class BadRequest(KilnError):
 
 # exception type -> (HTTP status, gRPC status code name); the first match wins
 STATUS: list[tuple[type, int, str]] = [
-    (ModelNotFound, 404, "NOT_FOUND"), (Overloaded, 503, "UNAVAILABLE"),
-    (Unauthorized, 401, "UNAUTHENTICATED"), (TooLarge, 413, "RESOURCE_EXHAUSTED"),
-    (BadRequest, 400, "INVALID_ARGUMENT"), (InputError, 400, "INVALID_ARGUMENT"),
-    (ShapeError, 400, "INVALID_ARGUMENT"), (ModelLoadError, 400, "INVALID_ARGUMENT"),
-    (UnsupportedOpError, 400, "INVALID_ARGUMENT"), (KilnError, 500, "INTERNAL"),
+    (ModelNotFound, 404, "NOT_FOUND"),
+    (Overloaded, 503, "UNAVAILABLE"),
+    (Unauthorized, 401, "UNAUTHENTICATED"),
+    (TooLarge, 413, "RESOURCE_EXHAUSTED"),
+    (BadRequest, 400, "INVALID_ARGUMENT"),
+    (InputError, 400, "INVALID_ARGUMENT"),
+    (ShapeError, 400, "INVALID_ARGUMENT"),
+    (ModelLoadError, 400, "INVALID_ARGUMENT"),
+    (UnsupportedOpError, 400, "INVALID_ARGUMENT"),
+    (KilnError, 500, "INTERNAL"),
 ]
 
 
@@ -79,8 +84,10 @@ class Service:
             return
         want = f"Bearer {self.token}".encode()
         if header is None or not hmac.compare_digest(header.encode(), want):
-            raise Unauthorized("this server needs 'Authorization: Bearer <token>' with the "
-                               "token it was started with")
+            raise Unauthorized(
+                "this server needs 'Authorization: Bearer <token>' with the "
+                "token it was started with"
+            )
 
     def load(self, name: str) -> ServedModel:
         """(Re)load ``name`` from the repository and start counting its batches."""
@@ -94,8 +101,13 @@ class Service:
         self.repository.unload(name)
         log.info(json.dumps({"event": "unload", "model": name}))
 
-    async def infer(self, served: ServedModel, feed: dict[str, np.ndarray],
-                    wanted: list[str] | None, protocol: str) -> dict[str, np.ndarray]:
+    async def infer(
+        self,
+        served: ServedModel,
+        feed: dict[str, np.ndarray],
+        wanted: list[str] | None,
+        protocol: str,
+    ) -> dict[str, np.ndarray]:
         """Run ``feed`` through ``served``'s queue; the outputs named in ``wanted`` (all
         when None) by name. Counts the request and logs a failure."""
         start = time.perf_counter()
@@ -103,14 +115,24 @@ class Service:
             names = [s.name for s in served.outputs]
             for w in wanted or []:
                 if w not in names:
-                    raise InputError(f"model {served.name!r} has no output {w!r}; its "
-                                     f"outputs are {', '.join(names)}")
+                    raise InputError(
+                        f"model {served.name!r} has no output {w!r}; its "
+                        f"outputs are {', '.join(names)}"
+                    )
             served.check_feed(feed)
             outs = await served.batcher.submit(feed)
         except Exception as e:
             self.metrics.count(served.name, protocol, status_of(e)[0])
-            log.warning(json.dumps({"event": "infer_failed", "model": served.name,
-                                    "protocol": protocol, "error": message_of(e)}))
+            log.warning(
+                json.dumps(
+                    {
+                        "event": "infer_failed",
+                        "model": served.name,
+                        "protocol": protocol,
+                        "error": message_of(e),
+                    }
+                )
+            )
             raise
         self.metrics.count(served.name, protocol, 200, time.perf_counter() - start)
         result = dict(zip(names, outs))
