@@ -20,16 +20,34 @@ DIGITS = SRC / "kiln" / "data" / "digits_cnn.onnx"
 
 
 class ServeProcess:
-    """``kiln serve ARGS`` in a child process; ``http``/``grpc`` are its addresses."""
+    """``kiln serve ARGS`` (or ``command``, a Python process that serves the same way) in a
+    child process; ``http``/``grpc`` are its addresses."""
 
-    def __init__(self, *args: str, env: dict | None = None, timeout: float = 90.0):
+    def __init__(
+        self,
+        *args: str,
+        env: dict | None = None,
+        timeout: float = 90.0,
+        command: list[str] | None = None,
+    ):
         full_env = {**os.environ, **(env or {})}
         full_env["PYTHONPATH"] = os.pathsep.join(
-            [str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])])
+            [str(SRC), *filter(None, [os.environ.get("PYTHONPATH")])]
+        )
+        argv = command or [
+            sys.executable,
+            "-m",
+            "kiln",
+            "serve",
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            *args,
+        ]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kiln", "serve", "--http-port", "0", "--grpc-port", "0",
-             *args], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
-            env=full_env)
+            argv, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=full_env
+        )
         deadline = time.monotonic() + timeout
         self.log: list[str] = []
         while time.monotonic() < deadline:
@@ -46,19 +64,22 @@ class ServeProcess:
                 threading.Thread(target=self._drain, daemon=True).start()
                 return
         self.proc.kill()
-        raise RuntimeError("kiln serve did not start:\n" + "".join(self.log)
-                           + (self.proc.stderr.read() or ""))
+        raise RuntimeError(
+            "kiln serve did not start:\n" + "".join(self.log) + (self.proc.stderr.read() or "")
+        )
 
     def _drain(self) -> None:
         for line in self.proc.stderr:
             self.log.append(line)
 
-    def request(self, method: str, path: str, body: bytes | dict | None = None,
-                headers: dict | None = None) -> tuple[int, dict, bytes]:
+    def request(
+        self, method: str, path: str, body: bytes | dict | None = None, headers: dict | None = None
+    ) -> tuple[int, dict, bytes]:
         """(status, headers, body) of one raw HTTP request."""
         data = json.dumps(body).encode() if isinstance(body, dict) else body
-        req = urllib.request.Request(f"http://{self.http}{path}", data=data, method=method,
-                                     headers=headers or {})
+        req = urllib.request.Request(
+            f"http://{self.http}{path}", data=data, method=method, headers=headers or {}
+        )
         try:
             with urllib.request.urlopen(req, timeout=60) as r:
                 return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()

@@ -19,24 +19,10 @@ SERVE_EXTRA = 'kiln serve needs the serve extra: pip install -e ".[serve]"'
 for _module in ("starlette", "uvicorn", "grpc", "prometheus_client"):
     pytest.importorskip(_module, reason=SERVE_EXTRA)
 ort = pytest.importorskip("onnxruntime")
-
-# tritonclient pins protobuf<7 and ml-dtypes<=0.5.4, so it is not in the test extra (pip
-# would downgrade both); with it installed (`pip install --no-deps tritonclient[http,grpc]`
-# and its small deps) these tests also run the real client.
-TRITON_REASON = ("tritonclient is not installed (kept out of the test extra: it pins "
-                 "protobuf<7 and ml-dtypes<=0.5.4); pip install --no-deps "
-                 "'tritonclient[http,grpc]' python-rapidjson geventhttpclient to run it")
-
-
-def _triton(kind: str):
-    try:
-        if kind == "http":
-            import tritonclient.http as client
-        else:
-            import tritonclient.grpc as client
-    except ImportError:
-        pytest.skip(TRITON_REASON)
-    return client
+# the real Triton clients (in the serve and test extras)
+th = pytest.importorskip("tritonclient.http", reason=SERVE_EXTRA)
+tg = pytest.importorskip("tritonclient.grpc", reason=SERVE_EXTRA)
+CLIENTS = {"http": th, "grpc": tg}
 
 
 def _reference(x: np.ndarray) -> np.ndarray:
@@ -44,8 +30,16 @@ def _reference(x: np.ndarray) -> np.ndarray:
 
 
 def _json_infer(x: np.ndarray) -> dict:
-    return {"inputs": [{"name": "image", "datatype": "FP32", "shape": list(x.shape),
-                        "data": x.reshape(-1).tolist()}]}
+    return {
+        "inputs": [
+            {
+                "name": "image",
+                "datatype": "FP32",
+                "shape": list(x.shape),
+                "data": x.reshape(-1).tolist(),
+            }
+        ]
+    }
 
 
 def _reshaper(path) -> str:
@@ -54,10 +48,14 @@ def _reshaper(path) -> str:
     from onnx import TensorProto, helper
 
     graph = helper.make_graph(
-        [helper.make_node("Reshape", ["x", "shape"], ["y"])], "reshaper",
-        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),
-         helper.make_tensor_value_info("shape", TensorProto.INT64, [2])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+        [helper.make_node("Reshape", ["x", "shape"], ["y"])],
+        "reshaper",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 4]),
+            helper.make_tensor_value_info("shape", TensorProto.INT64, [2]),
+        ],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+    )
     onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
     return str(path)
 
@@ -77,39 +75,86 @@ def test_health_and_metadata_over_raw_http(server):
     meta = json.loads(server.request("GET", "/v2/models/digits_cnn")[2])
     assert meta["inputs"] == [{"name": "image", "datatype": "FP32", "shape": [-1, 1, 8, 8]}]
     assert meta["outputs"] == [{"name": "logits", "datatype": "FP32", "shape": [-1, 10]}]
-    assert json.loads(server.request("GET", "/v2/models/digits_cnn/versions/1/ready")[2])[
-        "ready"] is True
+    assert (
+        json.loads(server.request("GET", "/v2/models/digits_cnn/versions/1/ready")[2])["ready"]
+        is True
+    )
 
 
 def test_json_infer_over_raw_http_matches_onnxruntime(server):
     x = np.random.default_rng(0).random((3, 1, 8, 8), dtype=np.float32)
-    status, _, body = server.request("POST", "/v2/models/digits_cnn/infer",
-                                     {**_json_infer(x), "id": "r1"})
+    status, _, body = server.request(
+        "POST", "/v2/models/digits_cnn/infer", {**_json_infer(x), "id": "r1"}
+    )
     assert status == 200, body
     resp = json.loads(body)
     assert resp["id"] == "r1" and resp["model_name"] == "digits_cnn"
     (out,) = resp["outputs"]
     assert out["shape"] == [3, 10] and out["datatype"] == "FP32"
-    np.testing.assert_allclose(np.array(out["data"]).reshape(3, 10), _reference(x),
-                               rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(
+        np.array(out["data"]).reshape(3, 10), _reference(x), rtol=1e-4, atol=1e-5
+    )
 
 
-@pytest.mark.parametrize("body, status, words", [
-    (b"{not json", 400, "not valid JSON"),
-    ({"inputs": [{"name": "pixels", "datatype": "FP32", "shape": [1, 1, 8, 8],
-                  "data": [0.0] * 64}]}, 400, "no input 'pixels'"),
-    ({"inputs": [{"name": "image", "datatype": "INT32", "shape": [1, 1, 8, 8],
-                  "data": [0] * 64}]}, 400, "is FP32, the request sent INT32"),
-    ({"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 7],
-                  "data": [0.0] * 56}]}, 400, "the request sent [1, 1, 8, 7]"),
-    ({"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8],
-                  "data": [0.0] * 3}]}, 400, "holds 3 values"),
-    ({"inputs": [{"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8],
-                  "data": [0.0] * 64}], "outputs": [{"name": "probs"}]}, 400, "no output"),
-    (b"x" * 300000, 413, "at most 200000"),
-])
-def test_bad_requests_get_kserve_errors_and_the_server_keeps_serving(server, body, status,
-                                                                     words):
+@pytest.mark.parametrize(
+    "body, status, words",
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (
+            {
+                "inputs": [
+                    {
+                        "name": "pixels",
+                        "datatype": "FP32",
+                        "shape": [1, 1, 8, 8],
+                        "data": [0.0] * 64,
+                    }
+                ]
+            },
+            400,
+            "no input 'pixels'",
+        ),
+        (
+            {
+                "inputs": [
+                    {"name": "image", "datatype": "INT32", "shape": [1, 1, 8, 8], "data": [0] * 64}
+                ]
+            },
+            400,
+            "is FP32, the request sent INT32",
+        ),
+        (
+            {
+                "inputs": [
+                    {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 7], "data": [0.0] * 56}
+                ]
+            },
+            400,
+            "the request sent [1, 1, 8, 7]",
+        ),
+        (
+            {
+                "inputs": [
+                    {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.0] * 3}
+                ]
+            },
+            400,
+            "holds 3 values",
+        ),
+        (
+            {
+                "inputs": [
+                    {"name": "image", "datatype": "FP32", "shape": [1, 1, 8, 8], "data": [0.0] * 64}
+                ],
+                "outputs": [{"name": "probs"}],
+            },
+            400,
+            "no output",
+        ),
+        (b"x" * 300000, 413, "at most 200000"),
+    ],
+)
+def test_bad_requests_get_kserve_errors_and_the_server_keeps_serving(server, body, status, words):
     got, _, text = server.request("POST", "/v2/models/digits_cnn/infer", body)
     assert got == status and words in json.loads(text)["error"]
     x = np.ones((1, 1, 8, 8), np.float32)
@@ -118,9 +163,16 @@ def test_bad_requests_get_kserve_errors_and_the_server_keeps_serving(server, bod
 
 def test_a_failing_run_is_a_500_naming_the_layer_and_the_server_keeps_serving(server):
     def reshape(target):
-        return server.request("POST", "/v2/models/reshaper/infer", {"inputs": [
-            {"name": "x", "datatype": "FP32", "shape": [2, 4], "data": list(range(8))},
-            {"name": "shape", "datatype": "INT64", "shape": [2], "data": target}]})
+        return server.request(
+            "POST",
+            "/v2/models/reshaper/infer",
+            {
+                "inputs": [
+                    {"name": "x", "datatype": "FP32", "shape": [2, 4], "data": list(range(8))},
+                    {"name": "shape", "datatype": "INT64", "shape": [2], "data": target},
+                ]
+            },
+        )
 
     status, _, body = reshape([3, 3])
     assert status == 500 and "Reshape" in json.loads(body)["error"]
@@ -139,7 +191,6 @@ def test_unknown_model_and_version_are_404(server):
 
 
 def test_tritonclient_http_binary_and_json(server):
-    th = _triton("http")
     client = th.InferenceServerClient(server.http)
     assert client.is_server_live() and client.is_model_ready("digits_cnn")
     x = np.random.default_rng(1).random((5, 1, 8, 8), dtype=np.float32)
@@ -151,12 +202,12 @@ def test_tritonclient_http_binary_and_json(server):
         np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
     bad = th.InferInput("image", [1, 1, 4, 4], "FP32")
     bad.set_data_from_numpy(np.zeros((1, 1, 4, 4), np.float32))
-    with pytest.raises(Exception, match=re.escape("the request sent [1, 1, 4, 4]")):
+    with pytest.raises(th.InferenceServerException) as e:
         client.infer("digits_cnn", [bad])
+    assert e.value.status() == "400" and "the request sent [1, 1, 4, 4]" in e.value.message()
 
 
 def test_tritonclient_grpc(server):
-    tg = _triton("grpc")
     client = tg.InferenceServerClient(server.grpc)
     assert client.is_server_live() and client.is_model_ready("digits_cnn")
     meta = client.get_model_metadata("digits_cnn", as_json=True)
@@ -182,20 +233,24 @@ def _metric(text: str, name: str, model: str) -> float:
 
 
 def test_dynamic_batching_merges_concurrent_requests():
-    s = ServeProcess(str(DIGITS), "--max-batch-size", "16",
-                     "--max-queue-delay-microseconds", "200000")
+    s = ServeProcess(
+        str(DIGITS), "--max-batch-size", "16", "--max-queue-delay-microseconds", "200000"
+    )
     try:
         rng = np.random.default_rng(3)
         xs = [rng.random((1 + i % 3, 1, 8, 8), dtype=np.float32) for i in range(12)]
         with concurrent.futures.ThreadPoolExecutor(12) as pool:
-            answers = list(pool.map(
-                lambda x: s.request("POST", "/v2/models/digits_cnn/infer", _json_infer(x)),
-                xs))
+            answers = list(
+                pool.map(
+                    lambda x: s.request("POST", "/v2/models/digits_cnn/infer", _json_infer(x)), xs
+                )
+            )
         for x, (status, _, body) in zip(xs, answers):
             assert status == 200, body
             out = json.loads(body)["outputs"][0]
-            np.testing.assert_allclose(np.array(out["data"]).reshape(out["shape"]),
-                                       _reference(x), rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(
+                np.array(out["data"]).reshape(out["shape"]), _reference(x), rtol=1e-4, atol=1e-5
+            )
         text = s.request("GET", "/metrics")[2].decode()
         runs = _metric(text, "kiln_batch_size_count", "digits_cnn")
         rows = _metric(text, "kiln_batch_size_sum", "digits_cnn")
@@ -207,8 +262,15 @@ def test_dynamic_batching_merges_concurrent_requests():
 
 def test_full_queue_answers_503_with_retry_after_and_the_queued_finish():
     # a 2 s window holds the first requests in the queue, so the rest find it full
-    s = ServeProcess(str(DIGITS), "--max-queue-size", "2", "--max-batch-size", "64",
-                     "--max-queue-delay-microseconds", "2000000")
+    s = ServeProcess(
+        str(DIGITS),
+        "--max-queue-size",
+        "2",
+        "--max-batch-size",
+        "64",
+        "--max-queue-delay-microseconds",
+        "2000000",
+    )
     try:
         x = np.ones((1, 1, 8, 8), np.float32)
 
@@ -222,10 +284,6 @@ def test_full_queue_answers_503_with_retry_after_and_the_queued_finish():
         refused = [a for a in answers if a[0] == 503][0]
         assert refused[1].get("retry-after") == "1"
         assert "queued" in json.loads(refused[2])["error"]
-        try:
-            import tritonclient.grpc as tg
-        except ImportError:
-            return  # the HTTP half ran; the gRPC half needs tritonclient (TRITON_REASON)
         client = tg.InferenceServerClient(s.grpc)
         inp = tg.InferInput("image", [1, 1, 8, 8], "FP32")
         inp.set_data_from_numpy(x)
@@ -249,7 +307,8 @@ def test_repository_config_token_load_unload_and_graceful_shutdown(tmp_path):
         (tmp_path / name / "3").mkdir(parents=True)
         shutil.copy(DIGITS, tmp_path / name / "3" / "model.onnx")
     (tmp_path / "digits" / "config.json").write_text(
-        json.dumps({"max_batch_size": 4, "max_queue_delay_microseconds": 1500000}))
+        json.dumps({"max_batch_size": 4, "max_queue_delay_microseconds": 1500000})
+    )
     s = ServeProcess("--model-repository", str(tmp_path), env={"KILN_SERVE_TOKEN": "s3cret"})
     auth = {"Authorization": "Bearer s3cret"}
     try:
@@ -263,8 +322,7 @@ def test_repository_config_token_load_unload_and_graceful_shutdown(tmp_path):
         assert status == 200, body
         assert s.request("GET", "/v2/models/spare", headers=auth)[0] == 404
         index = json.loads(s.request("POST", "/v2/repository/index", b"{}", auth)[2])
-        assert {r["name"]: r["state"] for r in index} == {"digits": "READY",
-                                                          "spare": "UNAVAILABLE"}
+        assert {r["name"]: r["state"] for r in index} == {"digits": "READY", "spare": "UNAVAILABLE"}
         assert s.request("POST", "/v2/repository/models/spare/load", b"", auth)[0] == 200
         assert s.request("GET", "/v2/models/spare/ready", headers=auth)[0] == 200
         (tmp_path / "broken" / "1").mkdir(parents=True)  # added while serving
@@ -273,16 +331,219 @@ def test_repository_config_token_load_unload_and_graceful_shutdown(tmp_path):
         assert status == 400 and "not a valid ONNX model" in json.loads(body)["error"], body
         # "digits" waits 1.5 s for a batch: SIGTERM arrives while the request is in flight
         with concurrent.futures.ThreadPoolExecutor(1) as pool:
-            pending = pool.submit(s.request, "POST", "/v2/models/digits/infer",
-                                  _json_infer(x), {**auth, "Content-Type": "application/json"})
+            pending = pool.submit(
+                s.request,
+                "POST",
+                "/v2/models/digits/infer",
+                _json_infer(x),
+                {**auth, "Content-Type": "application/json"},
+            )
             time.sleep(0.5)
             assert not pending.done()
             code = s.stop()
             status, _, body = pending.result()
         assert status == 200, body
         out = json.loads(body)["outputs"][0]
-        np.testing.assert_allclose(np.array(out["data"]).reshape(2, 10), _reference(x),
-                                   rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(
+            np.array(out["data"]).reshape(2, 10), _reference(x), rtol=1e-4, atol=1e-5
+        )
         assert code == 0
     finally:
         s.stop()
+
+
+def _strings(path) -> str:
+    """A model over a string tensor: passes it through, compares each element with "kïln"
+    and repeats it (ONNX strings are UTF-8 text)."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Identity", ["s"], ["same"]),
+            helper.make_node("Equal", ["s", "k"], ["hit"]),
+            helper.make_node("Concat", ["s", "s"], ["twice"], axis=0),
+        ],
+        "strings",
+        [helper.make_tensor_value_info("s", TensorProto.STRING, ["n"])],
+        [
+            helper.make_tensor_value_info("same", TensorProto.STRING, ["n"]),
+            helper.make_tensor_value_info("hit", TensorProto.BOOL, ["n"]),
+            helper.make_tensor_value_info("twice", TensorProto.STRING, ["m"]),
+        ],
+        initializer=[helper.make_tensor("k", TensorProto.STRING, [1], ["kïln".encode()])],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)]), path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def repository_server(tmp_path_factory):
+    """A repository of two models and a string model, behind a bearer token."""
+    root = tmp_path_factory.mktemp("repo")
+    for name in ("digits", "spare"):
+        (root / name / "2").mkdir(parents=True)
+        shutil.copy(DIGITS, root / name / "2" / "model.onnx")
+    (root / "strings" / "1").mkdir(parents=True)
+    _strings(root / "strings" / "1" / "model.onnx")
+    s = ServeProcess("--model-repository", str(root), env={"KILN_SERVE_TOKEN": "s3cret"})
+    s.root = root
+    yield s
+    assert s.stop() == 0
+
+
+# a copy per call: tritonclient.http adds its own headers to the dict it is given
+AUTH = {"authorization": "Bearer s3cret"}
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+def test_tritonclient_metadata_readiness_repository_and_token(repository_server, kind):
+    mod = CLIENTS[kind]
+    client = mod.InferenceServerClient(getattr(repository_server, kind))
+    # the probes need no token; everything else does, over both protocols
+    assert client.is_server_live() and client.is_server_ready()
+    with pytest.raises(mod.InferenceServerException) as e:
+        client.get_model_metadata("digits")
+    assert e.value.status() in ("401", "StatusCode.UNAUTHENTICATED"), e.value
+    assert "Bearer" in e.value.message()
+    with pytest.raises(mod.InferenceServerException):
+        client.get_model_metadata("digits", headers={"authorization": "Bearer wrong"})
+
+    server = client.get_server_metadata(
+        headers=dict(AUTH), **({"as_json": True} if kind == "grpc" else {})
+    )
+    assert server["name"] == "kiln" and "binary_tensor_data" in server["extensions"]
+    meta = client.get_model_metadata(
+        "digits", "2", headers=dict(AUTH), **({"as_json": True} if kind == "grpc" else {})
+    )
+    assert meta["versions"] == ["2"] and meta["inputs"][0]["name"] == "image"
+    assert [int(d) for d in meta["inputs"][0]["shape"]] == [-1, 1, 8, 8]
+    assert client.is_model_ready("digits", headers=dict(AUTH))
+    assert client.is_model_ready("digits", "2", headers=dict(AUTH))
+    assert not client.is_model_ready("digits", "1", headers=dict(AUTH))
+    assert not client.is_model_ready("nope", headers=dict(AUTH))
+
+    def states():
+        index = client.get_model_repository_index(
+            headers=dict(AUTH), **({"as_json": True} if kind == "grpc" else {})
+        )
+        rows = index if kind == "http" else index["models"]
+        return {r["name"]: r["state"] for r in rows}
+
+    assert states() == {"digits": "READY", "spare": "READY", "strings": "READY"}
+    client.unload_model("spare", headers=dict(AUTH))
+    assert states()["spare"] == "UNAVAILABLE"
+    assert not client.is_model_ready("spare", headers=dict(AUTH))
+    x = np.random.default_rng(6).random((2, 1, 8, 8), dtype=np.float32)
+    inp = mod.InferInput("image", list(x.shape), "FP32")
+    inp.set_data_from_numpy(x)
+    with pytest.raises(mod.InferenceServerException) as e:
+        client.infer("spare", [inp], headers=dict(AUTH))
+    assert e.value.status() in ("404", "StatusCode.NOT_FOUND")
+    assert "'spare' is not loaded" in e.value.message()
+    client.load_model("spare", headers=dict(AUTH))
+    assert client.is_model_ready("spare", headers=dict(AUTH))
+    got = client.infer("spare", [inp], headers=dict(AUTH)).as_numpy("logits")
+    np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
+    with pytest.raises(mod.InferenceServerException) as e:
+        client.load_model("nope", headers=dict(AUTH))
+    assert "no model 'nope'" in e.value.message()
+
+
+@pytest.mark.parametrize("kind, binary", [("http", True), ("http", False), ("grpc", True)])
+def test_bytes_tensors_match_onnxruntime(repository_server, kind, binary):
+    mod = CLIENTS[kind]
+    client = mod.InferenceServerClient(getattr(repository_server, kind))
+    words = np.array(["kïln", "", "ab", "kiln", "kïln ", "日本"], dtype=object)
+    inp = mod.InferInput("s", [len(words)], "BYTES")
+    inp.set_data_from_numpy(words, **({"binary_data": binary} if kind == "http" else {}))
+    outs = [
+        mod.InferRequestedOutput(n, **({"binary_data": binary} if kind == "http" else {}))
+        for n in ("same", "hit", "twice")
+    ]
+    got = client.infer("strings", [inp], outputs=outs, headers=dict(AUTH))
+    want = dict(
+        zip(
+            ["same", "hit", "twice"],
+            ort.InferenceSession(str(repository_server.root / "strings" / "1" / "model.onnx")).run(
+                None, {"s": words}
+            ),
+        )
+    )
+    for name in ("same", "twice"):
+        # binary BYTES come back as bytes, JSON ones as str (tritonclient's as_numpy)
+        texts = [b.decode() if isinstance(b, bytes) else b for b in got.as_numpy(name).flat]
+        assert texts == list(want[name])
+    np.testing.assert_array_equal(got.as_numpy("hit"), want["hit"])
+    assert want["hit"].tolist() == [True, False, False, False, False, False]
+
+
+def test_bytes_that_are_not_utf8_are_a_400(repository_server):
+    inp = th.InferInput("s", [1], "BYTES")
+    inp.set_data_from_numpy(np.array([b"\xff\xfe"], dtype=object))
+    client = th.InferenceServerClient(repository_server.http)
+    with pytest.raises(th.InferenceServerException) as e:
+        client.infer("strings", [inp], headers=dict(AUTH))
+    assert e.value.status() == "400" and "not UTF-8" in e.value.message()
+
+
+@pytest.mark.parametrize("coding", ["gzip", "deflate"])
+def test_compressed_requests_and_responses(server, coding):
+    x = np.random.default_rng(7).random((3, 1, 8, 8), dtype=np.float32)
+    client = th.InferenceServerClient(server.http)
+    for binary in (True, False):
+        inp = th.InferInput("image", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=binary)
+        got = client.infer(
+            "digits_cnn",
+            [inp],
+            outputs=[th.InferRequestedOutput("logits", binary_data=binary)],
+            request_compression_algorithm=coding,
+            response_compression_algorithm=coding,
+        ).as_numpy("logits")
+        np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
+    # tritonclient decompresses silently: raw HTTP shows the response really is compressed
+    import gzip
+    import zlib
+
+    body = json.dumps(_json_infer(x)).encode()
+    packed = gzip.compress(body) if coding == "gzip" else zlib.compress(body)
+    status, headers, raw = server.request(
+        "POST",
+        "/v2/models/digits_cnn/infer",
+        packed,
+        {"Content-Encoding": coding, "Accept-Encoding": f"br;q=1.0, {coding};q=0.5"},
+    )
+    assert status == 200 and headers.get("content-encoding") == coding
+    resp = json.loads(gzip.decompress(raw) if coding == "gzip" else zlib.decompress(raw))
+    np.testing.assert_allclose(
+        np.array(resp["outputs"][0]["data"]).reshape(3, 10), _reference(x), rtol=1e-4, atol=1e-5
+    )
+    status, headers, _ = server.request(
+        "POST", "/v2/models/digits_cnn/infer", body, {"Accept-Encoding": f"{coding};q=0"}
+    )
+    assert status == 200 and "content-encoding" not in headers
+    status, _, text = server.request(
+        "POST", "/v2/models/digits_cnn/infer", b"\x1f\x8bjunk", {"Content-Encoding": coding}
+    )
+    assert status == 400 and "does not decompress" in json.loads(text)["error"]
+
+
+def test_kiln_serve_function_serves_from_python():
+    """``kiln.serve(...)``, the embedding API, in its own process: the same protocol."""
+    import sys
+
+    code = (
+        "import sys, kiln; kiln.serve([sys.argv[1]], http_port=0, grpc_port=0, "
+        "config=kiln.serving.ModelConfig(max_batch_size=4))"
+    )
+    s = ServeProcess(command=[sys.executable, "-c", code, str(DIGITS)])
+    try:
+        x = np.random.default_rng(8).random((3, 1, 8, 8), dtype=np.float32)
+        for mod, address in ((th, s.http), (tg, s.grpc)):
+            inp = mod.InferInput("image", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            got = mod.InferenceServerClient(address).infer("digits_cnn", [inp])
+            np.testing.assert_allclose(got.as_numpy("logits"), _reference(x), rtol=1e-4, atol=1e-5)
+    finally:
+        assert s.stop() == 0

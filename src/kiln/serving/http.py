@@ -129,7 +129,28 @@ def _wanted(req: dict) -> tuple[list[str] | None, dict[str, bool]]:
     return [o["name"] for o in outs], binary
 
 
-def _encode(served: Any, rid: Any, results: dict, binary: dict[str, bool]) -> Response:
+def _compressed(body: bytes, accept: str) -> tuple[bytes, dict[str, str]]:
+    """``body`` compressed with the first of gzip and deflate ``accept`` (the request's
+    Accept-Encoding) names with a non-zero weight, as Triton's HTTP endpoint does."""
+    offered = {}
+    for part in accept.split(","):
+        coding, _, params = part.strip().partition(";")
+        q = params.strip().removeprefix("q=") if params.strip().startswith("q=") else "1"
+        try:
+            offered[coding.strip().lower()] = float(q)
+        except ValueError:
+            offered[coding.strip().lower()] = 0.0
+    for coding in ("gzip", "deflate"):
+        if offered.get(coding, 0) > 0:
+            # gzip: zlib's gzip wrapper; deflate means the zlib format (RFC 9110 8.4.1.2)
+            c = zlib.compressobj(wbits=zlib.MAX_WBITS | 16 if coding == "gzip" else zlib.MAX_WBITS)
+            return c.compress(body) + c.flush(), {"Content-Encoding": coding}
+    return body, {}
+
+
+def _encode(
+    served: Any, rid: Any, results: dict, binary: dict[str, bool], accept: str | None = None
+) -> Response:
     outputs, blobs = [], []
     for name, arr in results.items():
         out: dict[str, Any] = {
@@ -152,13 +173,14 @@ def _encode(served: Any, rid: Any, results: dict, binary: dict[str, bool]) -> Re
     if rid is not None:
         resp["id"] = rid
     head = json.dumps(resp, separators=(",", ":")).encode()
-    if not blobs:
-        return Response(head, media_type="application/json")
-    return Response(
-        b"".join([head, *blobs]),
-        media_type="application/octet-stream",
-        headers={"Inference-Header-Content-Length": str(len(head))},
+    body, headers = (
+        _compressed(b"".join([head, *blobs]), accept) if accept else (b"".join([head, *blobs]), {})
     )
+    if not blobs:
+        return Response(body, media_type="application/json", headers=headers)
+    # the header length counts the uncompressed JSON, as Triton's clients read it
+    headers["Inference-Header-Content-Length"] = str(len(head))
+    return Response(body, media_type="application/octet-stream", headers=headers)
 
 
 def build_app(service: Service) -> Starlette:
@@ -203,7 +225,9 @@ def build_app(service: Service) -> Starlette:
         feed = _decode(req, raw)
         wanted, binary = _wanted(req)
         results = await service.infer(served, feed, wanted, "http")
-        return _encode(served, req.get("id"), results, binary)
+        return _encode(
+            served, req.get("id"), results, binary, request.headers.get("accept-encoding")
+        )
 
     async def index(request: Request) -> Response:
         return JSONResponse(service.repository.index())

@@ -114,7 +114,9 @@ class ServedModel:
         }
 
     def check_feed(self, feed: dict[str, np.ndarray]) -> None:
-        """Refuse a feed the model cannot take, before it joins a batch with others."""
+        """Refuse a feed the model cannot take, before it joins a batch with others. BYTES
+        tensors for a string input become str arrays in place: ONNX strings are UTF-8 text,
+        and a model compares and joins them as text (``b"a" != "a"``)."""
         specs = {s.name: s for s in self.inputs}
         for name in feed:
             if name not in specs:
@@ -141,6 +143,19 @@ class ServedModel:
                     f"{s.shape} (-1: any size), the request sent "
                     f"{list(arr.shape)}"
                 )
+            if s.datatype == "BYTES":
+                feed[s.name] = _as_text(s.name, arr)
+
+
+def _as_text(name: str, arr: np.ndarray) -> np.ndarray:
+    try:
+        return np.array(
+            [x.decode() if isinstance(x, bytes) else str(x) for x in arr.reshape(-1)], dtype=object
+        ).reshape(arr.shape)
+    except UnicodeDecodeError as e:
+        raise InputError(
+            f"input {name!r} is a string tensor and an element is not UTF-8 text: {e}"
+        ) from None
 
 
 def load_model(name: str, version: str, path: Path, config: ModelConfig) -> ServedModel:

@@ -12,6 +12,7 @@ import numpy as np
 from kiln.errors import MissingDependencyError
 from kiln.serving import tensors
 from kiln.serving.metrics import SERVE_INSTALL
+from kiln.serving.models import ModelNotFound
 from kiln.serving.protocol import MESSAGES, SERVICE
 from kiln.serving.service import EXTENSIONS, VERSION, BadRequest, Service, message_of, status_of
 
@@ -72,7 +73,11 @@ def _handlers(service: Service) -> dict[str, tuple[Any, str, str]]:
         return M["ServerReadyResponse"](ready=bool(service.repository.loaded()))
 
     async def model_ready(req, ctx):
-        service.repository.get(req.name, req.version)
+        # as Triton answers: an unknown model or version is not ready (no error status)
+        try:
+            service.repository.get(req.name, req.version)
+        except ModelNotFound:
+            return M["ModelReadyResponse"](ready=False)
         return M["ModelReadyResponse"](ready=True)
 
     async def server_metadata(req, ctx):
