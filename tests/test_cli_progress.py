@@ -98,3 +98,46 @@ def test_bench_on_torch_gives_no_hint(tmp_path):
     lines, _, rc = _stream(["bench", DIGITS, "--runs", "5", "--backend", "torch"], tmp_path)
     assert rc == 0, lines
     assert not [line for _, line in lines if "hint" in line]
+
+
+def _silences(lines: list[tuple[float, str]]) -> list[float]:
+    """Seconds between consecutive stderr lines, from the first one on."""
+    return [b - a for (a, _), (b, _) in zip(lines, lines[1:])]
+
+
+def test_a_long_bench_in_a_pipe_says_how_far_it_is(tmp_path):
+    """No bar in a pipe, yet no long silence: a line every few seconds with the rounds
+    done. Thousands of digits runs last well over the heartbeat's 5 s here."""
+    lines, out, rc = _stream(["bench", DIGITS, "--runs", "4000", "--warmup", "1"], tmp_path)
+    assert rc == 0, lines
+    text = "".join(line for _, line in lines)
+    assert "\r" not in text, text
+    beats = [(t, line) for t, line in lines if line.startswith("kiln bench: ")]
+    assert all("round" in line or "building" in line for _, line in beats), text
+    ended = lines[-1][0] if lines else 0.0  # the hint, written once the runs are done
+    if ended > FIRST_LINE_S + 5:  # long enough to owe a line (a quiet machine takes ~4 s)
+        assert beats, text
+    # one every 5 s, with a loaded machine's slack
+    assert max(_silences(beats), default=0.0) < 5 + 5, text
+    assert "samples/s" in out
+
+
+def test_step_lines_in_a_pipe_say_a_long_step_is_still_running():
+    import io
+
+    from kiln.tools.progress import StepReporter
+
+    log = io.StringIO()
+    rep = StepReporter("kiln x", 2, stream=log)
+    rep.quiet_s = 0.3
+    with rep:
+        rep.step("timing")
+        rep.update("round 3/9")
+        time.sleep(1.0)
+        rep.done("done")
+    lines = log.getvalue().splitlines()
+    assert lines[0] == "kiln x: [1/2] timing" and lines[-1] == "kiln x: done", lines
+    still = lines[1:-1]
+    assert 2 <= len(still) <= 4, lines  # one per 0.3 s of silence, not more
+    assert all(s.startswith("kiln x: [1/2] timing (round 3/9): still running, ")
+               for s in still), lines

@@ -730,16 +730,24 @@ def cmd_bench(args) -> int:
     from kiln.cli.format import bench_text
     from kiln.tools import bench
     from kiln.tools.common import load_model
+    from kiln.tools.progress import Heartbeat, wants_progress
 
     feeds = None
     if args.input:
         model = load_model(args.model)
         feeds = _feeds(args, model, True)
-    r = bench(args.model, backend=args.backend, device=args.device, feeds=feeds,
-              runs=args.runs, warmup=args.warmup, batch=args.batch, threads=args.threads,
-              vs=args.vs, dims=_dims(args), optimize=not args.no_optimize,
-              progress=False if args.quiet or args.json else None,
-              precision=args.precision, compile=args.compile)
+    # On a terminal the bar shows how the runs go; in a pipe or log, where no bar is drawn,
+    # a long bench says every few seconds how far it is (a short one prints nothing).
+    quiet = args.quiet or args.json
+    with Heartbeat("kiln bench", enabled=not args.quiet and not wants_progress(None)) as beat:
+        beat.update("building the session")
+        r = bench(args.model, backend=args.backend, device=args.device, feeds=feeds,
+                  runs=args.runs, warmup=args.warmup, batch=args.batch,
+                  threads=args.threads, vs=args.vs, dims=_dims(args),
+                  optimize=not args.no_optimize, progress=False if quiet else None,
+                  precision=args.precision, compile=args.compile,
+                  on_run=lambda done, total: beat.update(
+                      f"round {done}/{total} ({args.warmup} warm-up)"))
     if args.json:
         _emit_json(r.to_dict())
     else:

@@ -4,6 +4,7 @@ onnxruntime (alternating runs in one process, same thread count)."""
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from time import perf_counter
 from typing import Any
@@ -157,7 +158,8 @@ def bench(model: Any, backend: str = "numpy", device: str | None = None,
           threads: int | None = None, vs: str | None = None,
           dims: dict[str, int] | None = None, optimize: bool = True,
           progress: bool | None = None, precision: str | None = None,
-          compile: bool = False) -> BenchResult:
+          compile: bool = False,
+          on_run: Callable[[int, int], None] | None = None) -> BenchResult:
     """Time ``runs`` runs of ``model`` (after ``warmup``) on ``backend``.
 
     ``precision`` and ``compile`` are the torch backend's session options; a compiled
@@ -168,7 +170,8 @@ def bench(model: Any, backend: str = "numpy", device: str | None = None,
     (default: all cores) caps Kiln's threads and, with ``vs="onnxruntime"``, ORT's intra-op
     threads; then both run alternately (order swapped every iteration) on the same feeds.
     ``progress``: a bar on stderr; None (default) draws it only when stderr is a terminal,
-    so logs and pipes stay clean.
+    so logs and pipes stay clean. ``on_run(done, total)`` is called after each round
+    (warm-up included), for progress output of the caller's own.
     """
     if vs not in (None, "onnxruntime", "ort"):
         raise KilnError(f"--vs {vs!r}: only 'onnxruntime' can be compared against")
@@ -198,6 +201,8 @@ def bench(model: Any, backend: str = "numpy", device: str | None = None,
                     st.latencies_ms.append(dt)
             if bar is not None:
                 bar.update(1)
+            if on_run is not None:
+                on_run(i + 1, warmup + runs)
     if bar is not None:
         bar.close()
     status = ""

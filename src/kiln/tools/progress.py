@@ -14,7 +14,7 @@ import time
 from types import TracebackType
 from typing import Any, TextIO
 
-__all__ = ["StepReporter", "progress_bar", "wants_progress"]
+__all__ = ["Heartbeat", "StepReporter", "progress_bar", "wants_progress"]
 
 
 def wants_progress(progress: bool | None, stream: TextIO | None = None) -> bool:
@@ -75,10 +75,15 @@ class StepReporter:
 
     With ``live`` (default: stderr is a terminal) it is a single line redrawn in place with
     the seconds elapsed, ticking even while one step runs for a long time (an ONNX export
-    can take half a minute). Without, each step is a plain line, so logs show progress too.
-    Use as a context manager; :meth:`done` writes the final line. ``steps`` 0: not known
-    in advance (steps are then numbered without a total).
+    can take half a minute). Without, each step is a plain line, so logs show progress too,
+    and a step that runs on with nothing written for ``quiet_s`` seconds gets a line saying
+    so (``[5] timing ...: still running, 25 s``, with what :meth:`update` last said): a
+    user reading a pipe sees within seconds that the job is alive, a log gets one line per
+    ``quiet_s`` at most. Use as a context manager; :meth:`done` writes the final line.
+    ``steps`` 0: not known in advance (steps are then numbered without a total).
     """
+
+    quiet_s = 5.0
 
     def __init__(self, title: str, steps: int, live: bool | None = None,
                  stream: TextIO | None = None):
@@ -87,14 +92,16 @@ class StepReporter:
         self.live = wants_progress(live, self.stream)
         self.t0 = time.perf_counter()
         self.k, self.text = 0, "starting"
+        self._step_text, self._step_t0 = "", self.t0
+        self._last_line = self.t0
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> StepReporter:
-        if self.live:
-            self._thread = threading.Thread(target=self._tick, daemon=True)
-            self._thread.start()
+        self._thread = threading.Thread(target=self._tick if self.live else self._heartbeat,
+                                        daemon=True)
+        self._thread.start()
         return self
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
@@ -111,15 +118,16 @@ class StepReporter:
         """Start the next step, described by ``text``."""
         with self._lock:
             self.k += 1
-            self.text = text
+            self.text = self._step_text = text
+            self._step_t0 = time.perf_counter()
             if self.live:
                 self._draw()
             else:
                 self._line(f"{self.title}: {self._count()} {text}")
 
     def update(self, text: str) -> None:
-        """Say how the current step is going (``calibrating 3/16``): redrawn on a terminal,
-        not printed in a pipe (one line per step is enough there)."""
+        """Say how the current step is going (``calibrating 3/16``): redrawn on a terminal;
+        in a pipe the next "still running" line quotes it."""
         with self._lock:
             self.text = text
             if self.live:
@@ -142,6 +150,7 @@ class StepReporter:
     def _line(self, msg: str) -> None:
         self.stream.write(msg + "\n")
         self.stream.flush()
+        self._last_line = time.perf_counter()
 
     def _count(self) -> str:
         return f"[{self.k}/{self.steps}]" if self.steps else f"[{self.k}]"
@@ -156,3 +165,52 @@ class StepReporter:
             with self._lock:
                 if not self._stop.is_set():
                     self._draw()
+
+    def _heartbeat(self) -> None:
+        while not self._stop.wait(min(0.5, self.quiet_s / 4)):
+            with self._lock:
+                now = time.perf_counter()
+                if self._stop.is_set() or not self.k or now - self._last_line < self.quiet_s:
+                    continue
+                doing = self._step_text
+                if self.text != doing:  # what update() said of the step
+                    doing += f" ({self.text})"
+                self._line(f"{self.title}: {self._count()} {doing}: still running, "
+                           f"{now - self._step_t0:.0f} s")
+
+
+class Heartbeat:
+    """Where no bar is drawn (a pipe, a log): a line every ``every`` seconds while a long
+    job runs, ``kiln bench: round 12/55, 30 s``, with what :meth:`update` last said, and
+    nothing at all for a job done sooner (its output stays what it was). A context
+    manager; ``enabled`` False makes it do nothing."""
+
+    def __init__(self, title: str, every: float = 5.0, enabled: bool = True,
+                 stream: TextIO | None = None):
+        self.title, self.every, self.enabled = title, every, enabled
+        self.stream = sys.stderr if stream is None else stream
+        self.text = "running"
+        self.t0 = time.perf_counter()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> Heartbeat:
+        if self.enabled:
+            self._thread = threading.Thread(target=self._beat, daemon=True)
+            self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+
+    def update(self, text: str) -> None:
+        """What the job is at (``round 12/55``), for the next line."""
+        self.text = text
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.every):
+            self.stream.write(f"{self.title}: {self.text}, "
+                              f"{time.perf_counter() - self.t0:.0f} s\n")
+            self.stream.flush()
