@@ -123,6 +123,37 @@ def test_a_folder_given_as_the_model_is_called_a_folder(tmp_path):
     assert r.returncode == 1 and "is a folder" in r.stderr, r.stderr
 
 
+# -- a zoo name works wherever a file does: kiln serve too ---------------------------------
+
+def test_serve_takes_a_zoo_name_and_serves_it_under_that_name(zoo_model, tmp_path):
+    pytest.importorskip("starlette")
+    import json
+    import urllib.request
+
+    path = zoo_model("emotion_ferplus")  # built once; the server resolves the name itself
+    env = dict(os.environ, PYTHONPATH=str(ROOT / "src"), KILN_ZOO_DIR=str(path.parent.parent))
+    server = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "emotion_ferplus",
+                               "--http-port", "0", "--grpc-port", "0"], env=env,
+                              stderr=subprocess.PIPE, text=True)
+    try:
+        assert server.stderr is not None
+        line = next(x for x in server.stderr if "HTTP on" in x or "error" in x)
+        assert "models: emotion_ferplus" in line, line
+        url = "http://" + line.split("HTTP on ")[1].split(",")[0] + \
+            "/v2/models/emotion_ferplus/infer"
+        x = np.random.default_rng(0).standard_normal((1, 1, 64, 64)).astype(np.float32)
+        name = kiln.InferenceSession(str(path)).get_inputs()[0].name
+        body = {"inputs": [{"name": name, "datatype": "FP32", "shape": list(x.shape),
+                            "data": x.ravel().tolist()}]}
+        req = urllib.request.Request(url, json.dumps(body).encode())
+        out = json.load(urllib.request.urlopen(req, timeout=120))["outputs"][0]
+        got = np.array(out["data"], np.float32).reshape(out["shape"])
+        np.testing.assert_allclose(got, _ort_logits(str(path), x), rtol=1e-4, atol=1e-4)
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+
+
 # -- item 8: the deliberate onnxruntime crash stays out of the test output -----------------
 
 def test_the_onnxruntime_crash_test_prints_no_fatal_error():

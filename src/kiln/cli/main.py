@@ -353,7 +353,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "served under its file stem; a repository folder holds "
                        "name/VERSION/model.onnx with an optional name/config.json. Needs "
                        "the serve extra. Docs: docs/serving.md.")
-    p.add_argument("models", nargs="*", metavar="MODEL", help=".onnx files to serve")
+    p.add_argument("models", nargs="*", metavar="MODEL",
+                   help=".onnx files to serve (or zoo model names), each under its file "
+                        "stem (a model.onnx under its folder's name)")
     p.add_argument("--model-repository", metavar="DIR", default=None,
                    help="folder of models in Triton's layout (name/1/model.onnx)")
     p.add_argument("--host", default="127.0.0.1",
@@ -835,14 +837,16 @@ def cmd_batch(args) -> int:
 
 def cmd_serve(args) -> int:
     from kiln.serving import ModelConfig, serve
+    from kiln.tools.common import resolve_path
 
     if not args.models and not args.model_repository:
         raise UsageError("give model files, --model-repository DIR, or both")
+    models = [resolve_path(m) for m in args.models]  # zoo names, as every command takes
     config = ModelConfig(backend=args.backend, device=args.device, precision=args.precision,
                          threads=args.threads, max_batch_size=args.max_batch_size,
                          max_queue_delay_microseconds=args.max_queue_delay_microseconds,
                          max_queue_size=args.max_queue_size)
-    serve(args.models, args.model_repository, host=args.host, http_port=args.http_port,
+    serve(models, args.model_repository, host=args.host, http_port=args.http_port,
           grpc_port=args.grpc_port if args.allow_grpc == "true" else None,
           token=os.environ.get(args.token_env) or None,
           max_request_bytes=args.max_request_size, config=config)

@@ -165,6 +165,16 @@ def load_model(name: str, version: str, path: Path, config: ModelConfig) -> Serv
     return ServedModel(name, version, path, config, session)
 
 
+def file_model_name(path: Path) -> str:
+    """The name a model file is served under: its stem, or for ``model.onnx`` its folder's
+    name (a zoo model's ``resnet18/model.onnx``; Triton's ``name/1/model.onnx``), not
+    "model"."""
+    if path.name != "model.onnx":
+        return path.stem
+    folder = path.parent.parent if path.parent.name.isdigit() else path.parent
+    return folder.name or path.stem
+
+
 class Repository:
     """The models a server holds, by name; a model can be (re)loaded or unloaded while the
     others keep serving. Models given as files are fixed; a repository folder's models
@@ -188,12 +198,13 @@ class Repository:
             p = Path(m)
             if not p.is_file():
                 raise ModelLoadError(f"model file {p} does not exist")
-            if p.stem in self.files:
+            name = file_model_name(p)
+            if name in self.files:
                 raise ModelLoadError(
-                    f"two model files are named {p.stem!r}; rename one "
-                    "(a model's name is its file stem)"
+                    f"two model files are named {name!r}; rename one "
+                    "(a model's name is its file stem, or its folder's for model.onnx)"
                 )
-            self.files[p.stem] = p
+            self.files[name] = p
         for name in self.files:
             self.load(name)
         if self.root is not None and load_all:
