@@ -250,3 +250,10 @@ def test_batch_checks_before_starting_ray(tmp_path, args, says):
     assert r.returncode == 1 and says in r.stderr, r.stderr
     assert "internal error" not in r.stderr
     assert seconds < 20, seconds  # a Ray start alone is 30+ s here
+
+
+def test_static_quantize_without_data_says_which_flag_in_one_line(tmp_path):
+    r, _ = _kiln("quantize", DIGITS, "-o", "q.onnx", cwd=tmp_path)
+    assert r.returncode == 1 and "--calibration DATA.npz" in r.stderr, r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # checked before any stage
+    assert not (tmp_path / "q.onnx").exists()

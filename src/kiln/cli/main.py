@@ -857,6 +857,10 @@ def cmd_quantize(args) -> int:
     from kiln.quantize import quantize
     from kiln.tools.common import resolve_path
 
+    if args.mode == "static" and not args.calibration:  # before building a zoo model
+        raise OptionError("--mode static (the default) needs calibration data: --calibration "
+                          "DATA.npz, an .npz whose keys are the model's inputs (--mode "
+                          "dynamic needs none)")
     _check_layer_names(resolve_path(args.model), args.exclude, "--exclude")
     with _stages("quantize", 0) as stages:
         q = quantize(resolve_path(args.model), args.mode, args.calibration,
