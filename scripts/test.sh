@@ -24,7 +24,11 @@ echo "test.sh: [1/3] Chromium for the browser test (apt-get; skipped when instal
 bash scripts/install_test_deps.sh
 echo "test.sh: [2/3] pip install -e \".[test]\" (PyTorch CPU, onnxruntime, ...: minutes the" \
      "first time, seconds after)" >&2
-python3 -m pip install -q -e ".[test]"
+# One line per package pip fetches or installs (-q said nothing for minutes; all of pip's
+# output is a hundred "already satisfied" lines on every later run).
+python3 -m pip install --progress-bar off -e ".[test]" \
+  | { grep --line-buffered -E '^(Collecting|Installing collected|Successfully installed)' \
+      || true; }
 echo "test.sh: [3/3] pytest ${select[*]+${select[*]}} $* (the first run also builds the zoo" \
      "models the tests use, ~3.5 min on 2 cores, a line each)" >&2
 python3 -m pytest -q ${select[@]+"${select[@]}"} "$@"

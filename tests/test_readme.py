@@ -67,7 +67,7 @@ def run_test_sh(env: dict[str, str], *args: str) -> list[list[str]]:
 
 def test_test_sh_runs_the_fast_tests_and_slow_ones_on_request(fake_tools):
     install, pytest_call = run_test_sh(fake_tools)
-    assert install == ["-m", "pip", "install", "-q", "-e", ".[test]"]
+    assert install == ["-m", "pip", "install", "--progress-bar", "off", "-e", ".[test]"]
     assert pytest_call == ["-m", "pytest", "-q", "-m", "not slow"]
     Path(fake_tools["CALLS"]).unlink()
     _, pytest_call = run_test_sh(fake_tools, "--slow", "-x", "tests/test_cli.py")
