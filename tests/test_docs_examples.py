@@ -195,9 +195,23 @@ def _run_file(path: Path, cwd: Path, slow: bool) -> None:
             run_shell_block(b, cwd)
 
 
+def _not_ignored(clone: Path) -> list[str]:
+    """What the blocks left in the folder they ran in that the repository's .gitignore
+    does not cover: run from a clone's root, `git status` would offer to commit it."""
+    left = [str(p.relative_to(clone)) for p in clone.rglob("*")
+            if p.is_file() and p.parts[len(clone.parts)] not in (*LINKED, "zoo")]
+    if not left or shutil.which("git") is None or not (ROOT / ".git").exists():
+        return []
+    ignored = subprocess.run(["git", "-C", str(ROOT), "check-ignore", "--no-index", *left],
+                             capture_output=True, text=True).stdout.split()
+    return sorted(set(left) - set(ignored))
+
+
 @pytest.mark.parametrize("path", list(_file_cases(slow=False)))
 def test_doc_blocks_run(path: Path, clone: Path):
     _run_file(path, clone, slow=False)
+    left = _not_ignored(clone)
+    assert not left, f"{path.name}'s commands leave files .gitignore does not cover: {left}"
 
 
 @pytest.mark.parametrize("path", list(_file_cases(slow=True)))
@@ -212,6 +226,8 @@ def test_slow_doc_blocks_run(path: Path, clone: Path, monkeypatch: pytest.Monkey
                             ignore=shutil.ignore_patterns(".*"))
         monkeypatch.setenv("KILN_ZOO_DIR", str(own))
     _run_file(path, clone, slow=True)
+    left = _not_ignored(clone)
+    assert not left, f"{path.name}'s commands leave files .gitignore does not cover: {left}"
     if path.name == "scale-out.md":  # its first example once walked into Ray's deprecation
         out, err = capfd.readouterr()
         assert "deprecated" not in (out + err).lower(), (out + err)[-3000:]
