@@ -7,6 +7,7 @@ import importlib.util
 import os
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from pathlib import Path
 
 import numpy as np
@@ -81,9 +82,15 @@ def pytest_configure(config: pytest.Config) -> None:
 def _say(line: str) -> None:
     """A line in pytest's own output (not captured): a first run building zoo models for
     minutes says what it is doing instead of staying silent between the dots."""
-    tr = _PYTEST_CONFIG[0].pluginmanager.get_plugin("terminalreporter") \
-        if _PYTEST_CONFIG else None
-    if tr is not None:
+    if not _PYTEST_CONFIG:
+        return
+    plugins = _PYTEST_CONFIG[0].pluginmanager
+    tr, capman = plugins.get_plugin("terminalreporter"), plugins.get_plugin("capturemanager")
+    if tr is None:
+        return
+    # A fixture runs under output capture: unsuspended, the line went to the captured
+    # output of the test (shown only if it failed), and the build was silent after all.
+    with capman.global_and_fixture_disabled() if capman is not None else nullcontext():
         tr.write_line(line)
 
 
@@ -99,7 +106,7 @@ def zoo_model_path(name: str) -> Path:
     """
     zoo = pytest.importorskip("kiln.zoo")
     from kiln.errors import MissingDependencyError
-    from kiln.zoo.build import require_builder, stale_reason
+    from kiln.zoo.build import BUILD_STEPS, build_entry, require_builder, stale_reason
     from kiln.zoo.registry import get_entry
 
     key = (str(zoo.cache_dir()), name)
@@ -112,7 +119,9 @@ def zoo_model_path(name: str) -> Path:
             _say(f"building zoo model {name} into {zoo.cache_dir()} "
                  f"({stale_reason(name)}; once, then cached)")
             t0 = time.perf_counter()
-            zoo.build([name], force=True, progress=False)
+            step = iter(range(1, BUILD_STEPS + 1))  # a line per step: an export can take a minute
+            build_entry(get_entry(name), force=True, on_step=lambda text: _say(
+                f"  {name}: [{next(step)}/{BUILD_STEPS}] {text}"))
             _say(f"built zoo model {name} in {time.perf_counter() - t0:.0f} s")
             assert stale_reason(name) is None, f"{name}: {stale_reason(name)} after a build"
         _ZOO_READY[key] = zoo.path(name, progress=False)

@@ -167,6 +167,23 @@ def test_the_onnxruntime_crash_test_prints_no_fatal_error():
     assert "Fatal Python error" not in r.stdout + r.stderr
 
 
+# -- item 3: the first test run says which zoo models it builds -------------------------
+
+def test_a_test_run_building_a_zoo_model_says_so_step_by_step(tmp_path):
+    """In pytest's own output, not the test's captured output (shown only on failure)."""
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxruntime")
+    test = "tests/test_surgery.py::test_cut_by_tensor_agrees_with_the_originals_intermediates"
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
+                       cwd=ROOT, capture_output=True, text=True, timeout=900,
+                       env=dict(os.environ, PYTHONPATH=str(ROOT / "src"),
+                                KILN_ZOO_DIR=str(tmp_path / "zoo")))
+    assert "1 passed" in r.stdout, r.stdout + r.stderr
+    assert "building zoo model emotion_ferplus into" in r.stdout, r.stdout
+    assert "emotion_ferplus: [3/5] exporting to ONNX" in r.stdout, r.stdout
+    assert "built zoo model emotion_ferplus in" in r.stdout, r.stdout
+
+
 # -- item 9: an example's progress bar in a pipe -------------------------------------------
 
 def test_finetune_example_draws_no_bar_into_a_pipe(tmp_path):
