@@ -311,3 +311,62 @@ def test_torch_onnx_export_writes_a_transpose_without_perm():
                       input_names=["x"], opset_version=13)
     (got,) = ort_run(onnx.load_from_string(buf.getvalue()), {"x": x})
     np.testing.assert_array_equal(got, x.transpose(2, 1, 0))
+
+
+class _TwoHeads(nn.Module):
+    """A body with two outputs (features and their mean), for unpacking under fx."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(1)
+        self.conv, self.fc = nn.Conv2d(1, 3, 3), nn.Linear(3 * 6 * 6, 5)
+
+    def forward(self, x):
+        f = self.fc(torch.relu(self.conv(x)).flatten(1))
+        return f, f.mean(1, keepdim=True)
+
+
+def test_fx_symbolic_trace_of_a_module_holding_kiln_bodies():
+    """torch.fx.symbolic_trace of a user's module holding Kiln modules: each Kiln module
+    is one call_module node (a leaf; several outputs unpack), and the GraphModule gives
+    the original PyTorch modules' outputs and gradients and holds the Kiln parameters."""
+    net, blob = _digits_like()
+    two = _TwoHeads().eval()
+    x = torch.randn(4, 1, 8, 8)
+    two_blob = _export(two, (x,), input_names=["x"], do_constant_folding=False)
+    head = nn.Linear(5, 2)
+
+    class Mine(nn.Module):
+        def __init__(self, a, b):
+            super().__init__()
+            self.a, self.b, self.head = a, b, head
+
+        def forward(self, x):
+            feats, mean = self.b(x)
+            return self.a(x).sum(1, keepdim=True) + self.head(feats) * mean
+
+    ref = Mine(net, two).eval()
+    gm = torch.fx.symbolic_trace(Mine(kiln.to_torch(blob), kiln.to_torch(two_blob)).eval())
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["b", "a", "head"]
+    want = dict(ref.named_parameters())
+    assert {k for k, _ in gm.named_parameters()} == set(want)
+    _loss(ref(x)).backward()
+    out = gm(x)
+    torch.testing.assert_close(out, ref(x), rtol=1e-5, atol=1e-6)
+    _loss(out).backward()
+    for k, p in gm.named_parameters():
+        torch.testing.assert_close(p.grad, want[k].grad, rtol=1e-4, atol=1e-6, msg=k)
+
+
+def test_fx_symbolic_trace_of_a_kiln_module_itself_says_what_to_use():
+    """A Kiln module alone cannot be fx-traced (its kernels are chosen by shapes and
+    dtypes, which fx's proxies lack): a TypeError naming torch.export, whose program gives
+    the original module's outputs."""
+    net, blob = _digits_like()
+    m = kiln.to_torch(blob).eval()
+    with pytest.raises(TypeError, match="torch.export.export"):
+        torch.fx.symbolic_trace(m)
+    x = torch.randn(3, 1, 8, 8)
+    program = torch.export.export(m, (x,))
+    with torch.no_grad():
+        torch.testing.assert_close(program.module()(x), net(x), rtol=1e-5, atol=1e-6)

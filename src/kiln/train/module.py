@@ -37,6 +37,13 @@ class NonDifferentiableWarning(UserWarning):
     them, or the module would not have been created)."""
 
 
+_FX_ROOT = ("torch.fx.symbolic_trace cannot trace a KilnModule itself: it runs ONNX nodes "
+            "whose kernels are chosen by the inputs' shapes and dtypes, which fx's symbolic "
+            "Proxy objects do not carry. Use torch.export.export(module, args) for a graph "
+            "of its torch ops, or trace a module that holds it (it becomes one call_module "
+            "node there).")
+
+
 class KilnModule(nn.Module):
     """An imported ONNX graph as a torch module. Build it with :func:`kiln.to_torch`.
 
@@ -184,6 +191,11 @@ class KilnModule(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any):
         """Run the graph on its inputs (tensors or arrays; by position or name)."""
+        if isinstance(args, torch.fx.Proxy):  # fx tracing this module itself: no *args
+            raise TypeError(_FX_ROOT)
+        proxies = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.fx.Proxy)]
+        if proxies:
+            return self._fx_call(proxies[0].tracer, args, kwargs)
         feeds = list(args)
         for v in self._inputs[len(feeds):]:
             if v.name not in kwargs:
@@ -204,6 +216,19 @@ class KilnModule(nn.Module):
             if out is not None:
                 return out
         return self._run(inputs)
+
+    def _fx_call(self, tracer: Any, args: tuple, kwargs: dict):
+        """Under ``torch.fx.symbolic_trace`` of a module holding this one: one
+        ``call_module`` node, as for a leaf module. The graph's ops cannot be traced into fx
+        nodes: the plan picks each kernel by its inputs' shapes and dtypes, which fx's
+        Proxy objects do not carry."""
+        path = tracer.path_of_module(self)
+        if not path:
+            raise TypeError(_FX_ROOT)
+        out = tracer.create_proxy("call_module", path, args, kwargs)
+        n = len(self.kiln_graph_model.graph.outputs)
+        # several outputs come back as a tuple, which user code unpacks
+        return out if n == 1 else tuple(out[i] for i in range(n))
 
     def _run(self, inputs: list):
         be = self._backend
