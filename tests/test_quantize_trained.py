@@ -187,3 +187,21 @@ def test_ppocr_detector_fp16_folds_its_batchnorm():
     outs = [s.run(None, f) for f in ev]
     assert all(np.isfinite(o[0]).all() for o in outs)
     assert m.agreement(ref, outs) >= 0.995
+
+
+def test_log_mel_front_end_fp16_without_data_stays_finite():
+    """#48.5: openWakeWord's log-mel front end squares an STFT of int16-scale audio
+    (5e5, squared 2.6e11) before its Log: converted without calibration data, every
+    output was NaN on Kiln's backends with no warning. Without data the chain the Log of
+    a power depends on now stays float32, a warning names it, and the outputs are finite
+    and within 0.1 of onnxruntime's fp32 run (float16's resolution on dB-scale values
+    near 50 is 0.03)."""
+    m = _model("oww_melspec")
+    _, ev = m.make_feeds(0, 8)
+    ref = [ort.InferenceSession(m.path).run(None, f)[0] for f in ev]
+    with pytest.warns(UserWarning, match="feeds the logarithm Log_17 of a power"):
+        half = kiln.convert_float16(m.path)
+    s = kiln.InferenceSession(to_proto(half).SerializeToString())
+    outs = [s.run(None, f)[0] for f in ev]
+    assert all(np.isfinite(o).all() for o in outs)
+    assert max(float(np.abs(o - r).max()) for o, r in zip(outs, ref)) < 0.1

@@ -17,8 +17,9 @@ Before that, what would break in half precision is taken out of its reach:
 - range-sensitive layers stay float32: reductions and normalizations, and the arithmetic
   on their statistics (E[x^2] - E[x]^2 cancels in float16); with calibration data, every
   layer that reads or writes a value beyond half of float16's range (an STFT of int16-scale
-  audio); a BatchNormalization left unfolded whose constants exceed the range.
-  A warning names them.
+  audio); without it, everything a Log of a power (Pow >= 2, x * x) depends on (a log-mel
+  front end, whose magnitudes follow the input's scale); a BatchNormalization left
+  unfolded whose constants exceed the range. A warning names them.
 """
 
 from __future__ import annotations
@@ -257,7 +258,50 @@ def _range_sensitive(m: Model, convert: set[Node], half: DType, calibration
     if calibration is not None:
         out.update({n: why for n, why in _overflowing(m, convert, calibration, half).items()
                     if n not in out})
+    elif half == DType.FLOAT16:
+        out.update({n: why for n, why in _log_of_power(m, convert).items() if n not in out})
     return out
+
+
+def _log_of_power(m: Model, convert: set[Node]) -> dict[Node, str]:
+    """Without data: every converted node a Log of a power (a Pow with exponent >= 2, or
+    x * x, upstream) depends on. A log-power front end (a spectrogram in dB, a log-mel)
+    squares magnitudes that follow its input's scale (an STFT of int16-scale audio reaches
+    5e5; squared, 2.6e11), which only calibration data shows, and float16 turns them into
+    Inf and the logs into NaN; so the chain stays float32 unless calibration says
+    otherwise."""
+    out: dict[Node, str] = {}
+    for log in m.graph.nodes:
+        if log.op_type != "Log":
+            continue
+        seen: set[Node] = set()
+        todo = [log]
+        power = None
+        while todo:
+            n = todo.pop()
+            if n in seen:
+                continue
+            seen.add(n)
+            if power is None and _is_square(n):
+                power = n
+            todo += [v.producer for v in n.inputs
+                     if v is not None and v.const is None and v.producer is not None]
+        if power is None:
+            continue
+        why = (f"feeds the logarithm {_label(log)} of a power ({_label(power)}), whose "
+               "magnitude follows the input's scale: give calibration data to convert "
+               "what stays in range")
+        out.update({n: why for n in seen if n in convert and n not in out})
+    return out
+
+
+def _is_square(n: Node) -> bool:
+    if n.op_type == "Mul":
+        return len(n.inputs) == 2 and n.inputs[0] is n.inputs[1] and n.inputs[0] is not None
+    if n.op_type != "Pow" or len(n.inputs) < 2 or n.inputs[1] is None:
+        return False
+    e = n.inputs[1].const
+    return e is not None and e.size == 1 and float(np.asarray(e).reshape(-1)[0]) >= 2
 
 
 def _limit(half: DType) -> float:
