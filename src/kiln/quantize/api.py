@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -21,12 +21,21 @@ from kiln.quantize.cpu import weight_range
 from kiln.quantize.engines import BACKENDS
 from kiln.quantize.fp16 import as_model, at_opset, standard_ops
 from kiln.quantize.outliers import measure_noise
-from kiln.quantize.report import QuantizeReport, compare, latency_ms, model_bytes
+from kiln.quantize.report import (
+    QuantizeReport,
+    compare,
+    latency_ms,
+    model_bytes,
+    outputs_of,
+)
+from kiln.quantize.smooth import smooth
 from kiln.quantize.speed import LayerTiming, time_layers, whole_model_ms
 
 __all__ = ["MODES", "Budget", "Quantized", "quantize"]
 
 MODES = ("dynamic", "static", "weight-only")
+SMOOTH_ALPHAS = (0.5,)
+"""SmoothQuant strengths the accuracy budget tries (static, when none was asked)."""
 INTEGER_ENGINES = ("torch", "onnxruntime")
 """Engines that run quantized layers on integer kernels: speed-aware by default there."""
 # How many feeds the report's accuracy check runs at most.
@@ -52,7 +61,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
              per_channel: bool = True, symmetric: bool = False,
              op_types: Iterable[str] | None = None, exclude: Iterable[str] = (),
              reduce_range: bool | None = None, validation=None, percentile: float = 99.99,
-             max_noise: float | None = None,
+             max_noise: float | None = None, smooth_alpha: float | None = None,
              bits: int = 4,
              block_size: int = 128, budget: Budget | str | None = None,
              budget_seconds: float = 600.0,
@@ -73,6 +82,12 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     and weights add to its output, over the output's power, per sample) exceeds it is
     kept in float, the report says so with the figure. Neither is the default: on the
     trained models measured (docs/quantization.md) they did not beat minmax.
+    ``smooth_alpha`` (static; e.g. ``0.5``): SmoothQuant-style migration before
+    calibration (:mod:`kiln.quantize.smooth`): each Conv/MatMul/Gemm's input channels are
+    divided by ``s_j = max|x_j|^alpha / max|W_j|^(1-alpha)`` and its weights multiplied by
+    it, the division folded into what produces the input where that is exact (else a
+    float Mul in front); the report lists the layers and how. Not the default: measured
+    on one trained model only (docs/quantization.md); the accuracy budget tries it.
     ``symmetric``: int8 activations around 0 instead of uint8 with a zero point.
     ``reduce_range``: weights in -63..63, so that no pair of 8-bit x int8 products
     overflows the 16-bit sums of x86 integer kernels without VNNI (onnxruntime's and
@@ -134,11 +149,35 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         qdq.COMPUTE_OPS + qdq.ELEMENTWISE_OPS + qdq.EMBEDDING_OPS
     ranges = None
     outlier_kept: dict[str, str] = {}
+    asked_base = base
+
+    def smoothed(alpha: float) -> tuple[Model, set[str], dict[str, str]]:
+        """A copy of ``base`` with activation range migrated into the weights
+        (:mod:`kiln.quantize.smooth`), the float Muls it inserted, what it did."""
+        stage(f"migrating activation outliers into the weights (SmoothQuant, alpha "
+              f"{alpha:g})")
+        b = as_model(asked_base)
+        plan = qdq.plan_layers(b, mode, types, exclude)
+        done = smooth(b, [n for n in plan.quantized if n.op_type in qdq.COMPUTE_OPS],
+                      feeds, alpha, backend, plan.quantized)
+        infer_model(b)
+        return b, set(done.inserted), done.layers
+
+    def tensors_of(b: Model, skip: set[str]) -> list[str]:
+        """The float tensors a static plan of ``b`` quantizes (what calibration reads)."""
+        plan = qdq.plan_layers(b, mode, types, skip)
+        return sorted({v.name for n in plan.quantized if n.op_type not in qdq.EMBEDDING_OPS
+                       for v in list(n.inputs) + list(n.outputs)
+                       if v is not None and v.const is None and v.dtype == DType.FLOAT})
+
+    smooth_notes: dict[str, str] = {}
+    exclude_added: set[str] = set()
+    if mode == "static" and smooth_alpha is not None:
+        base, exclude_added, smooth_notes = smoothed(smooth_alpha)
+        exclude = exclude | exclude_added
     if mode == "static":
         plan = qdq.plan_layers(base, mode, types, exclude)
-        tensors = sorted({v.name for n in plan.quantized if n.op_type not in qdq.EMBEDDING_OPS
-                          for v in list(n.inputs) + list(n.outputs)
-                          if v is not None and v.const is None and v.dtype == DType.FLOAT})
+        tensors = tensors_of(base, exclude)
         stage(f"calibrating on {len(feeds)} batch(es) on {backend}")
         if method not in METHODS + ("auto",):
             raise OptionError(f"unknown calibration method {method!r}; choose one of "
@@ -167,12 +206,12 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
 
     def build(skip: set[str], how: Setting | None = None) -> tuple[Model, qdq.Plan]:
         how = how or setting
-        m = as_model(base)
+        m = as_model(how.base or base)
         if mode == "weight-only":
             plan = weight_only.plan_weight_only(m, skip)
             weight_only.rewrite_weight_only(m, plan, block_size, bits)
         else:
-            plan = qdq.plan_layers(m, mode, types, skip)
+            plan = qdq.plan_layers(m, mode, types, skip | how.skip)
             qdq.rewrite(m, plan, mode, how.ranges, how.per_channel, symmetric, how.bits)
         return m, plan
 
@@ -192,20 +231,30 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                         if other == "auto" else f"{other} calibration"
                     alts.append(Setting(label, None, setting.per_channel, setting.bits,
                                         other))
+            if smooth_alpha is None:
+                for alpha in SMOOTH_ALPHAS:
+                    alts.append(Setting(f"SmoothQuant migration (alpha {alpha:g}), {method} "
+                                        "calibration", None, setting.per_channel,
+                                        setting.bits, method if method != "auto" else
+                                        "minmax", smooth=alpha))
         return alts
 
     def ranges_by(how: Setting) -> Setting:
-        if how.ranges is None and how.method is not None:
+        if how.smooth is not None and how.base is None:
+            how.base, skip, how.notes = smoothed(how.smooth)
+            how.skip = frozenset(skip)
             stage(f"accuracy budget: calibrating with {how.method}")
-            if how.method == "auto":
-                missing = tuple(k for k in METHODS if k not in candidates)
-                if missing:
-                    candidates.update(calibrate_all(base, tensors, feeds, missing,
-                                                    percentile, backend))
-                how.ranges = measured(np.inf)[0]
-            else:
-                how.ranges = calibrate(base, tensors, feeds, how.method, percentile,
-                                       backend)
+            how.ranges = calibrate(how.base, tensors_of(how.base, exclude | skip), feeds,
+                                   how.method, percentile, backend)
+        if how.ranges is None and how.method is not None:
+            # every method at once: one histogram pass serves them all
+            missing = tuple(k for k in METHODS if k not in candidates)
+            if missing:
+                stage(f"accuracy budget: calibrating with {', '.join(missing)}")
+                candidates.update(calibrate_all(base, tensors, feeds, missing, percentile,
+                                                backend))
+            how.ranges = measured(np.inf)[0] if how.method == "auto" else \
+                candidates[how.method]
         return how
 
     check = (load_feeds(validation, inputs) if validation is not None else feeds)[:REPORT_FEEDS]
@@ -234,11 +283,11 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         if not check:
             raise OptionError("speed-aware quantization times layers on real inputs: give "
                               "calibration or validation feeds")
-        by_name = {n.name: n for n in base.graph.nodes if n.name}
+        by_name = {n.name: n for n in (setting.base or base).graph.nodes if n.name}
         layers = [by_name[n.name] for n in plan.quantized
                   if n.op_type in qdq.COMPUTE_OPS and n.name in by_name]
         stage(f"timing {len(layers)} layers float and quantized on {backend}")
-        timings = time_layers(base, m, layers, check[0], backend)
+        timings = time_layers(setting.base or base, m, layers, check[0], backend)
         slower = {name: f"reverted to float, speed-aware: {t.quant_ms:.3f} ms quantized vs "
                         f"{t.float_ms:.3f} ms float on {backend}"
                   for name, t in timings.items() if not t.faster}
@@ -250,7 +299,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
             # Layers timed alone miss what lies between them (a chain broken by a
             # reverted neighbour pays Q/DQ both sides): the whole model decides last.
             stage(f"timing the whole model float and quantized on {backend}")
-            f_ms, q_ms = whole_model_ms(base, m, check[0], backend)
+            f_ms, q_ms = whole_model_ms(setting.base or base, m, check[0], backend)
             if q_ms >= f_ms:
                 reverted.update({name: f"reverted to float, speed-aware: the model with "
                                        f"{len(left)} layer(s) quantized ran in {q_ms:.3f} "
@@ -260,7 +309,9 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     report = QuantizeReport(mode=mode, size_before=model_bytes(original),
                             size_after=model_bytes(m), backend=backend,
                             quantized=[_label(n) for n in plan.quantized],
-                            kept={**plan.kept, **outlier_kept, **reverted,
+                            kept={**{k: v for k, v in plan.kept.items()
+                                     if k not in setting.skip and k not in exclude_added},
+                                  **outlier_kept, **reverted,
                                   **{name: "a Kiln op with no standard-ONNX body"
                                      for name in opaque},
                                   **{_label(n): "inside a subgraph (If/Loop/Scan body): "
@@ -271,6 +322,8 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                             weight_bits=None if mode == "weight-only" else setting.bits,
                             weight_bits_reason=wrange.reason,
                             budget_log=search.log if budget is not None else [],
+                            smoothed=smooth_notes if setting.base is None else
+                            setting.notes,
                             advice=_advice(base, mode) + speed_note)
     if check:
         stage(f"measuring the error on {backend}")
@@ -337,6 +390,14 @@ class Setting:
     bits: int
     method: str | None = None
     """Calibration method whose ranges are to be computed on first use (ranges None)."""
+    smooth: float | None = None
+    """SmoothQuant's alpha: quantize a smoothed copy of the model (made on first use)."""
+    base: Model | None = None
+    """The model this setting quantizes (None: the one loaded)."""
+    skip: frozenset = frozenset()
+    """Nodes the setting added that stay float (the smoothing Muls)."""
+    notes: dict = field(default_factory=dict)
+    """Per smoothed layer, how (:func:`kiln.quantize.smooth.smooth`)."""
 
 
 @dataclass
@@ -356,8 +417,9 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
     1. The model as asked; then each alternative setting (8-bit weights, per-channel
        weights, other calibration methods): the first that meets the budget wins, the
        one with the smallest shortfall is kept for what follows.
-    2. Each layer's sensitivity, measured once: how much the shortfall shrinks when that
-       layer alone stays float.
+    2. Each layer's sensitivity, measured once: the shortfall with that layer alone
+       quantized. When every layer alone breaks the budget, no INT8 setting tried can
+       meet it: the float model comes back at once, and the log says so.
     3. The k most sensitive layers reverted, k = 1, 2, 4, ... until the budget holds,
        then bisection for the smallest such k.
     The search stops when ``seconds`` have passed and returns the best model seen (the
@@ -369,9 +431,11 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
     def over() -> bool:
         return time.perf_counter() - t0 > seconds
 
+    reference = outputs_of(original, check, backend)  # once, not per candidate
+
     def measure(skip: set[str], how, what: str):
         m, plan = build(skip, how)
-        gap = budget.shortfall(compare(original, m, check, backend))
+        gap = budget.shortfall(compare(reference, m, check, backend))
         log.append(f"{what}: shortfall {gap:.3g} ({time.perf_counter() - t0:.1f} s)")
         return gap, m, plan
 
@@ -388,25 +452,41 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
         if g == 0:
             log.append(f"budget met by {how.label}, no layer reverted")
             return _Search(m2, p2, {}, log, how)
-    how, base_gap = best[3], best[0]
+    how = best[3]
     names = [n.name for n in best[2].quantized
              if n.op_type in qdq.COMPUTE_OPS + qdq.EMBEDDING_OPS and n.name]
-    gain: dict[str, float] = {}
+    # Sensitivity: the shortfall with that layer alone quantized. (With the model far
+    # outside the budget, one layer back in float changes almost nothing and ranks
+    # nothing: PaddleOCR's recognizer reads 0% of lines like fp32 with any one of its
+    # layers reverted, while most of its layers alone cost 6-38% of lines.)
+    alone: dict[str, float] = {}
     for name in names:
         if over():
-            log.append(f"time budget ({seconds:.0f} s) spent ranking: {len(gain)} of "
+            log.append(f"time budget ({seconds:.0f} s) spent ranking: {len(alone)} of "
                        f"{len(names)} layers ranked")
             break
-        trial, _ = build(exclude | {name}, how)
-        gain[name] = base_gap - budget.shortfall(compare(original, trial, check, backend))
-    order = sorted(names, key=lambda n: -gain.get(n, float("-inf")))
-    if gain:
-        top = ", ".join(f"{n} ({gain[n]:.3g})" for n in order[:3] if n in gain)
-        log.append(f"ranked {len(gain)} layers by sensitivity once; most sensitive: {top}")
+        trial, _ = build(exclude | (set(names) - {name}), how)
+        alone[name] = budget.shortfall(compare(reference, trial, check, backend))
+    order = sorted(names, key=lambda n: -alone.get(n, float("inf")))
+    if alone:
+        top = ", ".join(f"{n} ({alone[n]:.3g})" for n in order[:3] if n in alone)
+        log.append(f"ranked {len(alone)} layers by sensitivity once (shortfall with "
+                   f"each alone quantized); most sensitive: {top}")
+    if alone and len(alone) == len(names) and min(alone.values()) > 0:
+        floor = min(alone, key=alone.get)
+        log.append(f"no INT8 setting tried keeps this model within the budget: each of its "
+                   f"{len(names)} layers alone quantized breaks it (the least, {floor}, by "
+                   f"{alone[floor]:.3g}); returning the float model "
+                   f"({time.perf_counter() - t0:.1f} s)")
+        why = {n: f"reverted to float for the accuracy budget ({budget}): quantized alone "
+                  f"it falls short by {alone[n]:.3g}" for n in names}
+        m2, p2 = build(exclude | set(why), how)
+        return _Search(m2, p2, why, log, how)
 
     def revert(k: int):
-        why = {n: f"reverted to float for the accuracy budget ({budget}): keeping it in "
-                  f"float alone cut the shortfall by {gain.get(n, 0.0):.3g}"
+        why = {n: f"reverted to float for the accuracy budget ({budget}): quantized alone "
+                  f"it falls short by {alone[n]:.3g}" if n in alone else
+                  f"reverted to float for the accuracy budget ({budget}): not ranked in time"
                for n in order[:k]}
         g, m2, p2 = measure(exclude | set(why), how, f"{k} most sensitive layer(s) in float")
         return g, m2, p2, why
@@ -429,6 +509,11 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
             hi, found = mid, (m2, p2, why)
         else:
             lo = mid
+    if found is not None and hi >= len(order):
+        log.append(f"budget met only with every one of the {hi} quantized layer(s) in "
+                   "float: no INT8 setting tried keeps this model within the budget; "
+                   "this is the float model")
+        return _Search(found[0], found[1], found[2], log, how)
     if found is not None:
         log.append(f"budget met with {hi} layer(s) in float"
                    + (f" and {how.label}" if how is not None else ""))

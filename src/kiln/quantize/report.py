@@ -14,7 +14,7 @@ from kiln.onnxio import to_proto
 from kiln.quantize.engines import open_session
 
 __all__ = ["OutputError", "QuantizeReport", "compare", "latency_ms", "model_bytes",
-           "output_errors"]
+           "output_errors", "outputs_of"]
 
 
 @dataclass
@@ -50,6 +50,8 @@ class QuantizeReport:
     budget_log: list[str] = field(default_factory=list)
     """Accuracy-aware mode: each setting tried, its shortfall and the time so far."""
     advice: list[str] = field(default_factory=list)
+    smoothed: dict[str, str] = field(default_factory=dict)
+    """Layers whose input range was migrated into their weights (SmoothQuant), and how."""
 
     def worst_rel(self) -> float:
         """The largest relative error over the outputs (0 when nothing was measured)."""
@@ -74,6 +76,9 @@ class QuantizeReport:
             lines.append(f"  kept {name}: {why}")
         if len(self.kept) > 20:
             lines.append(f"  ... {len(self.kept) - 20} more kept")
+        if self.smoothed:
+            lines.append(f"SmoothQuant migration: {len(self.smoothed)} layer(s), e.g. "
+                         + "; ".join(f"{k}: {v}" for k, v in list(self.smoothed.items())[:2]))
         if self.budget_log:
             lines.append("accuracy budget search:")
             lines += [f"  {line}" for line in self.budget_log]
@@ -104,19 +109,26 @@ def model_bytes(m: Model) -> int:
     return to_proto(m).ByteSize()
 
 
-def compare(ref: Model, quant: Model, feeds: list[dict], backend: str = "numpy"
-            ) -> dict[str, OutputError]:
-    """Per-output error of ``quant`` against ``ref`` over ``feeds``."""
-    s_ref = open_session(ref, backend)
-    s_q = open_session(quant, backend)
-    names = [o.name for o in s_ref.get_outputs()]
-    refs: dict[str, list[np.ndarray]] = {n: [] for n in names}
-    gots: dict[str, list[np.ndarray]] = {n: [] for n in names}
+def compare(ref: Model | dict[str, list[np.ndarray]], quant: Model, feeds: list[dict],
+            backend: str = "numpy") -> dict[str, OutputError]:
+    """Per-output error of ``quant`` against ``ref`` over ``feeds``; ``ref`` may be the
+    float model's outputs already computed (:func:`outputs_of`), as a search comparing
+    many candidates against one model does."""
+    refs = ref if isinstance(ref, dict) else outputs_of(ref, feeds, backend)
+    gots = outputs_of(quant, feeds, backend)
+    return output_errors(refs, {n: gots[n] for n in refs})
+
+
+def outputs_of(m: Model, feeds: list[dict], backend: str = "numpy"
+               ) -> dict[str, list[np.ndarray]]:
+    """Each output of ``m`` (name -> one array per feed) on ``backend``."""
+    sess = open_session(m, backend)
+    names = [o.name for o in sess.get_outputs()]
+    outs: dict[str, list[np.ndarray]] = {n: [] for n in names}
     for feed in feeds:
-        for n, r, g in zip(names, s_ref.run(None, feed), s_q.run(None, feed)):
-            refs[n].append(np.asarray(r))
-            gots[n].append(np.asarray(g))
-    return output_errors(refs, gots)
+        for n, r in zip(names, sess.run(None, feed)):
+            outs[n].append(np.asarray(r))
+    return outs
 
 
 def output_errors(refs: dict[str, list[np.ndarray]], gots: dict[str, list[np.ndarray]]
