@@ -136,3 +136,26 @@ def test_recurrent_layers_match_onnxruntime(backend, case):
     for g, w in zip(got, want):
         assert g.shape == w.shape
         np.testing.assert_allclose(g, w, rtol=1e-4, atol=1e-5)
+
+
+def test_a_training_forward_keeps_torchs_thread_count_for_small_convolutions():
+    """A small convolution that inference runs on one thread runs on torch's thread count
+    while autograd records it: oneDNN's one-thread algorithm rounds differently (a 1x1
+    convolution over 1x1 pixels here), and in training that difference reached the
+    gradients (MobileNetV2's, through train-mode BatchNorm). The Kiln module's output and
+    weight gradient equal the PyTorch module's bit for bit."""
+    torch = pytest.importorskip("torch")
+    import io
+
+    torch.set_num_threads(2)  # conftest restores the count
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(160, 800, 1), torch.nn.Flatten())
+    x = torch.randn(2, 160, 1, 1)  # 256,000 MACs: under the one-thread bound
+    buf = io.BytesIO()
+    torch.onnx.export(net, (x,), buf, dynamo=False, do_constant_folding=False)
+    m = kiln.to_torch(buf.getvalue())
+    got, want = m(x), net(x)
+    assert torch.equal(got, want)
+    got.square().sum().backward()
+    want.square().sum().backward()
+    assert torch.equal(dict(m.named_parameters())["0.weight"].grad, net[0].weight.grad)
