@@ -5,17 +5,20 @@ concurrency 1 against ``InferenceSession.run`` of the same model, backend and in
 process; the three alternate in blocks, so load on the machine hits all of them. Prints
 p50/p99 of each and the server's overhead (p50 minus in-process p50).
 
-Throughput: C client threads (each its own tritonclient HTTP client, batch-1 requests)
-for ``--seconds`` per level, against in-process runs of the same rows in batches of the
-server's max batch size; the ratio at 16 is the issue's target (>= 0.8x).
+Throughput: C client threads (each its own tritonclient HTTP client, batch-1 requests with
+binary tensors) for ``--seconds`` per level, alternating round by round with in-process
+runs of the same rows in batches of the server's max batch size; the ratio at 16 is the
+issue's target (>= 0.8x). Beside each figure, the CPU seconds per row that the server and
+this process (the clients) used, read from /proc: on a shared machine the wall-clock ratio
+follows the share of the cores each phase got, the CPU per row does not.
 
 Ray Serve (``--ray``): the same throughput through Ray Serve's proxy with 1 and 2
 replicas of the same app on a local Ray cluster.
 
-    python benchmarks/serving.py [--models digits,resnet18] [--backend numpy]
-        [--rounds 5] [--runs 40] [--seconds 5] [--levels 1,4,16,64] [--ray]
+    python benchmarks/serving.py [--models digits,resnet18,bert] [--backend torch]
+        [--rounds 5] [--runs 40] [--seconds 5] [--levels 1,4,16,64] [--seq 128] [--ray]
 
-Needs the serve extra and tritonclient (not in any extra: see docs/serving.md).
+Needs the serve extra (it has tritonclient). Text models (BERT) get ``--seq`` tokens.
 """
 
 from __future__ import annotations
@@ -40,16 +43,44 @@ def _model_path(name: str) -> Path:
     if name == "digits":
         return DIGITS
     import kiln.zoo
+
     return kiln.zoo.path(name)
 
 
-def _start(repo: str, backend: str, max_batch: int) -> tuple[subprocess.Popen, str, str]:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
-        [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]))
-    proc = subprocess.Popen([sys.executable, "-m", "kiln", "serve", "--model-repository", repo,
-                             "--http-port", "0", "--grpc-port", "0", "--backend", backend,
-                             "--max-batch-size", str(max_batch), "--max-queue-size", "1024"],
-                            stderr=subprocess.PIPE, text=True, env=env)
+def _start(
+    repo: str, backend: str, max_batch: int, window_us: int = 0
+) -> tuple[subprocess.Popen, str, str]:
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join(
+            [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+        ),
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kiln",
+            "serve",
+            "--model-repository",
+            repo,
+            "--http-port",
+            "0",
+            "--grpc-port",
+            "0",
+            "--backend",
+            backend,
+            "--max-batch-size",
+            str(max_batch),
+            "--max-queue-size",
+            "1024",
+            "--max-queue-delay-microseconds",
+            str(window_us),
+        ],
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
     for line in proc.stderr:
         m = re.search(r"HTTP on ([\d.]+:\d+), gRPC on ([\d.]+:\d+)", line)
         if m:
@@ -62,21 +93,62 @@ def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1e3, q))
 
 
-def overhead(name: str, sess, http_url: str, grpc_url: str, rounds: int, runs: int) -> dict:
+TRITON_TYPES = {
+    np.dtype(np.float32): "FP32",
+    np.dtype(np.int64): "INT64",
+    np.dtype(np.int32): "INT32",
+}
+
+
+def _feed(sess, rows: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
+    """A batch of ``rows`` for every input of ``sess``: free dims after the first are
+    ``seq``; token ids random below 1000, attention masks ones, token types zeros."""
+    rng = np.random.default_rng(seed)
+    feed = {}
+    for i in sess.get_inputs():
+        shape = [rows] + [d if isinstance(d, int) else seq for d in i.shape[1:]]
+        if i.type == "tensor(int64)":
+            if "mask" in i.name:
+                feed[i.name] = np.ones(shape, np.int64)
+            elif "type" in i.name:
+                feed[i.name] = np.zeros(shape, np.int64)
+            else:
+                feed[i.name] = rng.integers(0, 1000, shape, dtype=np.int64)
+        else:
+            feed[i.name] = rng.random(shape, dtype=np.float32)
+    return feed
+
+
+def _inputs(client_module, feed: dict[str, np.ndarray]) -> list:
+    ins = []
+    for name, arr in feed.items():
+        t = client_module.InferInput(name, list(arr.shape), TRITON_TYPES[arr.dtype])
+        t.set_data_from_numpy(arr)
+        ins.append(t)
+    return ins
+
+
+def _cpu(pid: int) -> float:
+    """CPU seconds (user + system, all threads) process ``pid`` has used."""
+    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def overhead(
+    name: str, sess, http_url: str, grpc_url: str, rounds: int, runs: int, seq: int
+) -> dict:
     """p50/p99 milliseconds of in-process, HTTP and gRPC, alternating blocks."""
     import tritonclient.grpc as tg
     import tritonclient.http as th
 
-    inp = sess.get_inputs()[0]
-    shape = [1] + [d if isinstance(d, int) else 1 for d in inp.shape[1:]]
-    x = np.random.default_rng(0).random(shape, dtype=np.float32)
+    feed = _feed(sess, 1, seq)
     hc, gc = th.InferenceServerClient(http_url), tg.InferenceServerClient(grpc_url)
-    hin = th.InferInput(inp.name, shape, "FP32")
-    hin.set_data_from_numpy(x)
-    gin = tg.InferInput(inp.name, shape, "FP32")
-    gin.set_data_from_numpy(x)
-    calls = {"in-process": lambda: sess.run(None, {inp.name: x}),
-             "http": lambda: hc.infer(name, [hin]), "grpc": lambda: gc.infer(name, [gin])}
+    hin, gin = _inputs(th, feed), _inputs(tg, feed)
+    calls = {
+        "in-process": lambda: sess.run(None, feed),
+        "http": lambda: hc.infer(name, hin),
+        "grpc": lambda: gc.infer(name, gin),
+    }
     for f in calls.values():  # warm up every path and shape
         for _ in range(3):
             f()
@@ -90,53 +162,79 @@ def overhead(name: str, sess, http_url: str, grpc_url: str, rounds: int, runs: i
     return {k: (_pct(v, 50), _pct(v, 99)) for k, v in times.items()}
 
 
-def throughput(name: str, sess, http_url: str, level: int, seconds: float) -> float:
-    """Requests (rows) per second with ``level`` client threads sending batch-1 requests."""
+def throughput(
+    name: str,
+    feed: dict[str, np.ndarray],
+    http_url: str,
+    level: int,
+    seconds: float,
+    server_pid: int | None = None,
+) -> tuple[float, float, float]:
+    """(requests per second, server CPU seconds per request, client CPU seconds per
+    request) with ``level`` client threads sending ``feed`` (one row) over and over."""
     import tritonclient.http as th
 
-    inp = sess.get_inputs()[0]
-    shape = [1] + [d if isinstance(d, int) else 1 for d in inp.shape[1:]]
-    x = np.random.default_rng(1).random(shape, dtype=np.float32)
     done, errors = [0] * level, []
     stop = time.perf_counter() + seconds
 
     def client(i: int) -> None:
         c = th.InferenceServerClient(http_url, connection_timeout=120, network_timeout=120)
-        t_in = th.InferInput(inp.name, shape, "FP32")
-        t_in.set_data_from_numpy(x)
+        ins = _inputs(th, feed)
         while time.perf_counter() < stop:
             try:
-                c.infer(name, [t_in])
+                c.infer(name, ins)
                 done[i] += 1
             except Exception as e:  # noqa: BLE001 - counted, the run goes on
                 errors.append(e)
 
+    cpu0 = _cpu(server_pid) if server_pid else 0.0
+    me0 = _cpu(os.getpid())
     start = time.perf_counter()
     threads = [threading.Thread(target=client, args=(i,)) for i in range(level)]
     for t in threads:
         t.start()
     for t in threads:
         t.join()
+    wall = time.perf_counter() - start
+    n = max(sum(done), 1)
+    server_cpu = (_cpu(server_pid) - cpu0) / n if server_pid else float("nan")
+    client_cpu = (_cpu(os.getpid()) - me0) / n
     if errors:
         print(f"    {len(errors)} failed requests, e.g. {errors[0]}", file=sys.stderr)
-    return sum(done) / (time.perf_counter() - start)
+    return sum(done) / wall, server_cpu, client_cpu
 
 
-def in_process_batched(sess, batch: int, seconds: float) -> float:
-    """Rows per second of in-process runs in batches of ``batch``."""
-    inp = sess.get_inputs()[0]
-    shape = [batch] + [d if isinstance(d, int) else 1 for d in inp.shape[1:]]
-    x = np.random.default_rng(2).random(shape, dtype=np.float32)
-    sess.run(None, {inp.name: x})
-    rows, start = 0, time.perf_counter()
+def in_process_batched(sess, feed: dict[str, np.ndarray], seconds: float) -> tuple[float, float]:
+    """(rows per second, CPU seconds per row) of in-process runs of ``feed``."""
+    batch = len(next(iter(feed.values())))
+    sess.run(None, feed)
+    rows, cpu0, start = 0, _cpu(os.getpid()), time.perf_counter()
     while time.perf_counter() - start < seconds:
-        sess.run(None, {inp.name: x})
+        sess.run(None, feed)
         rows += batch
-    return rows / (time.perf_counter() - start)
+    return rows / (time.perf_counter() - start), (_cpu(os.getpid()) - cpu0) / rows
 
 
-def ray_serve(names: list[str], backend: str, level: int, seconds: float,
-              max_batch: int) -> None:
+def _rows_and_runs(http_url: str, name: str) -> tuple[float, float]:
+    """Rows and runs the server has counted for ``name`` (its /metrics)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://{http_url}/metrics", timeout=60).read().decode()
+
+    def value(metric: str) -> float:
+        m = re.search(rf'^{metric}{{model="{name}"}} (\S+)$', text, re.M)
+        return float(m.group(1)) if m else 0.0
+
+    return value("kiln_batch_size_sum"), value("kiln_batch_size_count")
+
+
+def _load() -> str:
+    return open("/proc/loadavg").read().split()[0]
+
+
+def ray_serve(
+    names: list[str], backend: str, level: int, seconds: float, max_batch: int, seq: int
+) -> None:
     """Throughput through Ray Serve's HTTP proxy with 1 and 2 replicas."""
     import socket
 
@@ -155,18 +253,25 @@ def ray_serve(names: list[str], backend: str, level: int, seconds: float,
         serve.start(http_options={"host": "127.0.0.1", "port": port})
         for n in names:
             sess = kiln.InferenceSession(str(_model_path(n)), backend=backend)
+            feed = _feed(sess, 1, seq)
             for replicas in (1, 2):
                 with tempfile.TemporaryDirectory() as repo:
                     (Path(repo) / n / "1").mkdir(parents=True)
                     os.symlink(_model_path(n), Path(repo) / n / "1" / "model.onnx")
                     cfg = ModelConfig(backend=backend, max_batch_size=max_batch)
-                    serve.run(application(model_repository=repo, config=cfg,
-                                          num_replicas=replicas, num_cpus=0.5),
-                              route_prefix="/")
-                    throughput(n, sess, f"127.0.0.1:{port}", 2, 2)  # warm up
-                    rps = throughput(n, sess, f"127.0.0.1:{port}", level, seconds)
-                    print(f"{n} ({backend}) on Ray Serve, {replicas} replica(s), concurrency "
-                          f"{level}: {rps:.1f} req/s", flush=True)
+                    serve.run(
+                        application(
+                            model_repository=repo, config=cfg, num_replicas=replicas, num_cpus=0.5
+                        ),
+                        route_prefix="/",
+                    )
+                    throughput(n, feed, f"127.0.0.1:{port}", 2, 2)  # warm up
+                    rps = throughput(n, feed, f"127.0.0.1:{port}", level, seconds)[0]
+                    print(
+                        f"{n} ({backend}) on Ray Serve, {replicas} replica(s), concurrency "
+                        f"{level}: {rps:.1f} req/s",
+                        flush=True,
+                    )
                     serve.delete("default")
     finally:
         serve.shutdown()
@@ -175,19 +280,30 @@ def ray_serve(names: list[str], backend: str, level: int, seconds: float,
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--models", default="digits,resnet18")
-    ap.add_argument("--backend", default="numpy")
-    ap.add_argument("--rounds", type=int, default=5)
-    ap.add_argument("--runs", type=int, default=40)
-    ap.add_argument("--seconds", type=float, default=5.0)
+    ap.add_argument("--models", default="digits,resnet18,bert")
+    ap.add_argument("--backend", default="torch")
+    ap.add_argument("--rounds", type=int, default=5, help="latency blocks per path")
+    ap.add_argument("--runs", type=int, default=40, help="requests per latency block")
+    ap.add_argument("--seconds", type=float, default=5.0, help="per throughput measurement")
+    ap.add_argument(
+        "--throughput-rounds",
+        type=int,
+        default=2,
+        help="alternating in-process / server rounds per concurrency level",
+    )
     ap.add_argument("--levels", default="1,4,16,64")
+    ap.add_argument("--seq", type=int, default=128, help="tokens per row of a text model")
     ap.add_argument("--max-batch-size", type=int, default=16)
+    ap.add_argument("--max-queue-delay-microseconds", type=int, default=0)
+    ap.add_argument("--no-latency", action="store_true", help="throughput only")
     ap.add_argument("--ray", action="store_true", help="Ray Serve with 1 and 2 replicas")
     args = ap.parse_args(argv)
     import kiln
 
     if args.ray:
-        ray_serve(args.models.split(","), args.backend, 16, args.seconds, args.max_batch_size)
+        ray_serve(
+            args.models.split(","), args.backend, 16, args.seconds, args.max_batch_size, args.seq
+        )
         return 0
 
     names = args.models.split(",")
@@ -195,23 +311,45 @@ def main(argv: list[str] | None = None) -> int:
         for n in names:
             (Path(repo) / n / "1").mkdir(parents=True)
             os.symlink(_model_path(n), Path(repo) / n / "1" / "model.onnx")
-        proc, http_url, grpc_url = _start(repo, args.backend, args.max_batch_size)
+        proc, http_url, grpc_url = _start(
+            repo, args.backend, args.max_batch_size, args.max_queue_delay_microseconds
+        )
         try:
             for n in names:
                 sess = kiln.InferenceSession(str(_model_path(n)), backend=args.backend)
-                r = overhead(n, sess, http_url, grpc_url, args.rounds, args.runs)
-                base = r["in-process"][0]
-                print(f"{n} ({args.backend}) latency at concurrency 1, ms p50/p99: " + ", ".join(
-                    f"{k} {p50:.2f}/{p99:.2f}" for k, (p50, p99) in r.items()))
-                print(f"  server overhead p50: http {r['http'][0] - base:.2f} ms, "
-                      f"grpc {r['grpc'][0] - base:.2f} ms", flush=True)
-                batched = in_process_batched(sess, args.max_batch_size, args.seconds)
-                print(f"  in-process batch {args.max_batch_size}: {batched:.1f} rows/s",
-                      flush=True)
-                for level in map(int, args.levels.split(",")):
-                    rps = throughput(n, sess, http_url, level, args.seconds)
-                    print(f"  concurrency {level:>2}: {rps:8.1f} req/s "
-                          f"({rps / batched:.2f}x in-process batched)", flush=True)
+                if not args.no_latency:
+                    r = overhead(n, sess, http_url, grpc_url, args.rounds, args.runs, args.seq)
+                    base = r["in-process"][0]
+                    print(
+                        f"{n} ({args.backend}) latency at concurrency 1, ms p50/p99: "
+                        + ", ".join(f"{k} {p50:.2f}/{p99:.2f}" for k, (p50, p99) in r.items())
+                        + f"  (load {_load()})"
+                    )
+                    print(
+                        f"  server overhead p50: http {r['http'][0] - base:.2f} ms, "
+                        f"grpc {r['grpc'][0] - base:.2f} ms",
+                        flush=True,
+                    )
+                one, batch = _feed(sess, 1, args.seq), _feed(sess, args.max_batch_size, args.seq)
+                throughput(n, one, http_url, 2, 1.0)  # warm the server's batch shapes
+                for level in [int(c) for c in args.levels.split(",") if c]:
+                    for rnd in range(args.throughput_rounds):
+                        ip, ip_cpu = in_process_batched(sess, batch, args.seconds)
+                        rows0, runs0 = _rows_and_runs(http_url, n)
+                        rps, s_cpu, c_cpu = throughput(
+                            n, one, http_url, level, args.seconds, proc.pid
+                        )
+                        rows1, runs1 = _rows_and_runs(http_url, n)
+                        per_run = (rows1 - rows0) / max(runs1 - runs0, 1)
+                        print(
+                            f"{n} ({args.backend}) concurrency {level:>2} round {rnd}: "
+                            f"{rps:8.1f} req/s vs in-process batch {args.max_batch_size} "
+                            f"{ip:8.1f} rows/s = {rps / ip:.2f}x; {per_run:.1f} rows a server "
+                            f"run; CPU ms per row: server "
+                            f"{s_cpu * 1e3:.1f} + clients {c_cpu * 1e3:.1f} vs in-process "
+                            f"{ip_cpu * 1e3:.1f} (load {_load()})",
+                            flush=True,
+                        )
         finally:
             proc.terminate()
             proc.wait(60)
