@@ -141,3 +141,22 @@ def test_step_lines_in_a_pipe_say_a_long_step_is_still_running():
     assert 2 <= len(still) <= 4, lines  # one per 0.3 s of silence, not more
     assert all(s.startswith("kiln x: [1/2] timing (round 3/9): still running, ")
                for s in still), lines
+
+
+def test_a_heartbeat_says_nothing_for_a_short_job_and_a_line_per_period_for_a_long_one():
+    import io
+
+    from kiln.tools.progress import Heartbeat
+
+    log = io.StringIO()
+    with Heartbeat("kiln x", every=0.3, stream=log) as beat:
+        beat.update("round 1/9")
+    assert log.getvalue() == ""  # done before the first period: the output stays as it was
+    with Heartbeat("kiln x", every=0.3, stream=log) as beat:
+        beat.update("round 2/9")
+        time.sleep(1.0)
+    lines = log.getvalue().splitlines()
+    assert 2 <= len(lines) <= 4 and all(x.startswith("kiln x: round 2/9, ") for x in lines)
+    with Heartbeat("kiln x", every=0.1, enabled=False, stream=log):
+        time.sleep(0.3)
+    assert len(log.getvalue().splitlines()) == len(lines)

@@ -87,7 +87,7 @@ def build(
     a bar (tqdm, with the step being done) is drawn when ``progress`` is True or, for None,
     when stderr is a terminal -- never into logs and pipes.
     """
-    from kiln.tools.progress import wants_progress
+    from kiln.tools.progress import Heartbeat, wants_progress
 
     names = list(REGISTRY) if not names else list(names)
     for n in names:
@@ -102,7 +102,11 @@ def build(
         cached = not force and is_built(name)
         t0 = time.perf_counter()
 
-        def on_step(text: str, name: str = name) -> None:
+        # Without a bar (a pipe, a log) a step that runs on says so every few seconds.
+        beat = Heartbeat(name, enabled=bar is None and progress is not False and not cached)
+
+        def on_step(text: str, name: str = name, beat: Heartbeat = beat) -> None:
+            beat.update(f"{text} (still running)")
             if bar is not None:
                 bar.set_postfix_str(f"{name}: {text}")
             elif progress is not False and text.startswith("exporting"):
@@ -110,7 +114,8 @@ def build(
                 _say(None, f"{name:<22} {text} ...")
 
         try:
-            p = build_entry(get_entry(name), force=force, on_step=on_step)
+            with beat:
+                p = build_entry(get_entry(name), force=force, on_step=on_step)
         except Exception as exc:  # noqa: BLE001 - report and keep going
             failures.append(f"{name}: {type(exc).__name__}: {exc}")
             if progress is not False:
