@@ -154,6 +154,22 @@ def test_serve_takes_a_zoo_name_and_serves_it_under_that_name(zoo_model, tmp_pat
         server.wait(timeout=60)
 
 
+# -- item 6: training.md's freeze-by-name example freezes some, not all --------------------
+
+def test_the_docs_freeze_by_name_example_matches_the_shipped_models_layers():
+    """The doc block runs as written elsewhere (test_docs_examples); run alone it proved
+    nothing when its pattern matched no parameter (everything frozen, nothing learns)."""
+    pytest.importorskip("torch")
+    text = (ROOT / "docs" / "training.md").read_text()
+    blocks = text.split("```python\n")[1:]
+    (code,) = [b.split("```")[0] for b in blocks if "requires_grad_(name." in b]
+    namespace = {"model": kiln.to_torch(DIGITS)}
+    exec(code, namespace)
+    params = dict(namespace["model"].named_parameters())
+    trained = {n for n, p in params.items() if p.requires_grad}
+    assert trained and trained != set(params), (trained, list(params))
+
+
 # -- item 8: the deliberate onnxruntime crash stays out of the test output -----------------
 
 def test_the_onnxruntime_crash_test_prints_no_fatal_error():
