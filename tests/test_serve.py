@@ -215,8 +215,9 @@ def test_tritonclient_grpc(server):
     x = np.random.default_rng(2).random((4, 1, 8, 8), dtype=np.float32)
     inp = tg.InferInput("image", list(x.shape), "FP32")
     inp.set_data_from_numpy(x)
-    got = client.infer("digits_cnn", [inp]).as_numpy("logits")
-    np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
+    for compression in (None, "gzip", "deflate"):  # gRPC's own message compression
+        got = client.infer("digits_cnn", [inp], compression_algorithm=compression)
+        np.testing.assert_allclose(got.as_numpy("logits"), _reference(x), rtol=1e-4, atol=1e-5)
     bad = tg.InferInput("image", [1, 1, 8, 8], "FP64")
     bad.set_data_from_numpy(np.zeros((1, 1, 8, 8)))
     with pytest.raises(tg.InferenceServerException) as e:
