@@ -245,3 +245,24 @@ def test_skipped_blocks_are_few_and_say_why():
     for where, reason in skipped.items():
         print(f"not run: {where}: {reason}")
     assert len(skipped) <= 6, skipped
+
+
+def test_zoo_md_table_is_what_kiln_zoo_table_prints():
+    """docs/zoo.md's table quotes `kiln zoo table` (sizes, node counts, op histograms,
+    tolerances) for every model whose cached build is current; build times vary."""
+    zoo = pytest.importorskip("kiln.zoo")
+    from kiln.zoo.__main__ import markdown_table
+    from kiln.zoo.build import stale_reason
+
+    def rows(text: str) -> dict[str, str]:
+        table = text.split("| name | family |", 1)[1].split("\n\n", 1)[0]
+        return {r.split("|")[1].strip(): r.rsplit("|", 2)[0] for r in table.splitlines()[2:]
+                if r.startswith("|")}
+
+    doc = rows((ROOT / "docs" / "zoo.md").read_text())
+    assert set(doc) == {e.name for e in zoo.list_models()}, sorted(doc)
+    current = {n: r for n, r in rows(markdown_table()).items() if stale_reason(n) is None}
+    if not current:
+        pytest.skip("no current zoo build in the cache to compare with")
+    wrong = {n: (r, doc[n]) for n, r in current.items() if doc[n] != r}
+    assert not wrong, wrong
