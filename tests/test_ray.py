@@ -183,7 +183,11 @@ def test_kiln_batch_cli_on_parquet_files(cluster, digits, tmp_path, capsys):
     code = main(["batch", MODEL, "--input", str(data / "*.parquet"), "--output", str(out),
                  "--address", cluster.address, "--concurrency", "2", "--batch-size", "250"])
     assert code == 0
-    assert "scored 3000 rows from 3 file(s)" in capsys.readouterr().out
+    printed = capsys.readouterr()
+    assert "scored 3000 rows from 3 file(s)" in printed.out
+    # its stages on stderr, a line each (Ray already runs in this process: no start line)
+    assert "kiln batch: [1] scoring 3 file(s) on 2 actor(s)" in printed.err, printed.err
+    assert "kiln batch: done in" in printed.err, printed.err
     got = ray.data.read_parquet(str(out)).to_pandas()
     ids = got["id"].to_numpy()
     assert np.array_equal(np.sort(ids), np.arange(3000))

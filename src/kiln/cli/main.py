@@ -826,10 +826,13 @@ def _check_layer_names(model: Any, names: list[str], flag: str) -> None:
 def cmd_batch(args) -> int:
     from kiln.integrations.ray import batch_files
 
-    r = batch_files(args.model, args.input, args.output, address=args.address,
-                    concurrency=args.concurrency, batch_size=args.batch_size,
-                    backend=args.backend, device=args.device, threads=args.threads,
-                    num_gpus=args.gpus, optimize=not args.no_optimize)
+    with _stages("batch", 0) as stages:  # a local Ray start alone is silent for 30+ s
+        r = batch_files(args.model, args.input, args.output, address=args.address,
+                        concurrency=args.concurrency, batch_size=args.batch_size,
+                        backend=args.backend, device=args.device, threads=args.threads,
+                        num_gpus=args.gpus, optimize=not args.no_optimize,
+                        on_stage=stages.step)
+        stages.done(f"done in {stages.elapsed():.1f} s")
     print(f"scored {r.rows} rows from {r.files} file(s) in {r.seconds:.1f} s "
           f"({r.rows / r.seconds:.0f} rows/s); parquet in {r.output}")
     return 0

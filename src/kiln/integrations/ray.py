@@ -16,6 +16,7 @@ from __future__ import annotations
 import glob
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -260,11 +261,14 @@ def _read_file(path: str, input_name: str | None) -> Any:
 def batch_files(model: Any, patterns: list[str], output: str, *, address: str | None = None,
                 concurrency: int = 1, batch_size: int = 256, backend: str = "numpy",
                 device: str | None = None, threads: int = 1, num_gpus: float = 0,
-                optimize: bool = True) -> BatchResult:
+                optimize: bool = True,
+                on_stage: Callable[[str], None] | None = None) -> BatchResult:
     """Score the files matching ``patterns`` on Ray (a running cluster at ``address``,
     ``"auto"`` to find it, else a local one) and write parquet under ``output``.
 
-    The model, files, output folder and options are checked before Ray starts."""
+    The model, files, output folder and options are checked before Ray starts.
+    ``on_stage(text)`` is called as each stage starts (starting Ray, scoring, counting)."""
+    stage = on_stage or (lambda text: None)
     if concurrency < 1 or batch_size < 1 or threads < 1:
         raise OptionError("concurrency, batch size and threads must be at least 1")
     if num_gpus < 0:
@@ -284,8 +288,11 @@ def batch_files(model: Any, patterns: list[str], output: str, *, address: str | 
     input_files(patterns, input_name)
     ray = _ray()
     if not ray.is_initialized():
+        stage(f"connecting to the Ray cluster at {address}" if address else
+              "starting a local Ray cluster")
         ray.init(address=address, log_to_driver=False)
     ds, nfiles = read_files(patterns, input_name)
+    stage(f"scoring {nfiles} file(s) on {concurrency} actor(s) into {output}")
     t0 = time.perf_counter()
     scored = predict(ds, data, concurrency=concurrency, batch_size=batch_size,
                      backend=backend, device=device, threads=threads, num_gpus=num_gpus,
@@ -293,6 +300,7 @@ def batch_files(model: Any, patterns: list[str], output: str, *, address: str | 
     os.makedirs(output, exist_ok=True)
     scored.write_parquet(output, ray_remote_args={"num_cpus": 0})  # as reading: no CPU held
     seconds = time.perf_counter() - t0
+    stage("counting the rows written")
     rows = ray.data.read_parquet(output).count()
     if rows == 0:
         raise KilnError(f"nothing was written to {output}")

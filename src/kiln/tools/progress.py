@@ -106,7 +106,9 @@ class StepReporter:
 
     def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                  tb: TracebackType | None) -> None:
-        if exc_type is not None and not self._stop.is_set():
+        if exc_type is not None and self.k and not self._stop.is_set():
+            # Only after a step was announced: a check failing before any (a bad option)
+            # stays the one error line.
             self.done(f"failed after {self.elapsed():.0f} s")
         self._halt()
 
