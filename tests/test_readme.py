@@ -72,3 +72,20 @@ def test_test_sh_runs_the_fast_tests_and_slow_ones_on_request(fake_tools):
     Path(fake_tools["CALLS"]).unlink()
     _, pytest_call = run_test_sh(fake_tools, "--slow", "-x", "tests/test_cli.py")
     assert pytest_call == ["-m", "pytest", "-q", "-x", "tests/test_cli.py"]
+
+
+# Where files that are data, results or build output may be committed: the model and test
+# images Kiln ships, raw benchmark results, the docs' pictures. Anywhere else (a wheel at the
+# root, JSON dumps in docs/, an out.npz a command left) they are clutter a visitor sees.
+_DATA = re.compile(r"\.(whl|egg|tar\.gz|zip|so|pyc|onnx|npz|npy|pt|pb|parquet|html|json|"
+                   r"png|jpg|svg)$")
+_DATA_HOMES = ("src/kiln/data/", "benchmarks/results/", "docs/images/")
+
+
+def test_data_and_build_output_are_committed_only_where_they_belong():
+    if not (ROOT / ".git").exists():
+        pytest.skip("not a git checkout")
+    files = subprocess.run(["git", "-C", str(ROOT), "ls-files"], capture_output=True,
+                           text=True, check=True).stdout.split("\n")
+    stray = [f for f in files if _DATA.search(f) and not f.startswith(_DATA_HOMES)]
+    assert not stray, f"data or build output outside {_DATA_HOMES}: {stray}"
