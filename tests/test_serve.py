@@ -548,3 +548,25 @@ def test_kiln_serve_function_serves_from_python():
             np.testing.assert_allclose(got.as_numpy("logits"), _reference(x), rtol=1e-4, atol=1e-5)
     finally:
         assert s.stop() == 0
+
+
+def test_import_kiln_loads_no_server_library():
+    """``kiln.serve`` is a function on ``import kiln`` without importing Starlette, uvicorn
+    or grpc: Kiln without the serve extra still imports, and they load when a server starts."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, kiln, inspect; print(inspect.isfunction(kiln.serve), "
+        "sorted(m for m in ('starlette', 'uvicorn', 'grpc', 'prometheus_client') "
+        "if m in sys.modules))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        env={**os.environ, "PYTHONPATH": str(DIGITS.parents[2])},
+    )
+    assert out.stdout.split() == ["True", "[]"], out
