@@ -74,11 +74,11 @@ def test_nan_propagated_is_only_a_nan_that_pytorch_computes_too(case):
     assert not np.isfinite(w).all()
     x = feeds["x4"]
     from conftest import ort_run
-    from kiln.ops.torch import nn
+    from kiln.ops.torch import conv
 
     want = {"numpy": torch.nn.functional.conv2d(torch.from_numpy(x), torch.from_numpy(w),
                                                 padding=1).numpy()}
-    want["torch"] = ort_run(onnx.load_from_string(data), feeds)[0] if nn.PREPACK \
+    want["torch"] = ort_run(onnx.load_from_string(data), feeds)[0] if conv.PREPACK \
         else want["numpy"]
     for backend in ("numpy", "torch"):
         got = kiln.InferenceSession(data, backend=backend).run(None, feeds)[0]

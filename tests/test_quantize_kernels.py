@@ -106,7 +106,7 @@ def test_one_session_across_batch_sizes(digits):
 def test_fbgemm_and_float_paths_without_onednn(digits, monkeypatch):
     """Where torch has no oneDNN int8 ops, convolutions and linear layers run on fbgemm and
     float-output layers in float32 on the dequantized input: the same bounds hold."""
-    import kiln.ops.torch.quant as torch_quant
+    import kiln.ops.torch.quant_fused as torch_quant
 
     monkeypatch.setattr(torch_quant, "_ONEDNN_QCONV", False)
     monkeypatch.setattr(torch_quant, "_ONEDNN_QLINEAR", False)

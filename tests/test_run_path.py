@@ -64,3 +64,38 @@ def test_a_run_reaches_the_kernel_in_four_calls(backend, op):
         warnings.simplefilter("ignore")  # EyeLike on torch: the fallback warning
         sess = kiln.Session(_model(op), backend=backend, optimize=False)
     assert _frames_to_first_kernel(sess) == PATH
+
+
+def _typed_model(op: str, dtype: int, opset: int = 17):
+    info = [helper.make_tensor_value_info(n, dtype, [4, 4]) for n in "xy"]
+    g = helper.make_graph([helper.make_node(op, ["x"], ["y"])], "g", info[:1], info[1:])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+
+
+@pytest.mark.parametrize("op, dtype, how", [
+    ("Sign", TensorProto.FLOAT, "torch"),          # a type the torch kernel takes
+    ("Sign", TensorProto.UINT8, "torch-generic"),  # one it does not: declined at prepare
+    ("Relu", TensorProto.INT8, "torch"),
+    ("Relu", TensorProto.FLOAT, "torch"),
+    ("Floor", TensorProto.DOUBLE, "torch"),
+    ("Abs", TensorProto.UINT8, "torch"),
+    ("Abs", TensorProto.UINT32, "torch-generic"),
+])
+def test_a_kernel_declines_a_type_the_plan_knows_when_the_session_is_made(op, dtype, how):
+    """A torch kernel that computes only some types declines a node of another known type
+    while the session is made, so the placement report names the kernel that really runs
+    (not the torch kernel handing every call on); the result is onnxruntime's."""
+    pytest.importorskip("torch")
+    from onnx import helper as h
+
+    from conftest import ort_run
+
+    model = _typed_model(op, dtype)
+    sess = kiln.Session(model, backend="torch", optimize=False)
+    assert [lp.how for lp in sess.placement().layers] == [how]
+    np_type = h.tensor_dtype_to_np_dtype(dtype)
+    x = (np.arange(16).reshape(4, 4) * (1 if np_type.kind == "u" else -1) + 3).astype(np_type)
+    got = sess.run(None, {"x": x})[0]
+    want = ort_run(model, {"x": x})[0]
+    assert got.dtype == want.dtype
+    np.testing.assert_array_equal(got, want)

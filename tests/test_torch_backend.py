@@ -720,11 +720,11 @@ def test_onednn_packed_convolutions_match_onnxruntime(monkeypatch):
     """The packed-weight oneDNN path is the default on x86 CPUs; forced here so it is checked
     on every machine. Weights are packed per input shape, so new batch sizes and image
     sizes must give onnxruntime's results too."""
-    from kiln.ops.torch import nn
+    from kiln.ops.torch import conv
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("torch built without oneDNN")
-    monkeypatch.setattr(nn, "PREPACK", True)
+    monkeypatch.setattr(conv, "PREPACK", True)
     model = _residual_conv_net()
     sess = kiln.InferenceSession(model, backend="torch")
     notes = " ".join(layer.why for layer in sess.placement().layers)
@@ -789,9 +789,9 @@ def test_small_max_pools_match_onnxruntime(x_shape, attrs, monkeypatch):
     dilation and 1-D to 3-D windows give onnxruntime's results, on NHWC inputs too, and
     so do windows that leave it to torch's pool (outputs seeing only padding along an
     axis)."""
-    from kiln.ops.torch import nn as torch_nn
+    from kiln.ops.torch import pool
 
-    monkeypatch.setattr(torch_nn, "_VIEW_POOL_MIN", 0)
+    monkeypatch.setattr(pool, "_VIEW_POOL_MIN", 0)
     model, x = _pool_case("MaxPool", x_shape, attrs)
     want = ort_run(model, {"x": x})[0]
     sess = kiln.InferenceSession(model, backend="torch")
@@ -831,9 +831,9 @@ def _random_initializer(rng, scale: float):
 
 def _count_linear_packs(monkeypatch) -> list[tuple[int, ...]]:
     """The (N, K) shape of every weight packed for oneDNN's linear primitive from now on."""
-    from kiln.ops.torch import nn
+    from kiln.ops.torch import conv
 
-    if not nn.PREPACK:
+    if not conv.PREPACK:
         pytest.skip("oneDNN weight packing is used on x86 CPUs only")
     reorders: list[tuple[int, ...]] = []
     real = torch.ops.mkldnn._reorder_linear_weight
@@ -853,10 +853,10 @@ def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_coun
     smaller one from a big enough product. Each weight is packed once, at its first packed
     call, and that pack gives onnxruntime's results for every row count, as does MKL for
     the calls below the thresholds."""
-    from kiln.ops.torch import nn
+    from kiln.ops.torch import conv
 
-    monkeypatch.setattr(nn, "_PACKED_WEIGHT", 300)  # w1 (16x24) is big; w2, wg are not
-    monkeypatch.setattr(nn, "_PACKED_MACS", 2 * 6 * 24 * 8)
+    monkeypatch.setattr(conv, "_PACKED_WEIGHT", 300)  # w1 (16x24) is big; w2, wg are not
+    monkeypatch.setattr(conv, "_PACKED_MACS", 2 * 6 * 24 * 8)
     reorders = _count_linear_packs(monkeypatch)
     rng = np.random.default_rng(11)
     w = _random_initializer(rng, 0.2)
@@ -894,9 +894,9 @@ def test_pointwise_convolutions_run_as_linear_layers_and_match_onnxruntime(monke
     linear primitive (with the activation fused, or the residual added inside it), each
     weight packed once; padded, strided or residual-plus-activation ones keep the
     convolution. All of them give onnxruntime's results."""
-    from kiln.ops.torch import nn
+    from kiln.ops.torch import conv
 
-    monkeypatch.setattr(nn, "_ROWS_MACS", 24_000_000)  # on AVX2 CPUs too (0 there)
+    monkeypatch.setattr(conv, "_ROWS_MACS", 24_000_000)  # on AVX2 CPUs too (0 there)
     reorders = _count_linear_packs(monkeypatch)
     rng = np.random.default_rng(5)
     w = _random_initializer(rng, 0.3)

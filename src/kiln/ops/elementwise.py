@@ -97,7 +97,9 @@ def pow_(x, y, *, broadcast=0, axis=None):
 # -- unary math -------------------------------------------------------------------------
 
 
-def _unary(op_type: str, since: int, name: str) -> None:
+def _unary(name: str):
+    """The prepare function of the unary op computing the namespace's ``name``."""
+
     def kernel(x):
         return getattr(namespace(x), name)(x)
 
@@ -108,22 +110,36 @@ def _unary(op_type: str, since: int, name: str) -> None:
         # lookup per call cost as much as the op on a small tensor)
         return direct if on_numpy(site) else kernel
 
-    kernel.__name__ = kernel.__qualname__ = op_type.lower()
+    kernel.__name__ = kernel.__qualname__ = name
     prepare.attributes = frozenset()  # none, as the plain kernel
-    discrete = op_type in ("Ceil", "Floor", "Round", "Sign", "IsNaN")
-    op(op_type, since, generic=True, prepare=True, differentiable=not discrete,
-       cost=cost.elementwise)(prepare)
+    return prepare
 
 
-for _op_type, _since, _name in [
-    ("Abs", 1, "abs"), ("Neg", 1, "negative"), ("Ceil", 1, "ceil"), ("Floor", 1, "floor"),
-    ("Round", 11, "round"), ("Sign", 9, "sign"), ("Sqrt", 1, "sqrt"), ("Exp", 1, "exp"),
-    ("Log", 1, "log"), ("Sin", 7, "sin"), ("Cos", 7, "cos"), ("Tan", 7, "tan"),
-    ("Asin", 7, "asin"), ("Acos", 7, "acos"), ("Atan", 7, "atan"), ("Sinh", 9, "sinh"),
-    ("Cosh", 9, "cosh"), ("Tanh", 1, "tanh"), ("Asinh", 9, "asinh"), ("Acosh", 9, "acosh"),
-    ("Atanh", 9, "atanh"), ("IsNaN", 9, "isnan"),
-]:
-    _unary(_op_type, _since, _name)
+_UNARY = dict(generic=True, prepare=True, cost=cost.elementwise)
+# rounding, signs and tests have no useful gradient
+_DISCRETE = dict(_UNARY, differentiable=False)
+op("Abs", 1, **_UNARY)(_unary("abs"))
+op("Neg", 1, **_UNARY)(_unary("negative"))
+op("Ceil", 1, **_DISCRETE)(_unary("ceil"))
+op("Floor", 1, **_DISCRETE)(_unary("floor"))
+op("Round", 11, **_DISCRETE)(_unary("round"))
+op("Sign", 9, **_DISCRETE)(_unary("sign"))
+op("Sqrt", 1, **_UNARY)(_unary("sqrt"))
+op("Exp", 1, **_UNARY)(_unary("exp"))
+op("Log", 1, **_UNARY)(_unary("log"))
+op("Sin", 7, **_UNARY)(_unary("sin"))
+op("Cos", 7, **_UNARY)(_unary("cos"))
+op("Tan", 7, **_UNARY)(_unary("tan"))
+op("Asin", 7, **_UNARY)(_unary("asin"))
+op("Acos", 7, **_UNARY)(_unary("acos"))
+op("Atan", 7, **_UNARY)(_unary("atan"))
+op("Sinh", 9, **_UNARY)(_unary("sinh"))
+op("Cosh", 9, **_UNARY)(_unary("cosh"))
+op("Tanh", 1, **_UNARY)(_unary("tanh"))
+op("Asinh", 9, **_UNARY)(_unary("asinh"))
+op("Acosh", 9, **_UNARY)(_unary("acosh"))
+op("Atanh", 9, **_UNARY)(_unary("atanh"))
+op("IsNaN", 9, **_DISCRETE)(_unary("isnan"))
 
 
 @op("Reciprocal", 1, generic=True, cost=cost.elementwise)

@@ -25,7 +25,7 @@ residual ``DQ(a), DQ(b) -> Add [-> Relu] -> Q`` of 8-bit tensors with per-tensor
 value the 8-bit grid holds, in float32 (a QDQ file's requantizations inside attention).
 
 The NumPy kernels here are the reference; the torch backend runs oneDNN's and fbgemm's
-integer kernels (``kiln/ops/torch/quant.py``).
+integer kernels (``kiln/ops/torch/quant_fused.py``).
 """
 
 from __future__ import annotations

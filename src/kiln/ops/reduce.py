@@ -113,22 +113,48 @@ def _reduce(name, x, axes, keepdims, noop):
     return fn(xp, x, axes, bool(keepdims))
 
 
-def _register(name: str, input_since: int) -> None:
+def _with_attr(name: str):
+    """The kernel of reduction ``name`` up to its opset with axes as an input."""
+
     def with_attr(data, *, axes=None, keepdims=1):
         return _reduce(name, data, axes, keepdims, 0)
+
+    with_attr.__name__ = with_attr.__qualname__ = f"reduce_{name[6:].lower()}_attr"
+    return with_attr
+
+
+def _with_input(name: str):
+    """The kernel of reduction ``name`` from its opset with axes as an input."""
 
     def with_input(data, axes=None, *, keepdims=1, noop_with_empty_axes=0):
         return _reduce(name, data, int_list(axes), keepdims, noop_with_empty_axes)
 
-    base = name[len("Reduce"):].lower()
-    with_attr.__name__ = with_attr.__qualname__ = f"reduce_{base}_attr"
-    with_input.__name__ = with_input.__qualname__ = f"reduce_{base}"
-    op(name, 1, generic=True, cost=cost.reduce)(with_attr)
-    op(name, input_since, generic=True, host_inputs=(1,), cost=cost.reduce)(with_input)
+    with_input.__name__ = with_input.__qualname__ = f"reduce_{name[6:].lower()}"
+    return with_input
 
 
-for _name in _REDUCTIONS:
-    _register(_name, 13 if _name == "ReduceSum" else 18)
+_RED = dict(generic=True, cost=cost.reduce)
+_RED_INPUT = dict(_RED, host_inputs=(1,))  # axes read on the host
+op("ReduceSum", 1, **_RED)(_with_attr("ReduceSum"))
+op("ReduceSum", 13, **_RED_INPUT)(_with_input("ReduceSum"))
+op("ReduceMean", 1, **_RED)(_with_attr("ReduceMean"))
+op("ReduceMean", 18, **_RED_INPUT)(_with_input("ReduceMean"))
+op("ReduceMax", 1, **_RED)(_with_attr("ReduceMax"))
+op("ReduceMax", 18, **_RED_INPUT)(_with_input("ReduceMax"))
+op("ReduceMin", 1, **_RED)(_with_attr("ReduceMin"))
+op("ReduceMin", 18, **_RED_INPUT)(_with_input("ReduceMin"))
+op("ReduceProd", 1, **_RED)(_with_attr("ReduceProd"))
+op("ReduceProd", 18, **_RED_INPUT)(_with_input("ReduceProd"))
+op("ReduceL1", 1, **_RED)(_with_attr("ReduceL1"))
+op("ReduceL1", 18, **_RED_INPUT)(_with_input("ReduceL1"))
+op("ReduceL2", 1, **_RED)(_with_attr("ReduceL2"))
+op("ReduceL2", 18, **_RED_INPUT)(_with_input("ReduceL2"))
+op("ReduceLogSum", 1, **_RED)(_with_attr("ReduceLogSum"))
+op("ReduceLogSum", 18, **_RED_INPUT)(_with_input("ReduceLogSum"))
+op("ReduceLogSumExp", 1, **_RED)(_with_attr("ReduceLogSumExp"))
+op("ReduceLogSumExp", 18, **_RED_INPUT)(_with_input("ReduceLogSumExp"))
+op("ReduceSumSquare", 1, **_RED)(_with_attr("ReduceSumSquare"))
+op("ReduceSumSquare", 18, **_RED_INPUT)(_with_input("ReduceSumSquare"))
 
 
 # -- arg reductions ---------------------------------------------------------------------

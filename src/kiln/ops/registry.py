@@ -17,9 +17,11 @@ The kernel protocol is the same for every backend. A kernel is either
   everything precomputable (packed or transformed weights, layouts, geometry) already
   computed, or None to decline the node.
 
-A plain kernel is prepared by binding its attributes. At run time a kernel may return
-``NotImplemented`` for inputs it does not handle (a dtype, say): the next kernel in the
-backend's order runs that call instead (see ``kiln.runtime.plan``).
+A plain kernel is prepared by binding its attributes. A kernel declines in ``prepare`` a
+node whose input types, known to the plan, it does not compute; at run time it may still
+return ``NotImplemented`` for inputs it does not handle (a type unknown before the run, a
+shape or value its fast path does not cover): the next kernel in the backend's order runs
+that call instead (see ``kiln.runtime.plan``).
 """
 
 from __future__ import annotations
@@ -85,8 +87,8 @@ class Kernel:
 
 def _parameters(fn: Callable) -> tuple[str | None, frozenset[str], bool]:
     """(first parameter's name, keyword-only names, whether it takes ``**kwargs``). Read
-    from a plain function's code object: ``inspect.signature`` costs ~20 us a kernel, a
-    noticeable part of a first session's creation with 100-odd kernels."""
+    from a plain function's code object: ``inspect.signature`` per kernel is a noticeable
+    part of a first session's creation with 100-odd kernels."""
     if not isinstance(fn, types.FunctionType) or hasattr(fn, "__wrapped__"):
         params = list(inspect.signature(fn).parameters.values())
         return (params[0].name if params else None,

@@ -31,7 +31,7 @@ from kiln.ir import DType, TensorType
 from kiln.ops import registry
 from kiln.ops.registry import KernelContext, Mode, OpDef, Target
 from kiln.ops.torch.arrays import DTYPE_OF, TORCH_OF, to_numpy, to_torch
-from kiln.ops.torch.nn import native_on_cpu
+from kiln.ops.torch.conv import native_on_cpu
 from kiln.runtime import compile_cache
 from kiln.runtime.backend import Backend, Candidate, Link, host_feed, usable_cores
 from kiln.runtime.executor import Program

@@ -2,16 +2,20 @@
 
 from __future__ import annotations
 
+import types
 import warnings
 
 import numpy as np
 import torch
 
 from kiln.errors import KernelError
-from kiln.ir import DType
+from kiln.ir import DType, TensorType
 from kiln.ops._array import axis  # noqa: F401 - the shared range-checking one
+from kiln.ops.registry import Kernel
 
 FLOATS = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+SIGNED = FLOATS + (torch.int8, torch.int16, torch.int32, torch.int64)
+"""The dtypes with a sign: negation, absolute value and ReLU keep them exact."""
 
 TORCH_OF: dict[DType, torch.dtype] = {
     DType.BOOL: torch.bool, DType.UINT8: torch.uint8, DType.INT8: torch.int8,
@@ -116,7 +120,7 @@ def from_uint8(y: torch.Tensor, signed: bool) -> torch.Tensor:
 
 with warnings.catch_warnings():
     # torch says once per process that quantized tensors are deprecated: let it say so
-    # here, silenced, rather than wrap every call (1.2 us of a 13 us 8-bit add)
+    # here, silenced, rather than wrap every call (a tenth of a small 8-bit add)
     warnings.simplefilter("ignore", UserWarning)
     torch._empty_affine_quantized([0], scale=1.0, zero_point=0, dtype=torch.quint8)
 
@@ -131,7 +135,7 @@ def quantized(u: torch.Tensor, scale: float, zero_point: int) -> torch.Tensor:
 
 def integers(q: torch.Tensor) -> torch.Tensor:
     """A quint8 tensor's integers as a uint8 tensor sharing its memory (``int_repr``
-    copies them: 28 of the 51 us an 8-bit residual add of 64x56x56 took)."""
+    copies them: over half of what an 8-bit residual add took)."""
     return torch.empty(0, dtype=torch.uint8).set_(q.untyped_storage(), q.storage_offset(),
                                                   q.shape, q.stride())
 
@@ -140,8 +144,8 @@ class PerShape:
     """A layer's weights packed once for each input shape it runs on, the last
     ``limit`` of them (a detector fed many image sizes would otherwise keep one copy per
     size). oneDNN lays weights out for the shape it will see: a pack made for another
-    shape is reordered again on every call (an int8 512-channel 3x3 layer at 7x7: 142 us
-    of its 309 us call). ``pack(key)`` makes one; two threads may both make the same
+    shape is reordered again on every call (nearly half of an int8 512-channel 3x3 layer's
+    call at 7x7). ``pack(key)`` makes one; two threads may both make the same
     one, and one is kept."""
 
     def __init__(self, pack, limit: int = 3):
@@ -160,3 +164,48 @@ class PerShape:
     def seed(self, key, packed) -> None:
         """Keep ``packed``, already made for ``key`` (at session creation)."""
         self._packs[key] = packed
+
+
+def output_read(site, i: int) -> bool:
+    """Whether output ``i`` exists and a node or the graph reads it (exporters leave the
+    extra outputs of training-mode BatchNormalization and Dropout unread)."""
+    outs = site.node.outputs
+    return i < len(outs) and outs[i] is not None and outs[i].is_used()
+
+
+def known_dtype(site, i: int = 0) -> DType | None:
+    """Input ``i``'s element type where the plan knows it before the run, else None (no
+    input, an unknown or non-tensor type, or a kiln.train module, whose autocast may hand
+    a kernel another float type)."""
+    ins = site.node.inputs
+    if site.target.module or i >= len(ins) or ins[i] is None:
+        return None
+    t = ins[i].type
+    return t.dtype if isinstance(t, TensorType) and t.dtype != DType.UNDEFINED else None
+
+
+def typed(dtypes: tuple[torch.dtype, ...], fn):
+    """The prepared kernel of plain kernel ``fn``, which computes only when its first
+    input's dtype is one of ``dtypes``. Where the plan knows that type, a node of another
+    is declined while the session is made (the plan picks the next kernel, and the
+    placement report says so) and ``fn`` runs unchecked; only where the type is unknown
+    before the run does each call check it and hand another type on (NotImplemented)."""
+    allowed = frozenset(dtypes)
+    # a builtin (torch.sigmoid) takes no attributes and has no signature to read
+    plain = Kernel(fn) if isinstance(fn, types.FunctionType) else None
+
+    def prepare(site):
+        known = known_dtype(site)
+        if known is not None and TORCH_OF.get(known) not in allowed:
+            return None  # (a type torch lacks arrives as a NumPy array: declined too)
+        run = fn if plain is None else plain.bind(site)[0]
+        if known is not None:
+            return run
+
+        def checked(x, *rest):
+            return run(x, *rest) if x.dtype in allowed else NotImplemented
+        return checked
+
+    prepare.__name__ = prepare.__qualname__ = fn.__name__
+    prepare.__module__ = fn.__module__
+    return prepare

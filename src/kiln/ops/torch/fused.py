@@ -15,11 +15,13 @@ import torch.nn.functional as F
 
 from kiln.ops.fused import ACTIVATIONS, activation
 from kiln.ops.registry import KILN_DOMAIN, Site
-from kiln.ops.torch import elementwise, kernel
+from kiln.ops.torch import kernel
+from kiln.ops.torch.activation import gelu
 from kiln.ops.torch.arrays import FLOATS
-from kiln.ops.torch.elementwise import gemm as _gemm_builder
-from kiln.ops.torch.elementwise import matmul as _matmul_builder
-from kiln.ops.torch.nn import conv_kernel, linear
+from kiln.ops.torch.conv import conv_kernel, linear
+from kiln.ops.torch.linalg import gemm as _gemm_builder
+from kiln.ops.torch.linalg import matmul as _matmul_builder
+from kiln.ops.torch.norm import rms_norm
 
 NI = NotImplemented
 
@@ -122,7 +124,7 @@ def fused_matmul(site):
     wc = site.const(1)
     bc = site.const(2)
     # Without a residual (added before the activation) the activation can be oneDNN's
-    # post-op: GELU that way is 6-7 us a layer faster at BERT's sizes (docs/performance.md)
+    # post-op: GELU that way is faster a layer at BERT's sizes (docs/performance.md)
     inner = act if len(site.node.inputs) < 4 or site.node.inputs[3] is None else None
     # A constant 2-D weight with a 1-D bias is exactly F.linear: one BLAS call with the
     # bias folded in.
@@ -170,15 +172,7 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     return F.layer_norm(x, shape, w, b, epsilon)
 
 
-@kernel("RMSNorm", 1, domain=KILN_DOMAIN)  # one F.rms_norm for six decomposed ops
-@kernel("RMSNormalization", 23)  # the generic kernel is NumPy's: a CPU fallback on torch
-def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-5, stash_type=1):
-    if x.dtype not in (torch.float32, torch.float64) or stash_type != 1 or \
-            (scale is not None and scale.dtype != x.dtype):
-        return NI
-    a = axis + x.dim() if axis < 0 else axis
-    shape = tuple(x.shape[a:])
-    return F.rms_norm(x, shape, None if scale is None else scale.expand(shape), epsilon)
+kernel("RMSNorm", 1, domain=KILN_DOMAIN)(rms_norm)  # one F.rms_norm for six decomposed ops
 
 
 @kernel("RoPE", 1, domain=KILN_DOMAIN)  # the shared kernel is NumPy's (a CPU fallback here)
@@ -190,7 +184,7 @@ def rope(x, cos, sin):
 
 
 # Kiln's fused Gelu takes the same attribute as ONNX's Gelu (20): the same kernel
-kernel("Gelu", 1, domain=KILN_DOMAIN)(elementwise.gelu)
+kernel("Gelu", 1, domain=KILN_DOMAIN, dtypes=FLOATS)(gelu)
 
 
 @kernel("Attention", 1, domain=KILN_DOMAIN, prepare=True)

@@ -11,14 +11,14 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.microsoft import MS_DOMAIN, fused_matmul_perm, key_mask, no_past, qkv_sizes
-from kiln.ops.torch import elementwise, kernel
+from kiln.ops.torch import activation, kernel
 from kiln.ops.torch.arrays import FLOATS
 
 NI = NotImplemented
 
 
 # onnxruntime's Gelu is ONNX's (20) with the default (erf) form: the same kernel
-kernel("Gelu", 1, domain=MS_DOMAIN)(elementwise.gelu)
+kernel("Gelu", 1, domain=MS_DOMAIN, dtypes=FLOATS)(activation.gelu)
 
 
 @kernel("BiasGelu", 1, domain=MS_DOMAIN)

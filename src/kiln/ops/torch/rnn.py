@@ -1,7 +1,7 @@
 """LSTM, GRU and RNN as one call of torch's fused recurrent kernel (``torch.lstm``,
 ``torch.gru``, ``torch.rnn_tanh``/``rnn_relu``): the whole sequence, both directions, in
 C++. The NumPy kernel loops over time steps in Python and, on this backend, copied its
-inputs to NumPy and back; silero VAD's one-step LSTM took 0.3 ms that way.
+inputs to NumPy and back, which dominated silero VAD's one-step LSTM.
 
 torch's cells are ONNX's default ones with the gates in another order; the weights are
 reordered once when they are constants. What torch's cells do not compute (other
@@ -15,7 +15,7 @@ import torch
 
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import FLOATS
-from kiln.ops.torch.nn import _SINGLE_MACS, _single_threaded
+from kiln.ops.torch.conv import _SINGLE_MACS, _single_threaded
 
 NI = NotImplemented
 
@@ -121,7 +121,7 @@ def _recurrent(site, op: str):
             x = x.flip(0)
         args = (x.contiguous(), hx, params, True, 1, 0.0, False, dirs == 2, False)
         # One step's products are tiny at batch 1 (silero VAD's: 131k MACs): split over two
-        # threads every step, a 50-step layer ran 15-20x slower on the loaded VM than on one
+        # threads every step, a 50-step layer ran far slower on the loaded VM than on one
         if one_thread_ok and batch * params[0].shape[0] * (x.shape[2] + hidden) < _SINGLE_MACS:
             res = _single_threaded(fn, *args)
         else:

@@ -1,0 +1,184 @@
+"""Torch kernels for pooling."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+from kiln.ops.conv import out_size
+from kiln.ops.torch import kernel
+from kiln.ops.torch.arrays import (
+    FLOATS,
+    as_uint8,
+    from_uint8,
+    integers,
+    quantized,
+)
+from kiln.ops.torch.conv import torch_pad, window
+
+NI = NotImplemented
+_AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
+_MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
+
+
+# -- pooling ------------------------------------------------------------------------------
+
+@kernel("MaxPool", 1, prepare=True)
+def max_pool(site):
+    want_idx = site.output_used(1)
+    if want_idx and int(site.attr("storage_order", 0)):
+        return None
+    ceil = bool(site.attr("ceil_mode", 0))
+    ks = list(site.attr("kernel_shape"))
+    cl = site.target.channels_last
+
+    def run(x):
+        n = x.dim() - 2
+        if x.dtype in (torch.uint8, torch.int8) and n == 2 and not want_idx:
+            return _max_pool_8bit(site, x, ks, ceil)
+        if x.dtype not in FLOATS or n not in _MAXPOOL:
+            return NI
+        if cl and n == 2 and not want_idx:
+            # torch's NCHW max-pool is much slower than its NHWC one on the CPU: the
+            # copy costs far less (indices, when asked for, are NCHW positions)
+            x = x.contiguous(memory_format=torch.channels_last)
+        strides, dil, begins, ends = window(site, x, ks)
+        want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
+        if not want_idx and sum(k - 1 for k in ks) <= 4 and x.numel() >= _VIEW_POOL_MIN \
+                and not x.requires_grad:
+            # (training keeps torch's pool: its gradient goes to one element of a tie, as
+            # PyTorch's own modules do)
+            y = _max_pool_separable(x, ks, strides, dil, begins, want)
+            if y is not None:
+                return NI if _nan_in(y) else y
+        sym = begins == ends and all(b <= ((k - 1) * d + 1) // 2 for b, k, d in
+                                     zip(begins, ks, dil))
+        if not sym:
+            if want_idx:
+                return NI
+            x = F.pad(x, torch_pad(begins, ends), value=-math.inf)
+            begins = [0] * n
+        r = _MAXPOOL[n](x, ks, strides, begins, dil, ceil_mode=ceil, return_indices=want_idx)
+        y = r[0] if want_idx else r
+        if list(y.shape[2:]) != want or _nan_in(y):
+            # torch's ceil-mode rule differs here; torch spreads a NaN over each window it
+            # is in, where onnx.reference skips it: NumPy kernel (a NaN-free result is
+            # the same either way, so only the output is checked)
+            return NI
+        if not want_idx:
+            return y
+        # torch's indices are per (n, c) plane; ONNX's run over the whole tensor.
+        plane = math.prod(x.shape[2:])
+        nc = torch.arange(x.shape[0] * x.shape[1], device=x.device).reshape(
+            (x.shape[0], x.shape[1]) + (1,) * n)
+        return y, r[1] + nc * plane
+    return run
+
+
+def _nan_in(y) -> bool:
+    """Whether a max-pool result holds a NaN (torch spreads one over its windows, where
+    the reference skips it: the NumPy kernel then answers). Not asked inside
+    torch.compile, where a data-dependent branch would break the graph: a compiled
+    program keeps torch's NaN rule (docs/reliability.md)."""
+    return y.dtype.is_floating_point and not torch.compiler.is_compiling() and \
+        bool(torch.isnan(y).any())
+
+
+def _max_pool_8bit(site, x, ks, ceil: bool):
+    """A 2-D max-pool of a quantized model's 8-bit activations (fuse_quant moves pools
+    there) as torch's quantized NHWC pool, faster than its uint8 NCHW pool and than the
+    float32 one it replaces."""
+    if x.device.type != "cpu":
+        return NI
+    strides, dil, begins, ends = window(site, x, ks)
+    if begins != ends:
+        return NI
+    q = quantized(as_uint8(x).contiguous(memory_format=torch.channels_last), 1.0, 0)
+    y = integers(F.max_pool2d(q, ks, strides, begins, dil, ceil_mode=ceil))
+    want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
+    if list(y.shape[2:]) != want:
+        return NI
+    return from_uint8(y, x.dtype == torch.int8)
+
+
+_VIEW_POOL_MIN = 2**19
+"""Inputs from this many elements pool as maxima over views. Below it torch's pool wins:
+a few small ops cost more than its index writes (NHWC, batch 1; from 64x104x104 the views
+take less time than torch's pool)."""
+
+
+def _max_pool_separable(x, ks, strides, dil, begins, sizes):
+    """Max-pool as running maxima over strided views of ``x``, one spatial axis at a time
+    (a window's maximum is the maximum over its rows of the maxima along them), or None
+    where some output would see only padding along an axis.
+
+    torch's CPU max-pool computes int64 indices even when they are not asked for: twice
+    the output's bytes written (fresh pages for every call once they pass 32 MB). A k x k
+    window is 2(k - 1) elementwise maxima this way, each over contiguous NHWC rows, faster
+    than torch's pool and than nine views of the whole window (docs/performance.md).
+    Padding, dilation and ceil mode clip each tap's range, so no padded copy is made.
+    """
+    out = x
+    for dim, (k, s, d, b, o) in enumerate(zip(ks, strides, dil, begins, sizes), start=2):
+        n = out.shape[dim]
+        whole, part = [], []  # taps reaching every output / a range [lo, hi) of them
+        for j in range(k):
+            start = j * d - b
+            lo, hi = max(0, -(start // s)), min(o, (n - 1 - start) // s + 1)
+            if lo < hi:
+                first = start + lo * s
+                step = (slice(None),) * dim + (slice(first, first + (hi - lo - 1) * s + 1, s),)
+                (whole if hi - lo == o else part).append((lo, hi, out[step]))
+        if not whole:
+            return None
+        acc = torch.maximum(whole[0][2], whole[1][2]) if len(whole) > 1 else whole[0][2].clone()
+        for lo, hi, view in whole[2:] + part:
+            seg = acc.narrow(dim, lo, hi - lo)
+            torch.maximum(seg, view, out=seg)
+        out = acc
+    return out
+
+
+@kernel("AveragePool", 7, prepare=True)
+def average_pool(site):
+    ceil = bool(site.attr("ceil_mode", 0))
+    include = bool(site.attr("count_include_pad", 0))
+    ks = list(site.attr("kernel_shape"))
+    if ceil and include:
+        return None  # torch divides hanging-off windows differently
+
+    def run(x):
+        n = x.dim() - 2
+        if x.dtype not in FLOATS or n not in _AVGPOOL:
+            return NI
+        strides, dil, begins, ends = window(site, x, ks)
+        if any(d != 1 for d in dil):
+            return NI
+        if begins != ends or any(b > k // 2 for b, k in zip(begins, ks)):
+            # padding torch's pooling cannot take (uneven, or over half the window), as
+            # Inception v1's last pool has: pad first, and without count_include_pad
+            # divide by how much of each window lies inside the input
+            if ceil or any(p >= k for p, k in zip(begins + ends, ks * 2)):
+                return NI
+            pad = torch_pad(begins, ends)
+            y = _AVGPOOL[n](F.pad(x, pad), ks, strides)
+            if not include:
+                inside = F.pad(x.new_ones((1, 1, *x.shape[2:])), pad)
+                y = y / _AVGPOOL[n](inside, ks, strides)
+            return y
+        want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
+        y = _AVGPOOL[n](x, ks, strides, begins, ceil_mode=ceil, count_include_pad=include)
+        return y if list(y.shape[2:]) == want else NI
+    return run
+
+
+@kernel("GlobalAveragePool", 1, dtypes=FLOATS)
+def global_average_pool(x):
+    return x.mean(dim=tuple(range(2, x.dim())), keepdim=True)
+
+
+@kernel("GlobalMaxPool", 1, dtypes=FLOATS)
+def global_max_pool(x):
+    return x.amax(dim=tuple(range(2, x.dim())), keepdim=True)
