@@ -6,8 +6,9 @@ Read from the source with ``ast``, so every import form counts: ``import kiln.x`
 ``from kiln.x import y``, ``from kiln import x`` (a module, or a name of ``kiln``'s own
 surface, which is the top layer), relative imports, ``importlib.import_module("kiln.x")``
 with a constant name, and imports in function bodies. Private names count however they are
-reached: imported, read as ``module._name``, or read on any object as ``obj._name`` where
-only another package defines ``_name`` (set on ``self``, or a private method or function).
+reached: imported, read as ``module._name``, or read on any object as ``obj._name`` (or
+``getattr(obj, "_name")``) where only another package defines ``_name`` (set on ``self``,
+or a private method or function).
 """
 
 from __future__ import annotations
@@ -122,10 +123,23 @@ def _private_attribute_uses():
         rel = path.relative_to(SRC).parts
         here = _layer(list(rel))
         for node in ast.walk(tree):
-            if isinstance(node, ast.Attribute) and node.attr in owners \
-                    and here not in owners[node.attr] and not _on_self(node):
-                yield (f"{'/'.join(rel)}:{node.lineno}: {here} reads {node.attr} of "
-                       f"{', '.join(sorted(owners[node.attr]))}")
+            name = node.attr if isinstance(node, ast.Attribute) and not _on_self(node) \
+                else _attribute_by_name(node)
+            if name in owners and here not in owners[name]:
+                yield (f"{'/'.join(rel)}:{node.lineno}: {here} reads {name} of "
+                       f"{', '.join(sorted(owners[name]))}")
+
+
+def _attribute_by_name(node: ast.AST) -> str | None:
+    """The attribute ``getattr(obj, "_name")`` (or ``hasattr``, ``setattr``, ``delattr``)
+    reaches with a constant name, else None."""
+    if isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and \
+            node.func.id in ("getattr", "hasattr", "setattr", "delattr") and \
+            len(node.args) >= 2 and isinstance(node.args[1], ast.Constant) and \
+            isinstance(node.args[1].value, str) and \
+            not (isinstance(node.args[0], ast.Name) and node.args[0].id in ("self", "cls")):
+        return node.args[1].value
+    return None
 
 
 def _defined_names(node: ast.stmt) -> list[str]:
@@ -246,6 +260,8 @@ def test_the_checker_sees_every_import_form_private_methods_and_cycles(tmp_path,
     (pkg / "runtime" / "session.py").write_text(
         "class Session:\n    def _check_feed(self, feed):\n        return feed\n")
     (pkg / "tools" / "d.py").write_text("def f(sess):\n    return sess._check_feed({})\n")
+    (pkg / "tools" / "e.py").write_text(
+        "def f(sess):\n    return getattr(sess, '_check_feed', None)\n")
     (pkg / "passes" / "base.py").write_text("def f():\n    from kiln.passes import rewrite\n")
     (pkg / "passes" / "rewrite.py").write_text("from kiln.passes.base import f\n")
     monkeypatch.setattr(__import__(__name__), "SRC", pkg)
@@ -253,5 +269,5 @@ def test_the_checker_sees_every_import_form_private_methods_and_cycles(tmp_path,
     for where in ("tools/a.py:2", "tools/b.py:1", "tools/c.py:4"):
         assert f"{where}: tools imports upward from kiln.zoo" in found
     assert [f.split(": ", 1)[1] for f in _private_attribute_uses()] == \
-        ["tools reads _check_feed of runtime"]
+        ["tools reads _check_feed of runtime"] * 2
     assert _module_cycles() == [["kiln.passes.base", "kiln.passes.rewrite"]]
