@@ -1,7 +1,7 @@
 """Load-time validation's facts about ONNX's op schemas, kept on disk per onnx version.
 
-The first ``onnx.defs.get_schema`` call in a process builds every schema of every domain:
-11 ms here, as long as the rest of loading a small model. The facts the importer checks
+The first ``onnx.defs.get_schema`` call in a process builds every schema of every domain,
+which takes about as long as the rest of loading a small model. The facts the importer checks
 (input and output counts, attribute names and types) are derived from those schemas once
 and kept in ``onnx-<version>-schemas-v1.json`` under Kiln's cache root (``kiln.cache``;
 ``$KILN_SCHEMA_CACHE`` names another file, ``0`` or ``off`` turns it off), so later

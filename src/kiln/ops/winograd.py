@@ -3,7 +3,7 @@
 Each 2x2 block of outputs comes from a 4x4 input tile through 16 channel-mixing products
 instead of 36: the BLAS work drops 2.25x, for two cheap add-only transforms of the input
 and output. It pays once channels are wide enough for the products to dominate (measured
-on 2 cores: 1.5x faster at 128-512 channels, slower at 64). Constant weights are
+on 2 cores: faster from 128 channels, slower at 64). Constant weights are
 transformed once, when the node's kernel is prepared (:func:`transform`). Relative error
 stays near 1e-6 in float32.
 """
@@ -17,7 +17,7 @@ MIN_CHANNELS = 96
 
 _G = np.array([[1, 0, 0], [0.5, 0.5, 0.5], [0.5, -0.5, 0.5], [0, 0, 1]], np.float32)
 # G w G^T of every 3x3 filter at once: row-major vec(G w G^T) = (G kron G) vec(w), so one
-# (16, 9) x (9, K*C) product (10x faster than two tensordots and a transposing copy).
+# (16, 9) x (9, K*C) product (much faster than two tensordots and a transposing copy).
 _GG = np.kron(_G, _G)
 
 

@@ -18,8 +18,8 @@ A second rule takes in the head split and merge transformer exporters write arou
     q, k, v [B, S, H*D] -> Reshape [B, S, H, D] -> Transpose -> Attention -> Transpose
         -> Reshape [B, S, H*D]      ->  Attention(q, k, v, mask; num_heads=H)
 
-Nine layers become one; the kernels split the heads as views (docs/performance.md: BERT
-at sequence 16 spends 3-5 us a layer on these). Shapes come from shape inference, so
+Nine layers become one; the kernels split the heads as views (docs/performance.md has
+what BERT at sequence 16 spends on these). Shapes come from shape inference, so
 exporters' constant and computed Reshape targets alike qualify.
 """
 

@@ -5,7 +5,7 @@
 
 ``x`` has a known channel count and spatial sizes (the batch may be symbolic: the shapes'
 first entry is 0, -1 or the batch itself). On torch the op is one ``channel_shuffle`` in
-the input's layout, 4x faster than the three ops, which also copy an NHWC tensor to NCHW
+the input's layout, faster than the three ops, which also copy an NHWC tensor to NCHW
 (docs/performance.md).
 """
 

@@ -120,7 +120,7 @@ def node_types(n: Node, opset: int, model: Model, ctx: InferContext | None = Non
     values the op's rule finds are left in ``ctx.out_syms``.
 
     The op's own rule goes first and has the deciding word; ONNX's per-node inference
-    (about 0.1 ms a node, most of what optimizing a long chain costs) runs only when the
+    (most of what optimizing a long chain costs) runs only when the
     rule left an output's dtype or a dim unknown."""
     out: list = [None] * len(n.outputs)
     opdef = registry.lookup(n.domain, n.op_type, opset)

@@ -10,7 +10,7 @@ onnxruntime), so the quantized cut is fused into the integer kernel exactly as i
 whole model; the times are best-of ``runs``, the two versions taking turns. Then the
 whole model, float against what is left quantized (:func:`whole_model_ms`): layers timed
 alone miss the Q/DQ a reverted neighbour adds between them (silero's sequence VAD kept 3
-of 6 layers, each faster alone, and ran 0.55-0.66x the float model's speed on torch).
+of 6 layers, each faster alone, and ran slower than the float model on torch).
 """
 
 from __future__ import annotations

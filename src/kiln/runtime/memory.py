@@ -2,9 +2,8 @@
 
 glibc's malloc hands every block over 32 MB (and, until its threshold adapts, over 128 KB)
 to the kernel with mmap and returns it with munmap on free. An activation of that size
-then costs fresh pages on every run: page faults and the kernel zeroing them. Tiny-YOLOv2
-at batch 8 took 32,000 faults a run and 120 ms on the torch backend, 81 ms without them;
-VGG-16 at batch 8 on NumPy 2.4 s against 1.3 s (docs/performance.md). torch and NumPy
+then costs fresh pages on every run: page faults and the kernel zeroing them, a large
+share of a big model's run at batch 8 (docs/performance.md). torch and NumPy
 allocate with malloc, so the fix is malloc's: no mmap for big blocks (M_MMAP_MAX 0) and no
 returning the top of the heap to the kernel (M_TRIM_THRESHOLD). Freed blocks then serve
 the next run. The process keeps its high-water mark of memory, as with onnxruntime's arena.

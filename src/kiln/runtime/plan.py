@@ -23,8 +23,8 @@ from kiln.runtime.placement import LayerPlacement
 
 EAGER_PROGRAM_STEPS = 20_000
 """Plans up to this many steps get their straight-line program when the session is made.
-Compiling the generated source costs CPython about 40 us a step (8 s for 200,000) and saves
-about 2.5 us a step per run, so a bigger plan first runs step by step and builds its
+Compiling the generated source costs CPython more per step than one run through it saves
+(docs/performance.md), so a bigger plan first runs step by step and builds its
 program once it has run :data:`PROGRAM_AFTER_RUNS` times: never more than about twice
 what compiling at once would have cost, and nothing for a model run only a few times."""
 PROGRAM_AFTER_RUNS = 16

@@ -2,10 +2,10 @@
 
 OpenMP (torch) and OpenBLAS (NumPy) split an op's work evenly between their threads and
 wait for the slowest. When other processes keep the cores busy, one of those threads is
-often not running, and the op waits for it: on a 2-core machine at load 10, a 128x1024 @
-1024x256 matmul took 77 ms with 2 OpenBLAS threads and 4.5 ms with one, and GPT-2 on the
-torch backend 564 ms against 127 ms. onnxruntime's pool lets the caller take over work a
-descheduled worker has not started, so it loses far less (1.1-1.5x).
+often not running, and the op waits for it: on a loaded 2-core machine a matmul or a
+whole model on two threads took several times as long as on one. onnxruntime's pool lets
+the caller take over work a descheduled worker has not started, so it loses far less
+(measured in benchmarks/results/performance-history.md).
 
 With KILN_THREADS_FOLLOW_LOAD=1, a session left at its default threads counts, when it is
 made, how many threads other processes are running (the median of three samples a few

@@ -90,8 +90,8 @@ class BenchResult:
         return self.kiln.p50 / self.other.p50
 
     def comparison(self) -> str | None:
-        """The ratio in words: ``Kiln takes 4.57x as long as onnxruntime at p50`` or
-        ``Kiln is 1.30x faster than onnxruntime at p50`` (None without ``vs``)."""
+        """The ratio in words: ``Kiln takes R.RRx as long as onnxruntime at p50`` or
+        ``Kiln is R.RRx faster than onnxruntime at p50`` (None without ``vs``)."""
         r = self.ratio
         if r is None or self.other is None:
             return None
