@@ -234,7 +234,7 @@ def prepare(opdef, kernel, case: Case, backend):
         return None
     fn, wants_ctx = bound
     if wants_ctx:
-        fn = functools.partial(fn, registry.KernelContext(case.outputs, opset, {}, None, node,
+        fn = functools.partial(fn, registry.KernelContext(case.outputs, opset, {}, node,
                                                           backend.target()))
     return fn
 

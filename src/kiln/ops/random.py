@@ -4,15 +4,12 @@ one session differ); nodes without a seed draw from a process-wide generator."""
 
 from __future__ import annotations
 
-import weakref
-
 import numpy as np
 
 from kiln.ir import DType
-from kiln.ops.registry import op
+from kiln.ops.registry import Kernel, op
 
 _SHARED = np.random.default_rng()
-_SEEDED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def set_seed(seed: int) -> None:
@@ -22,16 +19,24 @@ def set_seed(seed: int) -> None:
     _SHARED = np.random.default_rng(int(seed))
 
 
-def _rng(ctx, seed) -> np.random.Generator:
-    if seed is None:
-        return _SHARED
-    # Generators live as long as the plan that holds the node (nodes take no weakrefs).
-    per_plan = _SEEDED.setdefault(ctx.runner, {})
-    gen = per_plan.get(id(ctx.node))
-    if gen is None:
+def _seeded(fn):
+    """The prepared kernel of ``fn(rng, *inputs, **attrs)``: a node with a ``seed`` gets its
+    own generator when the plan prepares it (so it lives as long as the plan); one without
+    draws from the process-wide generator at each call (``set_seed`` may replace it)."""
+    plain = Kernel(fn)
+
+    def prepare(site):
+        seed = site.attr("seed")
         # hash() of a float is stable across processes (only str hashing is salted).
-        gen = per_plan[id(ctx.node)] = np.random.default_rng(abs(hash(float(seed))))
-    return gen
+        own = None if seed is None else np.random.default_rng(abs(hash(float(seed))))
+        attrs = plain.call_attrs(site.attrs)
+
+        def run(*inputs):
+            return fn(_SHARED if own is None else own, *inputs, **attrs)
+        return run
+
+    prepare.__name__ = prepare.__qualname__ = fn.__name__
+    return prepare
 
 
 def _dtype(dtype, like=None) -> np.dtype:
@@ -40,40 +45,46 @@ def _dtype(dtype, like=None) -> np.dtype:
     return DType(dtype).numpy
 
 
-@op("RandomNormal", 1, deterministic=False, differentiable=False)
-def random_normal(ctx, *, shape=None, dtype=1, mean=0.0, scale=1.0, seed=None):
-    return _rng(ctx, seed).normal(mean, scale, tuple(shape)).astype(_dtype(dtype))
+@op("RandomNormal", 1, deterministic=False, differentiable=False, prepare=True)
+@_seeded
+def random_normal(rng, *, shape=None, dtype=1, mean=0.0, scale=1.0):
+    return rng.normal(mean, scale, tuple(shape)).astype(_dtype(dtype))
 
 
-@op("RandomUniform", 1, deterministic=False, differentiable=False)
-def random_uniform(ctx, *, shape=None, dtype=1, low=0.0, high=1.0, seed=None):
-    return _rng(ctx, seed).uniform(low, high, tuple(shape)).astype(_dtype(dtype))
+@op("RandomUniform", 1, deterministic=False, differentiable=False, prepare=True)
+@_seeded
+def random_uniform(rng, *, shape=None, dtype=1, low=0.0, high=1.0):
+    return rng.uniform(low, high, tuple(shape)).astype(_dtype(dtype))
 
 
-@op("RandomNormalLike", 1, deterministic=False, differentiable=False)
-def random_normal_like(ctx, x, *, dtype=None, mean=0.0, scale=1.0, seed=None):
+@op("RandomNormalLike", 1, deterministic=False, differentiable=False, prepare=True)
+@_seeded
+def random_normal_like(rng, x, *, dtype=None, mean=0.0, scale=1.0):
     x = np.asarray(x)
-    return _rng(ctx, seed).normal(mean, scale, x.shape).astype(_dtype(dtype, x))
+    return rng.normal(mean, scale, x.shape).astype(_dtype(dtype, x))
 
 
-@op("RandomUniformLike", 1, deterministic=False, differentiable=False)
-def random_uniform_like(ctx, x, *, dtype=None, low=0.0, high=1.0, seed=None):
+@op("RandomUniformLike", 1, deterministic=False, differentiable=False, prepare=True)
+@_seeded
+def random_uniform_like(rng, x, *, dtype=None, low=0.0, high=1.0):
     x = np.asarray(x)
-    return _rng(ctx, seed).uniform(low, high, x.shape).astype(_dtype(dtype, x))
+    return rng.uniform(low, high, x.shape).astype(_dtype(dtype, x))
 
 
-@op("Bernoulli", 15, deterministic=False, differentiable=False)
-def bernoulli(ctx, x, *, dtype=None, seed=None):
+@op("Bernoulli", 15, deterministic=False, differentiable=False, prepare=True)
+@_seeded
+def bernoulli(rng, x, *, dtype=None):
     x = np.asarray(x)
-    return (_rng(ctx, seed).random(x.shape) < x).astype(_dtype(dtype, x))
+    return (rng.random(x.shape) < x).astype(_dtype(dtype, x))
 
 
-@op("Multinomial", 7, deterministic=False, differentiable=False)
-def multinomial(ctx, x, *, dtype=6, sample_size=1, seed=None):
+@op("Multinomial", 7, deterministic=False, differentiable=False, prepare=True)
+@_seeded
+def multinomial(rng, x, *, dtype=6, sample_size=1):
     """Draws ``sample_size`` class indices per row of unnormalized log-probabilities."""
     logits = np.asarray(x, dtype=np.float64)
     p = np.exp(logits - logits.max(axis=1, keepdims=True))
     cdf = np.cumsum(p, axis=1)
-    u = _rng(ctx, seed).random((logits.shape[0], sample_size)) * cdf[:, -1:]
+    u = rng.random((logits.shape[0], sample_size)) * cdf[:, -1:]
     idx = (u[:, :, None] >= cdf[:, None, :]).sum(axis=-1)
     return np.minimum(idx, logits.shape[1] - 1).astype(_dtype(dtype))

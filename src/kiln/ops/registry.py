@@ -336,6 +336,9 @@ class Site:
     """A prepare function sets this when its ``run`` takes a KernelContext first."""
     notes: list[str] = field(default_factory=list)
     """Shown in the placement report."""
+    opsets: dict[str, int] = field(default_factory=dict)
+    """The plan's opset per domain: what a kernel that runs other nodes of the graph (the
+    Gradient) needs to look their definitions up (:meth:`opset_of`)."""
 
     @property
     def num_outputs(self) -> int:
@@ -347,6 +350,11 @@ class Site:
 
     def attr(self, name: str, default: Any = None) -> Any:
         return self.attrs.get(name, default)
+
+    def opset_of(self, node) -> int:
+        """The opset ``node`` of this plan's graph runs at: its domain's, else the
+        default domain's."""
+        return self.opsets.get(node.domain, self.opsets.get("", 1))
 
     def has_input(self, i: int) -> bool:
         ins = self.node.inputs
@@ -365,14 +373,13 @@ class Site:
 class KernelContext:
     """What a ``ctx`` kernel sees: node facts plus a way to run its subgraphs."""
 
-    __slots__ = ("num_outputs", "opset", "env", "runner", "node", "target")
+    __slots__ = ("num_outputs", "opset", "env", "node", "target")
 
-    def __init__(self, num_outputs: int, opset: int, env: dict, runner, node,
+    def __init__(self, num_outputs: int, opset: int, env: dict, node,
                  target: Target | None = None):
         self.num_outputs = num_outputs
         self.opset = opset
         self.env = env
-        self.runner = runner
         self.node = node
         self.target = Target() if target is None else target
         """Where the node runs (:class:`Target`): its ``put``/``take`` move values in and
@@ -398,7 +405,7 @@ def evaluate(node, opset: int, inputs: list) -> list:
         raise ValueError(f"{node.op_type}: the reference kernel declined this node")
     fn, wants_ctx = bound
     if wants_ctx:
-        r = fn(KernelContext(len(node.outputs), opset, {}, None, node), *inputs)
+        r = fn(KernelContext(len(node.outputs), opset, {}, node), *inputs)
     else:
         r = fn(*inputs)
     return list(r) if isinstance(r, tuple) else [r]

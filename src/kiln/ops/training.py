@@ -104,9 +104,9 @@ class GradientSlice:
     """Initializers the nodes read (other than fed values)."""
 
 
-def gradient_slice(node: Node, plan) -> GradientSlice:
-    """The part of ``node``'s graph that a Gradient node differentiates. ``plan`` is the
-    plan running the graph (``KernelContext.runner``): it knows each node's opset."""
+def gradient_slice(node: Node, opset_of: Callable[[Node], int]) -> GradientSlice:
+    """The part of ``node``'s graph that a Gradient node differentiates; ``opset_of`` gives
+    the opset each node runs at (``Site.opset_of`` of the Gradient's site)."""
     g = node.graph
     names = g.values_by_name() if g is not None else {}
     xs, zs = list(node.attrs.get("xs", ())), list(node.attrs.get("zs", ()))
@@ -155,9 +155,8 @@ def gradient_slice(node: Node, plan) -> GradientSlice:
         raise InputError(f"Gradient {node.name!r}: {y_name!r} no longer depends on "
                          f"initializer(s) {folded} (constant folding computed through them); "
                          "make them graph inputs or run the model without constant folding")
-    opsets = {s.node: s.opset for s in plan.steps}
     nodes = [n for n in g.nodes if n in cone]
-    return GradientSlice(fed, len(xs), y, nodes, {n: opsets[n] for n in nodes},
+    return GradientSlice(fed, len(xs), y, nodes, {n: opset_of(n) for n in nodes},
                          list(constants))
 
 
@@ -173,12 +172,11 @@ class _FedSite(Site):
         return super().const(i)
 
 
-def bind_slice(sl: GradientSlice, target: registry.Target, ctx: KernelContext,
+def bind_slice(sl: GradientSlice, target: registry.Target,
                kernels: Callable[[registry.OpDef], list[Kernel]]) -> list[tuple]:
     """``(node, [run...])`` per node of the slice: each node's kernels (``kernels(opdef)``,
-    best first) prepared as a plan prepares them, for ``target`` (the Gradient node's);
-    ``ctx`` is the Gradient node's context. A kernel that returns NotImplemented hands the
-    call to the next."""
+    best first) prepared as a plan prepares them, for ``target`` (the Gradient node's). A
+    kernel that returns NotImplemented hands the call to the next."""
     out = []
     for n in sl.nodes:
         opset = sl.opsets[n]
@@ -193,7 +191,7 @@ def bind_slice(sl: GradientSlice, target: registry.Target, ctx: KernelContext,
                 continue
             fn, wants_ctx = bound
             if wants_ctx:  # node facts only: the slice holds no subgraphs
-                nctx = KernelContext(len(n.outputs), opset, {}, ctx.runner, n, ctx.target)
+                nctx = KernelContext(len(n.outputs), opset, {}, n, target)
                 fn = (lambda f, c: lambda *a: f(c, *a))(fn, nctx)
             runs.append(fn)
         if not runs:
@@ -219,16 +217,17 @@ def run_slice(bound: list[tuple], env: dict) -> None:
                 env[v] = x
 
 
-def lazily(build: Callable[[KernelContext], Callable]) -> Callable:
-    """A ``ctx`` run that builds its real run on the first call (from the plan behind the
-    context, which alone knows the other nodes' opsets), once, under a lock."""
+def lazily(build: Callable[[], Callable]) -> Callable:
+    """A run that builds its real run on the first call, once, under a lock: a Gradient
+    whose slice cannot be differentiated says so when it runs, as before it was prepared
+    from the whole graph, not when the session is made."""
     lock, built = threading.Lock(), []
 
-    def run(ctx: KernelContext, *inputs):
+    def run(*inputs):
         if not built:
             with lock:
                 if not built:
-                    built.append(build(ctx))
+                    built.append(build())
         return built[0](*inputs)
 
     return run
@@ -241,11 +240,10 @@ def _infer_gradient(*types, xs=(), **attrs):
 @op("Gradient", 1, domain=DOMAIN, prepare=True, infer=_infer_gradient)
 def gradient(site: Site):
     """Reverse mode on NumPy over :data:`VJPS`."""
-    site.wants_ctx = True
 
-    def build(ctx: KernelContext):
-        sl = gradient_slice(site.node, ctx.runner)
-        bound = bind_slice(sl, site.target, ctx, lambda d: [d.reference])
+    def build():
+        sl = gradient_slice(site.node, site.opset_of)
+        bound = bind_slice(sl, site.target, lambda d: [d.reference])
         live = set(sl.fed[:sl.n_xs])  # values that carry a gradient
         on_path = set()
         for n, _ in bound:

@@ -172,8 +172,7 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
         args = ", ".join("None" if v is None else pnames[v] if (j, k) in as_param else names[v]
                          for k, v in enumerate(s.inputs))
         if s.wants_ctx:  # facts only (no subgraphs here): one context per step, made now
-            glb[f"k{j}"] = KernelContext(len(s.outputs), s.opset, {}, plan, s.node,
-                                         plan.target)
+            glb[f"k{j}"] = KernelContext(len(s.outputs), s.opset, {}, s.node, plan.target)
             args = f"k{j}, {args}" if args else f"k{j}"
         outs = list(s.outputs)
         body: list[str] = []

@@ -227,7 +227,7 @@ class Plan:
                     down, up = s.transfers
                     result = up(s.fn(*[None if a is None else down(a) for a in args]))
                 elif s.wants_ctx:
-                    ctx = KernelContext(len(s.outputs), s.opset, env, self, s.node, self.target)
+                    ctx = KernelContext(len(s.outputs), s.opset, env, s.node, self.target)
                     result = s.fn(ctx, *args)
                     if result is NotImplemented and s.rest is not None:
                         result = s.rest(ctx, *args)
@@ -274,7 +274,7 @@ def _step(node: Node, opsets: dict[str, int], compiler: Compiler, bindings: dict
     be = compiler.backend
     opdef = registry.lookup(node.domain, node.op_type, opset)
     if opdef is not None:
-        link, moves = bind(opdef, Site(node, opset, attrs, compiler.target), be)
+        link, moves = bind(opdef, Site(node, opset, attrs, compiler.target, opsets=opsets), be)
         return Step(fn=link.fn, wants_ctx=link.wants_ctx, layer=link.layer,
                     host_inputs=opdef.host_inputs, rest=link.rest,
                     params=opdef.host_inputs if link.params else frozenset(),

@@ -398,7 +398,7 @@ class TorchBackend(Backend):
         if ctx:
             def run_ctx(c, *args):
                 st = backend.stats()
-                fctx = _FallbackContext(c.num_outputs, c.opset, c.env, c.runner, c.node)
+                fctx = _FallbackContext(c.num_outputs, c.opset, c.env, c.node)
                 fctx.owner = backend
                 return finish(k(fctx, *convert(args, st)), st)
             return run_ctx

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from kiln.ops.registry import KernelContext, Site
+from kiln.ops.registry import Site
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import to_torch
 from kiln.ops.training import DOMAIN, bind_slice, gradient_slice, lazily, run_slice
@@ -21,15 +21,14 @@ def _differentiable(d) -> list:
 
 @kernel("Gradient", 1, domain=DOMAIN, prepare=True)
 def gradient(site: Site):
-    site.wants_ctx = True
     device = site.target.device
 
-    def build(ctx: KernelContext):
-        sl = gradient_slice(site.node, ctx.runner)
+    def build():
+        sl = gradient_slice(site.node, site.opset_of)
         # built on the first run, inside the session's inference mode: leave it, since
         # inference tensors (constants kernels prepare) cannot be saved for backward
         with torch.inference_mode(False):
-            bound = bind_slice(sl, site.target, ctx, _differentiable)
+            bound = bind_slice(sl, site.target, _differentiable)
             consts = {v: to_torch(v.const).to(device) for v in sl.constants}
 
         def run(*inputs):
