@@ -24,8 +24,7 @@ def _family(d: registry.OpDef) -> str:
 
 
 def _kiln_ops() -> list[registry.OpDef]:
-    return [d for d in registry.registered()
-            if d.kernel.__module__.startswith("kiln.ops.")]
+    return [d for d in registry.registered() if d.kernel.__module__.startswith("kiln.ops.")]
 
 
 def _written(path: Path, call: str, op_type: str) -> bool:
@@ -33,9 +32,14 @@ def _written(path: Path, call: str, op_type: str) -> bool:
 
 
 def test_every_op_is_written_op_name_in_its_family_module():
-    missing = sorted({f"{d.op_type} ({_family(d)}.py)" for d in _kiln_ops()
-                      if not _written(OPS / f"{_family(d)}.py", "op", d.op_type)})
-    assert not missing, "ops registered without a greppable op(\"Name\": " + ", ".join(missing)
+    missing = sorted(
+        {
+            f"{d.op_type} ({_family(d)}.py)"
+            for d in _kiln_ops()
+            if not _written(OPS / f"{_family(d)}.py", "op", d.op_type)
+        }
+    )
+    assert not missing, 'ops registered without a greppable op("Name": ' + ", ".join(missing)
 
 
 def test_torch_kernels_live_in_the_torch_module_of_their_family():
@@ -48,17 +52,22 @@ def test_torch_kernels_live_in_the_torch_module_of_their_family():
         there = OPS / "torch" / f"{_family(d)}.py"
         if not there.is_file() or not _written(there, "kernel", d.op_type):
             misplaced.append(f"{d.op_type} (expected in ops/torch/{_family(d)}.py)")
-    assert not misplaced, "torch kernels outside their family's module: " + \
-        ", ".join(sorted(set(misplaced)))
+    assert not misplaced, "torch kernels outside their family's module: " + ", ".join(
+        sorted(set(misplaced))
+    )
 
 
 def test_torch_modules_are_named_after_op_families():
     """A torch module is a family of ``kiln/ops`` (or a helper: private, or the runtimes'
     settings), so the two trees read side by side."""
     families = {p.stem for p in OPS.glob("*.py")}
-    extra = sorted(p.stem for p in (OPS / "torch").glob("*.py")
-                   if p.stem not in families and not p.stem.startswith("_")
-                   and p.stem not in ("arrays", "native"))
+    extra = sorted(
+        p.stem
+        for p in (OPS / "torch").glob("*.py")
+        if p.stem not in families
+        and not p.stem.startswith("_")
+        and p.stem not in ("arrays", "native")
+    )
     assert not extra, f"torch modules with no op family of that name: {extra}"
 
 
@@ -75,7 +84,8 @@ def test_a_new_kernel_module_is_loaded_because_it_exists(tmp_path, monkeypatch):
         "@op('LayoutProbe', 1, domain='test.layout')\n"
         "def probe(x):\n    return x\n\n\n"
         "@kernel('LayoutProbe', 1, domain='test.layout')\n"
-        "def probe_torch(x):\n    return x\n")
+        "def probe_torch(x):\n    return x\n"
+    )
     monkeypatch.setattr(torch_kernels, "__path__", [*torch_kernels.__path__, str(tmp_path)])
     monkeypatch.setattr(registry, "_loaded", set())
     monkeypatch.delitem(sys.modules, f"kiln.ops.torch.{name}", raising=False)

@@ -14,9 +14,10 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "kiln"
 
 FIGURE = re.compile(
-    r"\b\d+(\.\d+)?\s?(us|µs|ms)\b"                                  # a time
+    r"\b\d+(\.\d+)?\s?(us|µs|ms)\b"  # a time
     r"|\b\d+(\.\d+)?(-\d+(\.\d+)?)?x (faster|slower|as long|the time|the cost)"  # a ratio
-    r"|\b\d+(\.\d+)?%(-\d+%)? (faster|slower)")
+    r"|\b\d+(\.\d+)?%(-\d+%)? (faster|slower)"
+)
 
 
 def _prose(path: Path):
@@ -30,8 +31,11 @@ def _prose(path: Path):
             doc = ast.get_docstring(node, clean=False)
             if doc:
                 yield node.body[0].lineno, doc
-        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant) and \
-                isinstance(node.value.value, str):  # attribute docstrings
+        if (
+            isinstance(node, ast.Expr)
+            and isinstance(node.value, ast.Constant)
+            and isinstance(node.value.value, str)
+        ):  # attribute docstrings
             yield node.lineno, node.value.value
 
 
@@ -54,7 +58,11 @@ def test_the_checker_sees_figures_in_comments_and_docstrings(tmp_path):
     (tmp_path / "a.py").write_text(
         '"""Module: 2.5x faster than before."""\n\n'
         "X = 1  # costs ~20 us a call\n\n\n"
-        "def f():\n    \"\"\"Took 3.5\n    ms.\"\"\"\n\n\n"
-        "MSG = 'a string with 5 ms is not prose'\n")
-    assert [f.split(": ", 1)[1] for f in _figures(tmp_path)] == \
-        ["'2.5x faster'", "'20 us'", "'3.5 ms'"]
+        'def f():\n    """Took 3.5\n    ms."""\n\n\n'
+        "MSG = 'a string with 5 ms is not prose'\n"
+    )
+    assert [f.split(": ", 1)[1] for f in _figures(tmp_path)] == [
+        "'2.5x faster'",
+        "'20 us'",
+        "'3.5 ms'",
+    ]

@@ -33,6 +33,7 @@ def _seeded(fn):
 
         def run(*inputs):
             return fn(_SHARED if own is None else own, *inputs, **attrs)
+
         return run
 
     prepare.__name__ = prepare.__qualname__ = fn.__name__

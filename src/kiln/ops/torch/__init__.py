@@ -14,8 +14,9 @@ from collections.abc import Callable
 from kiln.ops import registry
 
 
-def kernel(op_type: str, since: int = 1, *, dtypes: tuple | None = None,
-           **options) -> Callable[[Callable], Callable]:
+def kernel(
+    op_type: str, since: int = 1, *, dtypes: tuple | None = None, **options
+) -> Callable[[Callable], Callable]:
     """``@kernel("Conv", 1, prepare=True)``: a torch kernel for the op versions from that
     opset on (see :func:`kiln.ops.registry.kernel`). ``@kernel("Relu", 1, dtypes=SIGNED)``:
     a plain kernel for inputs of those torch dtypes only, declared rather than checked per
@@ -31,4 +32,5 @@ def kernel(op_type: str, since: int = 1, *, dtypes: tuple | None = None,
 
         register(typed(dtypes, fn))
         return fn
+
     return typed_kernel

@@ -84,6 +84,7 @@ kernel("Softsign", 1, dtypes=FLOATS)(F.softsign)  # one op, no dtype check
 
 # -- softmax ------------------------------------------------------------------------------
 
+
 def _softmax_kernel(fn):
     def build(site):
         legacy = site.opset < 13
@@ -103,9 +104,10 @@ def _softmax_kernel(fn):
                 return fn(x, axis(ax, x.dim()))  # torch takes dim -1 of a scalar
             a = axis(ax, x.dim())
             lead = math.prod(x.shape[:a])
-            return fn(x.reshape(lead, -1) if x.numel() else x.reshape(lead, 0), 1) \
-                .reshape(x.shape)
+            return fn(x.reshape(lead, -1) if x.numel() else x.reshape(lead, 0), 1).reshape(x.shape)
+
         return run
+
     return build
 
 

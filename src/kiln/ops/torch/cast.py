@@ -16,6 +16,7 @@ NI = NotImplemented
 
 # -- casts --------------------------------------------------------------------------------
 
+
 @kernel("Cast", 6, prepare=True)
 def cast(site):
     to = int(site.attr("to", 0))
@@ -28,10 +29,15 @@ def cast(site):
             return x
         if x.dtype.is_complex:
             return NI
-        if x.dtype in FLOATS and to not in FLOATS and to != torch.bool \
-                and not torch.isfinite(x).all():
+        if (
+            x.dtype in FLOATS
+            and to not in FLOATS
+            and to != torch.bool
+            and not torch.isfinite(x).all()
+        ):
             return NI  # NaN/inf to int is platform-defined: leave it to NumPy
         return x.to(to)
+
     return run
 
 

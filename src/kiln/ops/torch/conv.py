@@ -27,12 +27,17 @@ from kiln.ops.torch.arrays import (
 
 NI = NotImplemented
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
-_MKLDNN = torch.backends.mkldnn.is_available() and hasattr(torch.ops, "mkldnn") \
+_MKLDNN = (
+    torch.backends.mkldnn.is_available()
+    and hasattr(torch.ops, "mkldnn")
     and hasattr(torch.ops.mkldnn, "_convolution_pointwise")
+)
 # Weights are packed for the input shape the convolution will see: packed without it, oneDNN
 # on AVX2 picks a kernel wanting another blocking and re-packs the weights on every call
 # (many times the convolution's own time for a 512x512x3x3 kernel on a 7x7 input).
 PREPACK = _MKLDNN and torch.backends.cpu.get_cpu_capability().startswith(("AVX2", "AVX512"))
+
+
 def native_on_cpu(dtype: torch.dtype) -> bool:
     """Whether this CPU multiplies in ``dtype`` natively, in oneDNN's word. Without it
     torch's reference kernels run fp16 many times slower than fp32 on the zoo models
@@ -84,8 +89,14 @@ def linear(site, weight, act: Callable | None = None, post: tuple | None = None)
     def plain(a, bias):
         y = F.linear(a, wt, bias)
         return y if act is None else act(y)
-    if not (PREPACK and tg.device.type == "cpu" and not tg.tracing
-            and tg.compute_dtype is None and weight.dtype == torch.float32):
+
+    if not (
+        PREPACK
+        and tg.device.type == "cpu"
+        and not tg.tracing
+        and tg.compute_dtype is None
+        and weight.dtype == torch.float32
+    ):
         return plain
     big = k * n >= _PACKED_WEIGHT
     packs: list = []
@@ -96,9 +107,9 @@ def linear(site, weight, act: Callable | None = None, post: tuple | None = None)
             return plain(a, bias)  # raises on a mismatched k: oneDNN would not
         if not packs:  # two threads may both pack: the same result, one kept
             packs[:] = [torch.ops.mkldnn._reorder_linear_weight(wt.contiguous())]
-        y = torch.ops.mkldnn._linear_pointwise(a.contiguous(), packs[0], bias, attr,
-                                               scalars, algo)
+        y = torch.ops.mkldnn._linear_pointwise(a.contiguous(), packs[0], bias, attr, scalars, algo)
         return y if act is None or post is not None else act(y)
+
     return run
 
 
@@ -108,8 +119,9 @@ def window(site, x, ks: list[int]):
     n = x.dim() - 2
     strides = list(site.attr("strides") or [1] * n)
     dil = list(site.attr("dilations") or [1] * n)
-    begins, ends = conv_pads(list(x.shape[2:]), ks, strides, dil,
-                             site.attr("auto_pad", "NOTSET"), site.attr("pads"))
+    begins, ends = conv_pads(
+        list(x.shape[2:]), ks, strides, dil, site.attr("auto_pad", "NOTSET"), site.attr("pads")
+    )
     return strides, dil, begins, ends
 
 
@@ -165,11 +177,15 @@ def _wide_conv1d(x, w, b, stride: int, dil: int, begin: int, end: int, group: in
     k = w.shape[2]
     win = x.unfold(2, (k - 1) * dil + 1, stride)[..., ::dil]  # (n, c, L, k)
     n, c, length = win.shape[:3]
-    cols = win.reshape(n, group, c // group, length, k).permute(0, 1, 3, 2, 4) \
+    cols = (
+        win.reshape(n, group, c // group, length, k)
+        .permute(0, 1, 3, 2, 4)
         .reshape(n, group, length, -1)
+    )
     y = torch.matmul(cols, w.reshape(group, w.shape[0] // group, -1).transpose(1, 2))
     y = y.permute(0, 1, 3, 2).reshape(n, w.shape[0], length)
     return y if b is None else y + b[:, None]
+
 
 @kernel("Conv", 1, prepare=True)
 def conv(site):
@@ -191,14 +207,27 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     # A depthwise convolution is bound by memory, not arithmetic: on the CPU, casting its
     # activations to bf16 and back made MobileNetV2's 17 of them slower than kept in fp32
     # (docs/performance.md), so they stay fp32 there.
-    depthwise_fp32 = low is not None and tg.device.type == "cpu" and wc is not None \
-        and group > 1 and wc.ndim >= 3 and wc.shape[1] == 1
+    depthwise_fp32 = (
+        low is not None
+        and tg.device.type == "cpu"
+        and wc is not None
+        and group > 1
+        and wc.ndim >= 3
+        and wc.shape[1] == 1
+    )
     if depthwise_fp32:
         low = None
     cl = tg.channels_last
-    packable = (PREPACK and tg.device.type == "cpu" and not tg.tracing and wc is not None
-                and post is not None and wc.ndim == 4 and wc.dtype.name == "float32"
-                and (low is None or (low == torch.bfloat16 and PREPACK_BF16)))
+    packable = (
+        PREPACK
+        and tg.device.type == "cpu"
+        and not tg.tracing
+        and wc is not None
+        and post is not None
+        and wc.ndim == 4
+        and wc.dtype.name == "float32"
+        and (low is None or (low == torch.bfloat16 and PREPACK_BF16))
+    )
     # A 1x1 convolution over NHWC rows is a linear layer, and on the AVX-512 EPYC oneDNN's
     # linear primitive has a smaller fixed cost a call than its convolution: the depthwise
     # nets' small pointwise layers take less time that way (docs/performance.md). Layers
@@ -208,8 +237,7 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     # Reduced precision outside oneDNN: the constant weight and bias cast at the first such
     # call (layers that always take oneDNN's packed path never hold the copy); not while
     # tracing for torch.compile, where the cast is part of the program
-    keep_low = low is not None and wc is not None and wc.dtype.name == "float32" \
-        and not tg.tracing
+    keep_low = low is not None and wc is not None and wc.dtype.name == "float32" and not tg.tracing
     lows: list = []
 
     def as_rows(x, z, b):
@@ -217,19 +245,28 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
         n, c, h, w_ = x.shape
         cout = wc.shape[0]
         attr, scalars, algo = post
-        if c != wc.shape[1] or n * h * w_ * c * cout > _ROWS_MACS or z is not None and (
-                attr != "none" or tuple(z.shape) != (n, cout, h, w_) or z.dtype != x.dtype):
+        if (
+            c != wc.shape[1]
+            or n * h * w_ * c * cout > _ROWS_MACS
+            or z is not None
+            and (attr != "none" or tuple(z.shape) != (n, cout, h, w_) or z.dtype != x.dtype)
+        ):
             return None
         if not rows_pack:  # two threads may both pack: the same result, one kept
-            rows_pack[:] = [torch.ops.mkldnn._reorder_linear_weight(
-                torch.from_numpy(wc.reshape(cout, c).copy()))]
-        rows = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1) \
-            .reshape(-1, c)
+            rows_pack[:] = [
+                torch.ops.mkldnn._reorder_linear_weight(
+                    torch.from_numpy(wc.reshape(cout, c).copy())
+                )
+            ]
+        rows = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, c)
         if z is None:
             y = torch.ops.mkldnn._linear_pointwise(rows, rows_pack[0], b, attr, scalars, algo)
         else:
-            zr = z.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1) \
+            zr = (
+                z.contiguous(memory_format=torch.channels_last)
+                .permute(0, 2, 3, 1)
                 .reshape(-1, cout)
+            )
             y = torch.ops.mkldnn._linear_pointwise.binary(rows, zr, rows_pack[0], b, "add")
         return y.view(n, h, w_, cout).permute(0, 3, 1, 2)
 
@@ -241,8 +278,10 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
             w = w.to(low)
             b = None if b is None else b.to(low)
         pw = torch.ops.mkldnn._reorder_convolution_weight(
-            w, list(pad), list(strides), list(dil), group, list(shape))
+            w, list(pad), list(strides), list(dil), group, list(shape)
+        )
         return pw, b
+
     packs = PerShape(pack)
 
     def packed(pad, strides, dil, x):
@@ -258,19 +297,37 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
             xx = xx.contiguous(memory_format=torch.channels_last)
         attr, scalars, algo = post
         if z is None:
-            y = torch.ops.mkldnn._convolution_pointwise(xx, pw, pb, begins, strides, dil,
-                                                        group, attr, scalars, algo)
+            y = torch.ops.mkldnn._convolution_pointwise(
+                xx, pw, pb, begins, strides, dil, group, attr, scalars, algo
+            )
             return y if low is None else y.to(torch.float32)
-        out = [x.shape[0], pw.shape[0]] + [out_size(*g) for g in zip(
-            x.shape[2:], pw.shape[2:], strides, dil, begins, begins)]
-        if low is not None or list(z.shape) != out or z.dtype != x.dtype \
-                or attr not in ("none", "relu"):
+        out = [x.shape[0], pw.shape[0]] + [
+            out_size(*g) for g in zip(x.shape[2:], pw.shape[2:], strides, dil, begins, begins)
+        ]
+        if (
+            low is not None
+            or list(z.shape) != out
+            or z.dtype != x.dtype
+            or attr not in ("none", "relu")
+        ):
             return None
         if cl:
             z = z.contiguous(memory_format=torch.channels_last)
         return torch.ops.mkldnn._convolution_pointwise(
-            xx, z, pw, pb, begins, strides, dil, group, "add", None,
-            None if attr == "none" else attr, [], None)
+            xx,
+            z,
+            pw,
+            pb,
+            begins,
+            strides,
+            dil,
+            group,
+            "add",
+            None,
+            None if attr == "none" else attr,
+            [],
+            None,
+        )
 
     # fed weights: a kernel_shape that differs from theirs is the NumPy kernel's error
     ks = site.attr("kernel_shape") if wc is None else None
@@ -285,8 +342,9 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
         n = x.dim() - 2
         if n not in _CONV or w.dim() != n + 2 or ks and list(w.shape[2:]) != list(ks):
             return NI
-        if one_thread_ok and x.numel() * w.shape[0] * math.prod(w.shape[2:]) \
-                < _SINGLE_MACS * group * math.prod(site.attr("strides") or [1]):
+        if one_thread_ok and x.numel() * w.shape[0] * math.prod(
+            w.shape[2:]
+        ) < _SINGLE_MACS * group * math.prod(site.attr("strides") or [1]):
             return _single_threaded(convolve, x, w, b, z)
         return convolve(x, w, b, z)
 
@@ -327,12 +385,13 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
         return y if act is None else act(y)
 
     if packable:
-        site.notes.append("oneDNN, weights reordered once" + (", NHWC" if cl else "")
-                          + (f", post-op {post[0]}" if post[0] != "none" else ""))
+        site.notes.append(
+            "oneDNN, weights reordered once"
+            + (", NHWC" if cl else "")
+            + (f", post-op {post[0]}" if post[0] != "none" else "")
+        )
     if low is not None:
         site.notes.append(f"computes in {low}")
     elif depthwise_fp32:
         site.notes.append("depthwise: computes in float32 (faster than a reduced type here)")
     return run
-
-

@@ -45,15 +45,21 @@ def conv_transpose(site):
         # Asymmetric: full transposed conv, then crop/extend to ONNX's output size.
         y = _CONVT[n](x, w, None, strides, 0, 0, group, dil)
         full = list(y.shape[2:])
-        sizes = [s * (i - 1) + o + (k - 1) * d + 1 - bb - e for s, i, o, k, d, bb, e in zip(
-            strides, x.shape[2:], outpad, w.shape[2:], dil, begins, ends)]
+        sizes = [
+            s * (i - 1) + o + (k - 1) * d + 1 - bb - e
+            for s, i, o, k, d, bb, e in zip(
+                strides, x.shape[2:], outpad, w.shape[2:], dil, begins, ends
+            )
+        ]
         extra = [max(0, bb + sz - f) for bb, sz, f in zip(begins, sizes, full)]
         if any(extra):
             y = F.pad(y, torch_pad([0] * n, extra))
-        idx = (slice(None), slice(None)) + tuple(slice(bb, bb + sz) for bb, sz in
-                                                 zip(begins, sizes))
+        idx = (slice(None), slice(None)) + tuple(
+            slice(bb, bb + sz) for bb, sz in zip(begins, sizes)
+        )
         y = y[idx]
         if b is not None:
             y = y + b.reshape((1, -1) + (1,) * n)
         return y if y.dtype == dt else y.to(dt)
+
     return run

@@ -32,6 +32,7 @@ def _out_device(site):
 
 # -- constants ----------------------------------------------------------------------------
 
+
 @kernel("Constant", 1, prepare=True)
 def constant(site):
     a = site.attrs
@@ -54,6 +55,7 @@ def constant(site):
 
     def run():
         return t
+
     return run
 
 
@@ -70,6 +72,7 @@ def constant_of_shape(site):
 
     def run(shape):
         return torch.full(ints(shape), fill, dtype=dt, device=dev)
+
     return run
 
 
@@ -92,10 +95,12 @@ def range_(site):
             return NI
         n = max(math.ceil((lim - s) / d), 0)
         return torch.arange(s, s + n * d, d, dtype=dtype, device=dev)  # integers: exact
+
     return run
 
 
 # -- dropout ------------------------------------------------------------------------------
+
 
 @kernel("Dropout", 7, prepare=True)
 def dropout(site):
@@ -110,8 +115,9 @@ def dropout(site):
     input_typed_mask = site.opset < 10
 
     def ones(x):
-        return torch.ones(x.shape, dtype=x.dtype if input_typed_mask else torch.bool,
-                          device=x.device)
+        return torch.ones(
+            x.shape, dtype=x.dtype if input_typed_mask else torch.bool, device=x.device
+        )
 
     def drop(x, p: float):
         if not masked:  # torch.nn.Dropout's own draw: the same mask from the same seed
@@ -121,13 +127,14 @@ def dropout(site):
         return y, keep.to(x.dtype) if input_typed_mask else keep
 
     if site.opset >= 12:
+
         def run12(x, ratio=None, training_mode=None):
             if tg.mode.training:
                 return drop(x, 0.5 if ratio is None else floats(ratio)[0])
-            if not tg.module and training_mode is not None \
-                    and bool(training_mode.reshape(-1)[0]):
+            if not tg.module and training_mode is not None and bool(training_mode.reshape(-1)[0]):
                 return NI  # asked for by the graph: the NumPy kernel's seeded masks
             return (x, ones(x)) if masked else (x,) + unread if unread else x
+
         return run12
 
     ratio = float(site.attr("ratio", 0.5))
@@ -136,4 +143,5 @@ def dropout(site):
         if tg.mode.training:
             return drop(x, ratio)
         return (x, ones(x)) if masked else (x,) + unread if unread else x
+
     return run

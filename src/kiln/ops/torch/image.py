@@ -18,8 +18,7 @@ from kiln.ops.torch.arrays import (
 NI = NotImplemented
 
 
-_PAD_MODES = {"constant": "constant", "edge": "replicate", "reflect": "reflect",
-              "wrap": "circular"}
+_PAD_MODES = {"constant": "constant", "edge": "replicate", "reflect": "reflect", "wrap": "circular"}
 
 
 def _pad(x, p, value, mode: str, axes=None):
@@ -53,8 +52,8 @@ def _pad(x, p, value, mode: str, axes=None):
         for a in reversed(range(2, r)):
             fp += [begins[a], ends[a]]
         return F.pad(x, fp, mode=_PAD_MODES[mode])
-    lead = tuple(x.shape[:r - k])
-    y = x.reshape((1, math.prod(lead)) + tuple(x.shape[r - k:]))
+    lead = tuple(x.shape[: r - k])
+    y = x.reshape((1, math.prod(lead)) + tuple(x.shape[r - k :]))
     fp = []
     for a in reversed(range(r - k, r)):
         fp += [begins[a], ends[a]]
@@ -71,6 +70,7 @@ def pad(site):
     def run(x, pads, value=None, axes=None):
         v = 0 if value is None or not value.numel() else scalar(value)
         return _pad(x, ints(pads), v, mode, None if axes is None else ints(axes))
+
     return run
 
 

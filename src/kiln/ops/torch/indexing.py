@@ -37,8 +37,11 @@ def _take_rows(x, indices):
     """Gather on axis 0 (embedding lookups) as one indexing, which counts negative indices
     from the end and raises out of range as ONNX says: half the time for 16 rows of a
     BERT table (on other axes it is slower than index_select)."""
-    if indices.dim() == 0 or indices.dtype not in (torch.int32, torch.int64) or \
-            indices.device != x.device:
+    if (
+        indices.dim() == 0
+        or indices.dtype not in (torch.int32, torch.int64)
+        or indices.device != x.device
+    ):
         return _gather(x, indices, 0)
     return x[indices]
 
@@ -54,7 +57,7 @@ def _gather(x, indices, axis: int):
     flat = indices.reshape(-1)
     flat = torch.where(flat < 0, flat + x.shape[a], flat)
     y = x.index_select(a, flat)
-    return y.reshape(tuple(x.shape[:a]) + tuple(indices.shape) + tuple(x.shape[a + 1:]))
+    return y.reshape(tuple(x.shape[:a]) + tuple(indices.shape) + tuple(x.shape[a + 1 :]))
 
 
 @kernel("GatherElements", 11)  # traceable: the generic kernel's range check reads a value
@@ -72,8 +75,10 @@ def _in_range(idx, n: int):
     negative one around). While torch.compile traces, the check is an assertion inside the
     program: reading its result on the host would stop the trace."""
     if torch.compiler.is_compiling():
-        torch._assert_async(((idx >= 0) & (idx < n)).all(),
-                            f"an index is out of range: indices must lie in [{-n}, {n - 1}]")
+        torch._assert_async(
+            ((idx >= 0) & (idx < n)).all(),
+            f"an index is out of range: indices must lie in [{-n}, {n - 1}]",
+        )
         return idx
     return in_range(torch, idx, n)
 
@@ -99,7 +104,7 @@ def gather_nd(data, indices, *, batch_dims=0):
         cols.append(_in_range(torch.where(c < 0, c + n, c), n))
     bidx = torch.arange(nb, device=d.device).reshape(nb, 1)
     y = d[(bidx, *cols)]
-    return y.reshape(tuple(indices.shape[:-1]) + tuple(data.shape[b + k:]))
+    return y.reshape(tuple(indices.shape[:-1]) + tuple(data.shape[b + k :]))
 
 
 @kernel("TopK", 11)

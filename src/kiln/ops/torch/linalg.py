@@ -20,6 +20,7 @@ _EIGHT = (torch.uint8, torch.int8)
 
 # -- matrix products ----------------------------------------------------------------------
 
+
 def _lowp(site):
     """The reduced compute dtype for fp32 matmul/conv, or None."""
     return site.target.compute_dtype
@@ -39,10 +40,19 @@ def _new_tensors_ok(site) -> bool:
 def matmul(site):
     low = _lowp(site)
     wc = const_tensor(site, 1)
-    wlow = wc.to(low) if low is not None and wc is not None and wc.dtype == torch.float32 \
-        and _new_tensors_ok(site) else None
-    lin = linear(site, wc) if wc is not None and wc.dim() == 2 \
-        and wc.dtype == torch.float32 and low is None else None
+    wlow = (
+        wc.to(low)
+        if low is not None
+        and wc is not None
+        and wc.dtype == torch.float32
+        and _new_tensors_ok(site)
+        else None
+    )
+    lin = (
+        linear(site, wc)
+        if wc is not None and wc.dim() == 2 and wc.dtype == torch.float32 and low is None
+        else None
+    )
 
     def run(a, b):
         if a.dtype != b.dtype or a.dtype not in FLOATS + (torch.int32, torch.int64):
@@ -55,6 +65,7 @@ def matmul(site):
             bb = wlow if wlow is not None else b.to(low)
             return torch.matmul(a.to(low), bb).to(torch.float32)
         return torch.matmul(a, b)
+
     if low is not None:
         site.notes.append(f"computes in {low}")
     return run
@@ -70,14 +81,25 @@ def gemm(site):
     low = _lowp(site)
     wc = const_tensor(site, 1)
     lin = None
-    if wc is not None and wc.dim() == 2 and wc.dtype == torch.float32 and low is None \
-            and not ta and alpha == 1.0:
+    if (
+        wc is not None
+        and wc.dim() == 2
+        and wc.dtype == torch.float32
+        and low is None
+        and not ta
+        and alpha == 1.0
+    ):
         lin = linear(site, wc.t() if tb else wc)
     # Otherwise keep a constant B as the (N, K) matrix F.linear wants, cast once for low
     # precision.
     w = None
-    if lin is None and wc is not None and wc.dim() == 2 and wc.dtype in FLOATS \
-            and _new_tensors_ok(site):
+    if (
+        lin is None
+        and wc is not None
+        and wc.dim() == 2
+        and wc.dtype in FLOATS
+        and _new_tensors_ok(site)
+    ):
         w = wc if tb else wc.t().contiguous()
         if low is not None and w.dtype == torch.float32:
             w = w.to(low)
@@ -104,8 +126,7 @@ def gemm(site):
         bias = None
         if c is not None and beta != 0.0:
             bias = c if beta == 1.0 else c * beta
-        if bias is not None and bias.dim() == 1 and bias.shape[0] == wt.shape[0] \
-                and low is None:
+        if bias is not None and bias.dim() == 1 and bias.shape[0] == wt.shape[0] and low is None:
             return F.linear(a, wt, bias)
         y = F.linear(a, wt)
         if y.dtype != out_dtype:
@@ -113,6 +134,7 @@ def gemm(site):
         if bias is not None:
             y = y + bias
         return y
+
     if low is not None:
         site.notes.append(f"computes in {low}")
     return run
@@ -133,13 +155,20 @@ def matmul_integer(site):
     chunks' sums add in float64. The shared kernel's float64 product on NumPy costs
     several times more a layer (BERT's 16 x 256 x 256 layers)."""
     b, bz = site.const(1), site.const(3)
-    if b is None or b.ndim != 2 or site.has_input(3) and bz is None or \
-            b.dtype not in (np.int8, np.uint8):
+    if (
+        b is None
+        or b.ndim != 2
+        or site.has_input(3)
+        and bz is None
+        or b.dtype not in (np.int8, np.uint8)
+    ):
         return None
     w = b.astype(np.float32) - (0 if bz is None else bz.astype(np.float32))
     chunk = max(1, int(EXACT_F32 // (255 * max(float(np.abs(w).max(initial=0)), 1.0))))
-    pieces = [(k, site.target.put(np.ascontiguousarray(w[k:k + chunk])))
-              for k in range(0, w.shape[0], chunk)]
+    pieces = [
+        (k, site.target.put(np.ascontiguousarray(w[k : k + chunk])))
+        for k in range(0, w.shape[0], chunk)
+    ]
 
     def run(a, b_, a_zero_point=None, b_zero_point=None):
         if a.dtype not in _EIGHT or a_zero_point is not None and a_zero_point.numel() != 1:
@@ -151,7 +180,8 @@ def matmul_integer(site):
             return torch.matmul(x, pieces[0][1]).to(torch.int32)
         acc = None
         for k, p in pieces:
-            part = torch.matmul(x[..., k:k + p.shape[0]], p).to(torch.float64)
+            part = torch.matmul(x[..., k : k + p.shape[0]], p).to(torch.float64)
             acc = part if acc is None else acc.add_(part)
         return acc.to(torch.int32)
+
     return run

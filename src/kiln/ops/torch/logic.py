@@ -11,9 +11,11 @@ NI = NotImplemented
 
 # -- comparisons and logic ----------------------------------------------------------------
 
+
 def _compare(fn):
     def run(a, b):
         return fn(a, b) if a.dtype == b.dtype else NI
+
     return run
 
 

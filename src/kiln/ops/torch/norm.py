@@ -18,6 +18,7 @@ NI = NotImplemented
 
 # -- normalization ------------------------------------------------------------------------
 
+
 @kernel("BatchNormalization", 7, prepare=True)
 def batch_norm(site):
     """Inference with the running statistics; in a training module (:func:`kiln.to_torch`)
@@ -25,8 +26,11 @@ def batch_norm(site):
     statistics that update the running ones (module buffers) in place as torch.nn.BatchNorm
     does, and the running statistics as the node's extra outputs."""
     tg = site.target
-    if not int(site.attr("spatial", 1)) or not tg.module and (
-            int(site.attr("training_mode", 0)) or site.num_outputs > 1):
+    if (
+        not int(site.attr("spatial", 1))
+        or not tg.module
+        and (int(site.attr("training_mode", 0)) or site.num_outputs > 1)
+    ):
         return None  # training statistics outside a module, per-position params: NumPy kernel
     eps = float(site.attr("epsilon", 1e-5))
     momentum = 1.0 - float(site.attr("momentum", 0.9))  # torch weighs the batch's share
@@ -48,6 +52,7 @@ def batch_norm(site):
         if extra:
             return y, mean.detach().clone(), var.detach().clone()
         return y if n_out == 1 else (y,) + (None,) * (n_out - 1)
+
     return run
 
 
@@ -67,8 +72,7 @@ def layer_norm(site):
         return None
 
     def run(x, scale, bias=None):
-        if x.dtype not in FLOATS or scale.dtype != x.dtype \
-                or (stats and x.dtype == torch.float64):
+        if x.dtype not in FLOATS or scale.dtype != x.dtype or (stats and x.dtype == torch.float64):
             return NI
         a = axis(ax, x.dim())
         shape = tuple(x.shape[a:])
@@ -86,6 +90,7 @@ def layer_norm(site):
         if b is not None:
             y = y + b
         return y, mean, inv
+
     return run
 
 
@@ -94,12 +99,16 @@ def lp_norm(x, *, axis=-1, p=2):
     if x.dtype not in FLOATS or p not in (1, 2):
         return NI
     axis = norm_axis(axis, x.dim())  # torch sums dim -1 of a scalar; onnxruntime refuses it
-    nrm = x.abs().sum(dim=axis, keepdim=True) if p == 1 else \
-        torch.sqrt((x * x).sum(dim=axis, keepdim=True))
+    nrm = (
+        x.abs().sum(dim=axis, keepdim=True)
+        if p == 1
+        else torch.sqrt((x * x).sum(dim=axis, keepdim=True))
+    )
     return x / torch.where(nrm == 0, torch.ones_like(nrm), nrm)  # zero vectors stay zero
 
 
 # -- local response normalization ---------------------------------------------------------
+
 
 @kernel("LRN", 1, prepare=True)
 def lrn(site):
@@ -116,13 +125,17 @@ def lrn(site):
         if x.dtype not in FLOATS or x.dim() < 3:
             return NI
         return F.local_response_norm(x, size, alpha, beta, bias)
+
     return run
 
 
 @kernel("RMSNormalization", 23)  # the generic kernel is NumPy's: a CPU fallback on torch
 def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-5, stash_type=1):
-    if x.dtype not in (torch.float32, torch.float64) or stash_type != 1 or \
-            (scale is not None and scale.dtype != x.dtype):
+    if (
+        x.dtype not in (torch.float32, torch.float64)
+        or stash_type != 1
+        or (scale is not None and scale.dtype != x.dtype)
+    ):
         return NI
     a = axis + x.dim() if axis < 0 else axis
     shape = tuple(x.shape[a:])

@@ -25,6 +25,7 @@ _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
 # -- pooling ------------------------------------------------------------------------------
 
+
 @kernel("MaxPool", 1, prepare=True)
 def max_pool(site):
     want_idx = site.output_used(1)
@@ -46,15 +47,20 @@ def max_pool(site):
             x = x.contiguous(memory_format=torch.channels_last)
         strides, dil, begins, ends = window(site, x, ks)
         want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
-        if not want_idx and sum(k - 1 for k in ks) <= 4 and x.numel() >= _VIEW_POOL_MIN \
-                and not x.requires_grad:
+        if (
+            not want_idx
+            and sum(k - 1 for k in ks) <= 4
+            and x.numel() >= _VIEW_POOL_MIN
+            and not x.requires_grad
+        ):
             # (training keeps torch's pool: its gradient goes to one element of a tie, as
             # PyTorch's own modules do)
             y = _max_pool_separable(x, ks, strides, dil, begins, want)
             if y is not None:
                 return NI if _nan_in(y) else y
-        sym = begins == ends and all(b <= ((k - 1) * d + 1) // 2 for b, k, d in
-                                     zip(begins, ks, dil))
+        sym = begins == ends and all(
+            b <= ((k - 1) * d + 1) // 2 for b, k, d in zip(begins, ks, dil)
+        )
         if not sym:
             if want_idx:
                 return NI
@@ -72,8 +78,10 @@ def max_pool(site):
         # torch's indices are per (n, c) plane; ONNX's run over the whole tensor.
         plane = math.prod(x.shape[2:])
         nc = torch.arange(x.shape[0] * x.shape[1], device=x.device).reshape(
-            (x.shape[0], x.shape[1]) + (1,) * n)
+            (x.shape[0], x.shape[1]) + (1,) * n
+        )
         return y, r[1] + nc * plane
+
     return run
 
 
@@ -82,8 +90,11 @@ def _nan_in(y) -> bool:
     the reference skips it: the NumPy kernel then answers). Not asked inside
     torch.compile, where a data-dependent branch would break the graph: a compiled
     program keeps torch's NaN rule (docs/reliability.md)."""
-    return y.dtype.is_floating_point and not torch.compiler.is_compiling() and \
-        bool(torch.isnan(y).any())
+    return (
+        y.dtype.is_floating_point
+        and not torch.compiler.is_compiling()
+        and bool(torch.isnan(y).any())
+    )
 
 
 def _max_pool_8bit(site, x, ks, ceil: bool):
@@ -171,6 +182,7 @@ def average_pool(site):
         want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
         y = _AVGPOOL[n](x, ks, strides, begins, ceil_mode=ceil, count_include_pad=include)
         return y if list(y.shape[2:]) == want else NI
+
     return run
 
 

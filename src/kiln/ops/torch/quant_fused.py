@@ -33,8 +33,6 @@ NI = NotImplemented
 _EIGHT = (torch.uint8, torch.int8)
 
 
-
-
 class _Grid:
     """The output grid of a fused layer: scale, zero point (in uint8 terms), the integer
     clamp its activation makes, and whether the result is int8 (shifted back at the end)."""
@@ -53,6 +51,7 @@ class _Grid:
 
         def q(v: float) -> int:
             return int(np.clip(np.rint(np.float64(v) / self.scale) + self.zp, 0, 255))
+
         self.lo = q(lo) if lo > -np.inf else 0
         self.hi = q(hi) if hi < np.inf else 255
         if self.relu:
@@ -102,8 +101,11 @@ def _qweight(w: np.ndarray, ws: np.ndarray, axis: int):
     if ws.size == 1:
         return torch._make_per_tensor_quantized_tensor(t, float(ws.reshape(-1)[0]), 0)
     return torch._make_per_channel_quantized_tensor(
-        t, torch.from_numpy(ws.reshape(-1).astype(np.float64)),
-        torch.zeros(ws.size, dtype=torch.int64), axis)
+        t,
+        torch.from_numpy(ws.reshape(-1).astype(np.float64)),
+        torch.zeros(ws.size, dtype=torch.int64),
+        axis,
+    )
 
 
 def _centred_weight(w, wz, axis: int, dtype) -> np.ndarray:
@@ -127,8 +129,9 @@ def _float_layer(site, weight_axis: int, compute):
     shape = [1] * w.ndim
     shape[weight_axis] = -1
     wsc = torch.from_numpy(np.asarray(ws, np.float32).reshape(shape if ws.size > 1 else ()))
-    wc = torch.from_numpy(_centred_weight(w, wz, weight_axis,
-                                          np.float64 if integer else np.float32))
+    wc = torch.from_numpy(
+        _centred_weight(w, wz, weight_axis, np.float64 if integer else np.float32)
+    )
     wf = wc if integer else wc * wsc
     chan = (-1,) + (1,) * (w.ndim - 2)  # the output's channel axis, before spatial ones
     out_scale = wsc.reshape(chan if ws.size > 1 else ())
@@ -155,9 +158,12 @@ def _float_layer(site, weight_axis: int, compute):
         if clamp != (None, None):
             y = y.clamp_(*clamp)
         return y
-    site.notes.append("float output: float64 exact sum" if integer else
-                      "float output: float32 on the dequantized input, weight "
-                      "dequantized once")
+
+    site.notes.append(
+        "float output: float64 exact sum"
+        if integer
+        else "float output: float32 on the dequantized input, weight dequantized once"
+    )
     return run
 
 
@@ -166,12 +172,14 @@ def _cpu(site) -> bool:
     return tg.device.type == "cpu" and not tg.tracing
 
 
-_ONEDNN_QCONV = hasattr(torch.ops.onednn, "qconv2d_pointwise") and \
-    torch.backends.mkldnn.is_available()
+_ONEDNN_QCONV = (
+    hasattr(torch.ops.onednn, "qconv2d_pointwise") and torch.backends.mkldnn.is_available()
+)
 
 
-def _onednn_qconv(site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil,
-                  group: int, grid: _Grid):
+def _onednn_qconv(
+    site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil, group: int, grid: _Grid
+):
     """run() for a static QConv as oneDNN's int8 convolution on plain uint8 tensors: the
     same integers as fbgemm's (checked on ResNet-18's and MobileNetV2's shapes), without
     wrapping the input as a quantized tensor or copying out its integer representation,
@@ -186,23 +194,45 @@ def _onednn_qconv(site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil
         if u is None:
             return NI
         u = u.contiguous(memory_format=torch.channels_last)
-        return grid.finish(torch.ops.onednn.qconv2d_pointwise(
-            u, xs, xz, packs(tuple(u.shape)), scales, zeros, b, strides, pads, dil, group,
-            grid.scale, grid.zp, torch.uint8, post, [], ""))
+        return grid.finish(
+            torch.ops.onednn.qconv2d_pointwise(
+                u,
+                xs,
+                xz,
+                packs(tuple(u.shape)),
+                scales,
+                zeros,
+                b,
+                strides,
+                pads,
+                dil,
+                group,
+                grid.scale,
+                grid.zp,
+                torch.uint8,
+                post,
+                [],
+                "",
+            )
+        )
+
     site.notes.append("oneDNN int8 convolution, weights packed once per input shape")
     return run
 
 
-def _qconv_packs(site, w: np.ndarray, scales, xs: float, xz: int, strides, pads, dil,
-                 group: int) -> PerShape:
+def _qconv_packs(
+    site, w: np.ndarray, scales, xs: float, xz: int, strides, pads, dil, group: int
+) -> PerShape:
     """oneDNN's int8 weight packs by input shape. One is made now, for the input's shape
     when the model fixes it: it raises here, not in a run, on a CPU oneDNN's int8
     kernels skip."""
     wt = torch.from_numpy(np.ascontiguousarray(w))
 
     def pack(shape):
-        return torch.ops.onednn.qconv_prepack(wt, scales, xs, xz, strides, pads, dil, group,
-                                              None if shape is None else list(shape))
+        return torch.ops.onednn.qconv_prepack(
+            wt, scales, xs, xz, strides, pads, dil, group, None if shape is None else list(shape)
+        )
+
     packs = PerShape(pack)
     v = site.node.inputs[0]
     shape = v.shape if v is not None else None
@@ -226,20 +256,43 @@ def qconv(site):
         return None
     grid = _Grid(site)
     if grid.float_out:
+
         def prepack(scales):
             return _qconv_packs(site, w, scales, 1.0, 0, strides, pads[:2], dil, group)
 
         def product(u, xs, xz, packs, scales, zeros, b):
             u = u.contiguous(memory_format=torch.channels_last)
             return torch.ops.onednn.qconv2d_pointwise(
-                u, xs, xz, packs(tuple(u.shape)), scales, zeros, b, strides, pads[:2], dil,
-                group, 1.0, 0, torch.float32, "none", [], "")
-        return (_ONEDNN_QCONV and _int_float(site, w, w.shape[0], prepack, product)) or \
-            _float_layer(site, 0, lambda x, wf, b: F.conv2d(
-                x, wf, b, strides, pads[:2], dil, group))
+                u,
+                xs,
+                xz,
+                packs(tuple(u.shape)),
+                scales,
+                zeros,
+                b,
+                strides,
+                pads[:2],
+                dil,
+                group,
+                1.0,
+                0,
+                torch.float32,
+                "none",
+                [],
+                "",
+            )
+
+        return (
+            _ONEDNN_QCONV and _int_float(site, w, w.shape[0], prepack, product)
+        ) or _float_layer(
+            site, 0, lambda x, wf, b: F.conv2d(x, wf, b, strides, pads[:2], dil, group)
+        )
     xin = _static_grid(site)
-    if xin is None or not _symmetric_int8(w, site.const(5)) or \
-            (site.has_input(6) and site.const(6) is None):
+    if (
+        xin is None
+        or not _symmetric_int8(w, site.const(5))
+        or (site.has_input(6) and site.const(6) is None)
+    ):
         return None
     bc = site.const(6)
     b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
@@ -247,22 +300,26 @@ def qconv(site):
     if _ONEDNN_QCONV:
         with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
             return _onednn_qconv(site, w, xs, xz, b, strides, pads[:2], dil, group, grid)
-    packed = torch.ops.quantized.conv2d_prepack(_qweight(w, site.const(4), 0), b, strides,
-                                                pads[:2], dil, group)
+    packed = torch.ops.quantized.conv2d_prepack(
+        _qweight(w, site.const(4), 0), b, strides, pads[:2], dil, group
+    )
     conv = torch.ops.quantized.conv2d_relu if grid.relu else torch.ops.quantized.conv2d
 
     def run(x, *rest):
         qx = _as_quint8(x, xs, xz)
         if qx is None:
             return NI
-        return grid.finish(conv(qx.contiguous(memory_format=torch.channels_last), packed,
-                                grid.scale, grid.zp))
+        return grid.finish(
+            conv(qx.contiguous(memory_format=torch.channels_last), packed, grid.scale, grid.zp)
+        )
+
     site.notes.append("fbgemm int8 convolution, weights packed once")
     return run
 
 
-_ONEDNN_QLINEAR = hasattr(torch.ops.onednn, "qlinear_pointwise") and \
-    torch.backends.mkldnn.is_available()
+_ONEDNN_QLINEAR = (
+    hasattr(torch.ops.onednn, "qlinear_pointwise") and torch.backends.mkldnn.is_available()
+)
 
 
 def _int_float(site, w: np.ndarray, channels: int, prepack, product):
@@ -274,8 +331,12 @@ def _int_float(site, w: np.ndarray, channels: int, prepack, product):
     float32 on the dequantized input (16-128 rows, 256<->1024 wide). None where it does
     not apply (a weight zero point, no oneDNN)."""
     ws, wz, bc = site.const(4), site.const(5), site.const(6)
-    if not _symmetric_int8(w, wz) or ws is None or (site.has_input(5) and wz is None) or \
-            (site.has_input(6) and bc is None):
+    if (
+        not _symmetric_int8(w, wz)
+        or ws is None
+        or (site.has_input(5) and wz is None)
+        or (site.has_input(6) and bc is None)
+    ):
         return None
     scales = _weight_scales(site, channels)
     try:
@@ -291,8 +352,11 @@ def _int_float(site, w: np.ndarray, channels: int, prepack, product):
     # their float32 values bit for bit (with x_scale apart it rounds twice). A constant
     # input grid (a static file's logits layer) is multiplied in once, here.
     xs_c, xz_c = site.const(1), site.const(2)
-    fixed = xs_c is not None and xs_c.size == 1 and (not site.has_input(2) or (
-        xz_c is not None and xz_c.size == 1))
+    fixed = (
+        xs_c is not None
+        and xs_c.size == 1
+        and (not site.has_input(2) or (xz_c is not None and xz_c.size == 1))
+    )
     if fixed:
         out_scales = torch.from_numpy(np.float32(xs_c.reshape(())) * scales.numpy())
         zp_fixed = int(first_item(xz_c) or 0)
@@ -309,8 +373,11 @@ def _int_float(site, w: np.ndarray, channels: int, prepack, product):
         zp += 128 if x.dtype == torch.int8 else 0
         y = product(u, 1.0, zp, packed, s, zeros, bias)
         return y.clamp_(*clamp) if clamp != (None, None) else y
-    site.notes.append("oneDNN int8 kernel with a float32 result, weights packed once" +
-                      (", output scales once" if fixed else ""))
+
+    site.notes.append(
+        "oneDNN int8 kernel with a float32 result, weights packed once"
+        + (", output scales once" if fixed else "")
+    )
     return run
 
 
@@ -321,17 +388,31 @@ def _onednn_qlinear(site, w: np.ndarray, xs: float, xz: int, b, grid: _Grid):
     requantizing (1 in 100,000 outputs, one step)."""
     scales = _weight_scales(site, w.shape[1])
     zeros = torch.zeros(w.shape[1], dtype=torch.int32)
-    packed = torch.ops.onednn.qlinear_prepack(torch.from_numpy(np.ascontiguousarray(w.T)),
-                                              None)
+    packed = torch.ops.onednn.qlinear_prepack(torch.from_numpy(np.ascontiguousarray(w.T)), None)
     post = "relu" if grid.relu else "none"
 
     def run(x, *rest):
         u = as_uint8(x)
         if u is None or x.dim() < 2:
             return NI
-        return grid.finish(torch.ops.onednn.qlinear_pointwise(
-            u.contiguous(), xs, xz, packed, scales, zeros, b, grid.scale, grid.zp,
-            torch.uint8, post, [], ""))
+        return grid.finish(
+            torch.ops.onednn.qlinear_pointwise(
+                u.contiguous(),
+                xs,
+                xz,
+                packed,
+                scales,
+                zeros,
+                b,
+                grid.scale,
+                grid.zp,
+                torch.uint8,
+                post,
+                [],
+                "",
+            )
+        )
+
     site.notes.append("oneDNN int8 linear, weights packed once")
     return run
 
@@ -343,19 +424,38 @@ def qmatmul(site):
         return None
     grid = _Grid(site)
     if grid.float_out:
+
         def product(u, xs, xz, packed, scales, zeros, b):
             return torch.ops.onednn.qlinear_pointwise(
-                u.contiguous(), xs, xz, packed, scales, zeros, b, 1.0, 0, torch.float32,
-                "none", [], "")
+                u.contiguous(),
+                xs,
+                xz,
+                packed,
+                scales,
+                zeros,
+                b,
+                1.0,
+                0,
+                torch.float32,
+                "none",
+                [],
+                "",
+            )
 
         def prepack(scales):
             return torch.ops.onednn.qlinear_prepack(
-                torch.from_numpy(np.ascontiguousarray(w.T)), None)
-        return (_ONEDNN_QLINEAR and _int_float(site, w, w.shape[1], prepack, product)) or \
-            _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
+                torch.from_numpy(np.ascontiguousarray(w.T)), None
+            )
+
+        return (
+            _ONEDNN_QLINEAR and _int_float(site, w, w.shape[1], prepack, product)
+        ) or _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
     xin = _static_grid(site)
-    if xin is None or not _symmetric_int8(w, site.const(5)) or \
-            (site.has_input(6) and site.const(6) is None):
+    if (
+        xin is None
+        or not _symmetric_int8(w, site.const(5))
+        or (site.has_input(6) and site.const(6) is None)
+    ):
         return None
     bc = site.const(6)
     b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
@@ -371,6 +471,7 @@ def qmatmul(site):
         if qx is None or x.dim() < 2:
             return NI
         return grid.finish(linear(qx, packed, grid.scale, grid.zp))
+
     site.notes.append("fbgemm int8 linear, weights packed once")
     return run
 
@@ -391,6 +492,7 @@ def qadd(site):
         if qb.stride() != qa.stride():
             qb = qb.contiguous(memory_format=_layout(qa))
         return grid.finish(add(qa, qb, grid.scale, grid.zp))
+
     site.notes.append("fbgemm quantized add")
     return run
 
@@ -416,6 +518,5 @@ def quantize_dequantize(site):
             return NI
         # clamp(rint(x / s), lo - zp, hi - zp) is q - zp exactly, and DQ multiplies that
         return torch.div(x, scale).round_().clamp_(lo - z, hi - z).mul_(scale)
+
     return run
-
-

@@ -17,6 +17,7 @@ NI = NotImplemented
 
 # -- reductions ---------------------------------------------------------------------------
 
+
 def _reduce_kernel(fn, floats_only: bool, empty_ok: bool):
     def build(site):
         axes_attr = site.opset < (13 if site.node.op_type == "ReduceSum" else 18)
@@ -24,8 +25,11 @@ def _reduce_kernel(fn, floats_only: bool, empty_ok: bool):
         noop = bool(int(site.attr("noop_with_empty_axes", 0)))
 
         def run(x, axes=None):
-            if x.dtype == torch.bool or (floats_only and x.dtype not in FLOATS) \
-                    or x.dtype.is_complex:
+            if (
+                x.dtype == torch.bool
+                or (floats_only and x.dtype not in FLOATS)
+                or x.dtype.is_complex
+            ):
                 return NI
             if not empty_ok and x.numel() == 0:
                 return NI
@@ -38,7 +42,9 @@ def _reduce_kernel(fn, floats_only: bool, empty_ok: bool):
             if not dims:
                 return x
             return fn(x, dims, keep)
+
         return run
+
     return build
 
 
@@ -107,6 +113,7 @@ def _arg_kernel(fn):
             r = x.shape[a] - 1 - fn(torch.flip(x, (a,)), dim=a, keepdim=bool(keepdims))
             return r
         return fn(x, dim=a, keepdim=bool(keepdims))
+
     return run
 
 

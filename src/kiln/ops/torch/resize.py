@@ -40,9 +40,12 @@ def resize(site):
             return None
     elif mode == "linear" and ctm in ("half_pixel", "pytorch_half_pixel", "align_corners"):
         tmode, align = "linear", ctm == "align_corners"
-    elif mode == "cubic" and ctm in ("half_pixel", "align_corners") \
-            and float(site.attr("cubic_coeff_a", -0.75)) == -0.75 \
-            and not int(site.attr("exclude_outside", 0)):
+    elif (
+        mode == "cubic"
+        and ctm in ("half_pixel", "align_corners")
+        and float(site.attr("cubic_coeff_a", -0.75)) == -0.75
+        and not int(site.attr("exclude_outside", 0))
+    ):
         tmode, align = "bicubic", ctm == "align_corners"
     else:
         return None
@@ -80,7 +83,9 @@ def resize(site):
             if any(d * s != o for d, s, o in zip(x.shape[2:], sc[2:], out)):
                 return NI
             return F.interpolate(x, size=out, mode=m, align_corners=True)
-        y = F.interpolate(x, scale_factor=sc[2:], mode=m, align_corners=align,
-                          recompute_scale_factor=False)
+        y = F.interpolate(
+            x, scale_factor=sc[2:], mode=m, align_corners=align, recompute_scale_factor=False
+        )
         return y if list(y.shape[2:]) == out else NI
+
     return run
