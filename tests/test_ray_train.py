@@ -31,7 +31,7 @@ STEPS, BATCH, EVERY, LR, MOMENTUM = 6, 32, 2, 0.05, 0.9
 @pytest.fixture(scope="module")
 def cluster():
     """A local Ray node with one CPU per Train worker."""
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     # workers cannot import this test module: send its functions by value
     ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
     yield

@@ -58,7 +58,7 @@ def _gap(a: dict, b: dict) -> float:
 )
 def test_option_trains_like_plain_all_reduce_with_fewer_bytes(results, option):
     plain, r = results["fp32"], results[option]
-    assert plain["held_out_accuracy"] > 0.9  # the damaged start (0.45) was trained
+    assert plain["held_out_accuracy"] > 0.9  # the damaged start (0.54) was trained
     if option in ("fp16", "bf16"):
         assert _gap(r, plain) < 1e-2
         assert abs(r["held_out_loss"] - plain["held_out_loss"]) < 0.02
