@@ -161,6 +161,18 @@ def test_bad_requests_get_kserve_errors_and_the_server_keeps_serving(server, bod
     assert server.request("POST", "/v2/models/digits_cnn/infer", _json_infer(x))[0] == 200
 
 
+def _logged(s: ServeProcess, event: str, model: str, timeout: float = 20.0) -> list[dict]:
+    """The JSON log lines about ``model`` the server wrote to stderr, once one of them is
+    ``event`` (a thread reads the server's stderr, so a line can arrive a moment late)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        events = [json.loads(line) for line in list(s.log) if line.startswith("{")]
+        mine = [e for e in events if e.get("model") == model]
+        if any(e.get("event") == event for e in mine) or time.monotonic() > deadline:
+            return mine
+        time.sleep(0.05)
+
+
 def test_a_failing_run_is_a_500_naming_the_layer_and_the_server_keeps_serving(server):
     def reshape(target):
         return server.request(
@@ -180,6 +192,11 @@ def test_a_failing_run_is_a_500_naming_the_layer_and_the_server_keeps_serving(se
     assert status == 200
     out = json.loads(body)["outputs"][0]
     assert out["shape"] == [4, 2] and out["data"] == list(range(8))
+    # the failure is logged as one JSON object on a line of the server's stderr
+    failed = [
+        e for e in _logged(server, "infer_failed", "reshaper") if e["event"] == "infer_failed"
+    ]
+    assert failed and "Reshape" in failed[-1]["error"] and failed[-1]["protocol"] == "http"
 
 
 def test_unknown_model_and_version_are_404(server):
@@ -257,6 +274,19 @@ def test_dynamic_batching_merges_concurrent_requests():
         rows = _metric(text, "kiln_batch_size_sum", "digits_cnn")
         assert rows == sum(len(x) for x in xs)
         assert runs < len(xs), f"{len(xs)} requests ran in {runs} runs: nothing was merged"
+        # every request counted by model, protocol and status; queue and compute timed
+        from prometheus_client.parser import text_string_to_metric_families
+
+        counted = {
+            tuple(sorted(sample.labels.items())): sample.value
+            for family in text_string_to_metric_families(text)
+            for sample in family.samples
+            if sample.name == "kiln_requests_total"
+        }
+        key = (("code", "200"), ("model", "digits_cnn"), ("protocol", "http"))
+        assert counted == {key: len(xs)}, counted
+        assert _metric(text, "kiln_queue_seconds_count", "digits_cnn") == len(xs)
+        assert _metric(text, "kiln_compute_seconds_count", "digits_cnn") == runs
     finally:
         assert s.stop() == 0
 
@@ -326,6 +356,8 @@ def test_repository_config_token_load_unload_and_graceful_shutdown(tmp_path):
         assert {r["name"]: r["state"] for r in index} == {"digits": "READY", "spare": "UNAVAILABLE"}
         assert s.request("POST", "/v2/repository/models/spare/load", b"", auth)[0] == 200
         assert s.request("GET", "/v2/models/spare/ready", headers=auth)[0] == 200
+        spare = [(e["event"], e.get("version")) for e in _logged(s, "load", "spare")]
+        assert spare[-2:] == [("unload", None), ("load", "3")], spare
         (tmp_path / "broken" / "1").mkdir(parents=True)  # added while serving
         (tmp_path / "broken" / "1" / "model.onnx").write_bytes(b"not an onnx file")
         status, _, body = s.request("POST", "/v2/repository/models/broken/load", b"", auth)
