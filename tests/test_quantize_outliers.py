@@ -204,3 +204,18 @@ def test_smoothquant_on_a_matmul_reading_the_last_axis():
         "c1's weights" in smoothed.report.smoothed["c2"]
     assert "c2" in smoothed.report.quantized
     assert _rel_error(proto, smoothed, feeds[2:]) < 0.5 * _rel_error(proto, plain, feeds[2:])
+
+
+def test_budget_returns_the_float_model_at_once_when_no_layer_fits():
+    """#48.3: when every layer quantized alone breaks the budget, no INT8 setting tried
+    can meet it: the search says so after ranking (no reverting rounds) and returns the
+    float model, which onnxruntime runs exactly like the original."""
+    proto, feeds = _outlier_conv()
+    q = kiln.quantize(proto, "static", feeds[:2], validation=feeds[2:], budget="rel=1e-5",
+                      measure_latency=False)
+    log = "\n".join(q.report.budget_log)
+    assert "SmoothQuant migration" in log  # tried among the cheaper fixes
+    assert "no INT8 setting tried keeps this model within the budget" in log
+    assert "layer(s) in float: shortfall" not in log  # no reverting rounds
+    assert q.report.quantized == [] and "accuracy budget" in q.report.kept["mix"]
+    assert _rel_error(proto, q, feeds[2:]) < 1e-6
