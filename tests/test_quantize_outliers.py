@@ -219,3 +219,33 @@ def test_budget_returns_the_float_model_at_once_when_no_layer_fits():
     assert "layer(s) in float: shortfall" not in log  # no reverting rounds
     assert q.report.quantized == [] and "accuracy budget" in q.report.kept["mix"]
     assert _rel_error(proto, q, feeds[2:]) < 1e-6
+
+
+def test_budget_in_the_task_s_own_terms():
+    """#48.3: a budget on task agreement (here: the sign of every output, a decision per
+    element) instead of relative error or top-1: the search meets it, and onnxruntime
+    running the returned file makes the fp32 model's decision on at least 99% of the
+    validation elements, where the default file makes it on fewer; SmoothQuant, among
+    the cheaper fixes, meets it with the Conv still quantized."""
+    proto, feeds = _outlier_conv()
+
+    def signs(ref_runs, runs):
+        same = [np.mean((r[0] > 0) == (g[0] > 0)) for r, g in zip(ref_runs, runs)]
+        return float(np.mean(same))
+
+    def agreement(q):
+        ref = [ort_run(proto, f) for f in feeds[2:]]
+        got = [ort_run(to_proto(q.model), f) for f in feeds[2:]]
+        return signs(ref, got)
+
+    plain = kiln.quantize(proto, "static", feeds[:2], measure_latency=False)
+    assert agreement(plain) < 0.99
+    from kiln.quantize import Budget
+
+    q = kiln.quantize(proto, "static", feeds[:2], validation=feeds[2:],
+                      budget=Budget(agreement=signs, min_agreement=0.99),
+                      backend="onnxruntime", measure_latency=False, speed_aware=False)
+    log = "\n".join(q.report.budget_log)
+    assert "budget met by SmoothQuant migration" in log, log
+    assert "mix" in q.report.quantized  # not by giving the float model back
+    assert agreement(q) >= 0.99

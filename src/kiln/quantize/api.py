@@ -26,6 +26,7 @@ from kiln.quantize.report import (
     compare,
     latency_ms,
     model_bytes,
+    output_errors,
     outputs_of,
 )
 from kiln.quantize.smooth import smooth
@@ -341,10 +342,15 @@ class Budget:
     """How much worse than the float model a quantized one may be, on the given data:
     ``max_rel`` bounds every output's max |error| / max |float output|, ``min_top1`` the
     fraction of rows whose argmax agrees with the float model's (0.995 bounds a top-1
-    accuracy drop at 0.5 points)."""
+    accuracy drop at 0.5 points). ``agreement`` with ``min_agreement``: the task's own
+    measure, ``agreement(float_runs, quantized_runs) -> fraction`` where each run is one
+    feed's list of outputs in the model's output order (the same string read, the same
+    mask block, the same speech decision); 0.99 is a 1-point budget in the task's terms."""
 
     max_rel: float | None = None
     min_top1: float | None = None
+    agreement: Callable[[list[list[np.ndarray]], list[list[np.ndarray]]], float] | None = None
+    min_agreement: float | None = None
 
     @classmethod
     def parse(cls, text: str) -> Budget:
@@ -360,11 +366,17 @@ class Budget:
                                   "e.g. rel=0.01 or top1=0.995") from None
         return cls(**kw)
 
-    def shortfall(self, outputs: dict) -> float:
-        """How far ``outputs`` (name -> OutputError) are outside the budget; 0 inside."""
+    def shortfall(self, outputs: dict, runs: tuple[list, list] | None = None) -> float:
+        """How far ``outputs`` (name -> OutputError) are outside the budget; 0 inside.
+        ``runs``: (float runs, quantized runs), each a list of per-feed output lists,
+        for ``agreement``."""
+        gap = 0.0
+        if self.agreement is not None and self.min_agreement is not None:
+            if runs is None:
+                raise OptionError("a task-agreement budget needs the runs to compare")
+            gap += max(0.0, self.min_agreement - float(self.agreement(*runs))) * 100
         worst_rel = max((e.rel for e in outputs.values()), default=0.0)
         tops = [e.top1 for e in outputs.values() if e.top1 is not None]
-        gap = 0.0
         if self.max_rel is not None:
             gap += max(0.0, worst_rel - self.max_rel) / max(self.max_rel, 1e-12)
         if self.min_top1 is not None and tops:
@@ -377,6 +389,8 @@ class Budget:
             parts.append(f"relative error <= {self.max_rel:g}")
         if self.min_top1 is not None:
             parts.append(f"top-1 agreement >= {self.min_top1:.2%}")
+        if self.agreement is not None and self.min_agreement is not None:
+            parts.append(f"task agreement >= {self.min_agreement:.2%}")
         return " and ".join(parts) or "none"
 
 
@@ -433,9 +447,17 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
 
     reference = outputs_of(original, check, backend)  # once, not per candidate
 
+    def runs(outs: dict[str, list]) -> list[list]:
+        return [[outs[n][i] for n in outs] for i in range(len(check))]
+
+    def score(m: Model) -> float:
+        got = outputs_of(m, check, backend)
+        return budget.shortfall(output_errors(reference, {n: got[n] for n in reference}),
+                                (runs(reference), runs(got)))
+
     def measure(skip: set[str], how, what: str):
         m, plan = build(skip, how)
-        gap = budget.shortfall(compare(reference, m, check, backend))
+        gap = score(m)
         log.append(f"{what}: shortfall {gap:.3g} ({time.perf_counter() - t0:.1f} s)")
         return gap, m, plan
 
@@ -466,7 +488,7 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
                        f"{len(names)} layers ranked")
             break
         trial, _ = build(exclude | (set(names) - {name}), how)
-        alone[name] = budget.shortfall(compare(reference, trial, check, backend))
+        alone[name] = score(trial)
     order = sorted(names, key=lambda n: -alone.get(n, float("inf")))
     if alone:
         top = ", ".join(f"{n} ({alone[n]:.3g})" for n in order[:3] if n in alone)
