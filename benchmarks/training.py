@@ -93,16 +93,21 @@ def main() -> None:
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
     print(f"torch {torch.__version__}, {a.threads} threads, batch 8, best of {a.reps}")
-    print(f"{'model':<11} {'torch step s':>12} {'kiln step s':>11} {'ratio':>6} "
-          f"{'torch saved MB':>14} {'kiln saved MB':>13} {'ratio':>6} "
-          f"{'torch peak MB':>13} {'kiln peak MB':>12} {'ratio':>6}")
+    print(
+        f"{'model':<11} {'torch step s':>12} {'kiln step s':>11} {'ratio':>6} "
+        f"{'torch saved MB':>14} {'kiln saved MB':>13} {'ratio':>6} "
+        f"{'torch peak MB':>13} {'kiln peak MB':>12} {'ratio':>6}"
+    )
     for name in a.models.split(","):
         entry = get_entry(name)
         if entry.is_text:
             feeds = make_inputs(entry, batch=8, seq=128)
         else:
-            feeds = {"input": np.random.default_rng(0).standard_normal((8, 3, 224, 224))
-                     .astype(np.float32)}
+            feeds = {
+                "input": np.random.default_rng(0)
+                .standard_normal((8, 3, 224, 224))
+                .astype(np.float32)
+            }
         args = tuple(torch.from_numpy(v) for v in feeds.values())
         net, blob = exported(name, args, entry)
         mods = {"torch": copy.deepcopy(net).train(), "kiln": kiln.to_torch(blob).train()}
@@ -119,10 +124,13 @@ def main() -> None:
             for k in mods:
                 peak[k].append(peak_bytes(mods[k], opts[k], args))
         t0, t1 = min(times["torch"]), min(times["kiln"])
-        print(f"{name:<11} {t0:>12.3f} {t1:>11.3f} {t1 / t0:>6.2f} {mem['torch'] / 2**20:>14.1f} "
-              f"{mem['kiln'] / 2**20:>13.1f} {mem['kiln'] / mem['torch']:>6.2f} "
-              f"{min(peak['torch']) / 2**20:>13.1f} {min(peak['kiln']) / 2**20:>12.1f} "
-              f"{min(peak['kiln']) / min(peak['torch']):>6.2f}", flush=True)
+        print(
+            f"{name:<11} {t0:>12.3f} {t1:>11.3f} {t1 / t0:>6.2f} {mem['torch'] / 2**20:>14.1f} "
+            f"{mem['kiln'] / 2**20:>13.1f} {mem['kiln'] / mem['torch']:>6.2f} "
+            f"{min(peak['torch']) / 2**20:>13.1f} {min(peak['kiln']) / 2**20:>12.1f} "
+            f"{min(peak['kiln']) / min(peak['torch']):>6.2f}",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

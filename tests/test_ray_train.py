@@ -54,9 +54,18 @@ def _weights(checkpoint) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def uninterrupted(cluster, digits, tmp_path_factory):
     """An uninterrupted 2-worker run."""
-    result = fine_tune(MODEL, *digits, workers=2, steps=STEPS, batch=BATCH, lr=LR,
-                       momentum=MOMENTUM, checkpoint_every=EVERY,
-                       storage_path=tmp_path_factory.mktemp("runs"), name="plain")
+    result = fine_tune(
+        MODEL,
+        *digits,
+        workers=2,
+        steps=STEPS,
+        batch=BATCH,
+        lr=LR,
+        momentum=MOMENTUM,
+        checkpoint_every=EVERY,
+        storage_path=tmp_path_factory.mktemp("runs"),
+        name="plain",
+    )
     assert result.error is None
     return result
 
@@ -70,16 +79,18 @@ def _one_process(x: np.ndarray, y: np.ndarray) -> dict[str, torch.Tensor]:
     order = np.random.default_rng(0).permutation(len(x))
     for step in range(STEPS):
         first = (step * BATCH) % (len(order) - BATCH)
-        idx = order[first:first + BATCH]
+        idx = order[first : first + BATCH]
         opt.zero_grad()
-        torch.nn.functional.cross_entropy(module(torch.from_numpy(x[idx])),
-                                          torch.from_numpy(y[idx])).backward()
+        torch.nn.functional.cross_entropy(
+            module(torch.from_numpy(x[idx])), torch.from_numpy(y[idx])
+        ).backward()
         opt.step()
     return module.state_dict()
 
 
 def test_two_workers_with_half_batches_match_one_process_with_the_whole_batch(
-        uninterrupted, digits):
+    uninterrupted, digits
+):
     # DDP averages the two half-batch gradients; only the order of float additions
     # differs from the whole-batch mean: 1e-5 absolute on weights up to ~4
     one = _one_process(*digits)
@@ -112,15 +123,28 @@ def _kill_once(marker: str) -> object:
         if step == 2 and rank == 1 and not os.path.exists(marker):
             Path(marker).touch()
             os.kill(os.getpid(), signal.SIGKILL)
+
     return after_step
 
 
 def test_killed_worker_resumes_from_last_checkpoint_to_the_same_weights(
-        uninterrupted, digits, tmp_path):
+    uninterrupted, digits, tmp_path
+):
     marker = tmp_path / "killed"
-    result = fine_tune(MODEL, *digits, workers=2, steps=STEPS, batch=BATCH, lr=LR,
-                       momentum=MOMENTUM, checkpoint_every=EVERY, storage_path=tmp_path,
-                       name="killed", max_failures=1, after_step=_kill_once(str(marker)))
+    result = fine_tune(
+        MODEL,
+        *digits,
+        workers=2,
+        steps=STEPS,
+        batch=BATCH,
+        lr=LR,
+        momentum=MOMENTUM,
+        checkpoint_every=EVERY,
+        storage_path=tmp_path,
+        name="killed",
+        max_failures=1,
+        after_step=_kill_once(str(marker)),
+    )
     assert marker.exists()  # the worker was killed
     assert result.error is None and result.metrics["step"] == STEPS
     # resuming restores weights (exact float32 in ONNX) and momentum, then the same
@@ -163,13 +187,16 @@ def _accuracy_and_loss(path_or_bytes, x, y) -> tuple[float, float]:
     """onnxruntime's accuracy and cross-entropy of a saved model on (x, y)."""
     sess = ort.InferenceSession(path_or_bytes)
     logits = torch.from_numpy(sess.run(None, {"image": x})[0])
-    return (float((logits.argmax(1).numpy() == y).mean()),
-            float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y))))
+    return (
+        float((logits.argmax(1).numpy() == y).mean()),
+        float(torch.nn.functional.cross_entropy(logits, torch.from_numpy(y))),
+    )
 
 
 @pytest.mark.slow  # one more Ray Train run (~1 min on 2 loaded cores)
 def test_sparse_topk_with_nesterov_freezing_bf16_and_own_loss_trains_like_plain_all_reduce(
-        cluster, digits, tmp_path):
+    cluster, digits, tmp_path
+):
     """SINGA's sparseTopK (5%, error feedback) on 2 Ray Train workers, with an optimizer
     of our own (Nesterov SGD), a label-smoothed loss, the convolutions frozen and bf16
     autocast, against plain all-reduce of the same training (one process with the whole
@@ -178,10 +205,23 @@ def test_sparse_topk_with_nesterov_freezing_bf16_and_own_loss_trains_like_plain_
     x, y = digits
     start = _damaged()
     steps, batch = 30, 64
-    result = fine_tune(start, x, y, workers=2, steps=steps, batch=batch,
-                       checkpoint_every=steps, storage_path=tmp_path, name="sparse",
-                       optimizer=_nesterov, loss=_smoothed, trainable=HEAD, precision="bf16",
-                       dist_option="sparseTopK", dist_settings={"spars": 0.05})
+    result = fine_tune(
+        start,
+        x,
+        y,
+        workers=2,
+        steps=steps,
+        batch=batch,
+        checkpoint_every=steps,
+        storage_path=tmp_path,
+        name="sparse",
+        optimizer=_nesterov,
+        loss=_smoothed,
+        trainable=HEAD,
+        precision="bf16",
+        dist_option="sparseTopK",
+        dist_settings={"spars": 0.05},
+    )
     assert result.error is None and result.metrics["step"] == steps
 
     torch.set_num_threads(1)  # plain all-reduce's steps, in this process
@@ -192,7 +232,7 @@ def test_sparse_topk_with_nesterov_freezing_bf16_and_own_loss_trains_like_plain_
     order = np.random.default_rng(0).permutation(len(x))
     for step in range(steps):
         first = (step * batch) % (len(order) - batch)
-        idx = order[first:first + batch]
+        idx = order[first : first + batch]
         opt.zero_grad()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             loss = _smoothed(module(torch.from_numpy(x[idx])), torch.from_numpy(y[idx]))

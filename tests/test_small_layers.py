@@ -14,8 +14,15 @@ from onnx import TensorProto, helper
 import kiln
 import trained_models as tm
 
-BACKENDS = ["numpy", pytest.param("torch", marks=pytest.mark.skipif(
-    importlib.util.find_spec("torch") is None, reason="torch not installed"))]
+BACKENDS = [
+    "numpy",
+    pytest.param(
+        "torch",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("torch") is None, reason="torch not installed"
+        ),
+    ),
+]
 
 
 def _conv_model(x_shape, w, b, **attrs) -> bytes:
@@ -24,17 +31,19 @@ def _conv_model(x_shape, w, b, **attrs) -> bytes:
     if b is not None:
         inits.append(helper.make_tensor("b", TensorProto.FLOAT, b.shape, b.ravel()))
         ins.append("b")
-    g = helper.make_graph([helper.make_node("Conv", ins, ["y"], **attrs)], "g",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                          initializer=inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]
-                             ).SerializeToString()
+    g = helper.make_graph(
+        [helper.make_node("Conv", ins, ["y"], **attrs)],
+        "g",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        initializer=inits,
+    )
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]).SerializeToString()
 
 
 CASES = [  # (x shape, w shape, attrs)
-    ((1, 1, 576), (258, 1, 256), {"strides": [128]}),            # silero VAD's STFT
-    ((2, 1, 1760), (257, 1, 512), {"strides": [160]}),           # openWakeWord's mel front end
+    ((1, 1, 576), (258, 1, 256), {"strides": [128]}),  # silero VAD's STFT
+    ((2, 1, 1760), (257, 1, 512), {"strides": [160]}),  # openWakeWord's mel front end
     ((2, 4, 100), (6, 2, 20), {"strides": [3], "pads": [2, 5], "dilations": [2], "group": 2}),
     ((3, 2, 50), (4, 2, 5), {"strides": [4], "pads": [1, 1]}),
     ((1, 64, 2), (64, 64, 3), {"strides": [2], "pads": [1, 1]}),  # tiny: one thread
@@ -57,8 +66,7 @@ def test_conv_fast_paths_match_onnxruntime(backend, x_shape, w_shape, attrs):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["silero_vad", "silero_vad_seq", "oww_melspec",
-                                  "oww_embedding"])
+@pytest.mark.parametrize("name", ["silero_vad", "silero_vad_seq", "oww_melspec", "oww_embedding"])
 def test_trained_audio_models_match_onnxruntime(backend, name):
     m = tm.get(name)
     if m.path is None:
@@ -71,13 +79,25 @@ def test_trained_audio_models_match_onnxruntime(backend, name):
             np.testing.assert_allclose(g, w, rtol=1e-3, atol=1e-3 * max(1.0, np.abs(w).max()))
 
 
-def _rnn_model(op: str, gates: int, x_shape, hidden: int, dirs: int, with_b: bool,
-               with_init: bool, layout: int, attrs: dict, rng) -> tuple[bytes, dict]:
+def _rnn_model(
+    op: str,
+    gates: int,
+    x_shape,
+    hidden: int,
+    dirs: int,
+    with_b: bool,
+    with_init: bool,
+    layout: int,
+    attrs: dict,
+    rng,
+) -> tuple[bytes, dict]:
     steps, batch = (x_shape[1], x_shape[0]) if layout else x_shape[:2]
     w = rng.standard_normal((dirs, gates * hidden, x_shape[2])).astype(np.float32) * 0.5
     r = rng.standard_normal((dirs, gates * hidden, hidden)).astype(np.float32) * 0.5
-    inits = [helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.ravel()),
-             helper.make_tensor("r", TensorProto.FLOAT, r.shape, r.ravel())]
+    inits = [
+        helper.make_tensor("w", TensorProto.FLOAT, w.shape, w.ravel()),
+        helper.make_tensor("r", TensorProto.FLOAT, r.shape, r.ravel()),
+    ]
     ins = ["x", "w", "r", "", "", ""]
     feeds = {"x": rng.standard_normal(x_shape).astype(np.float32)}
     if with_b:
@@ -98,25 +118,30 @@ def _rnn_model(op: str, gates: int, x_shape, hidden: int, dirs: int, with_b: boo
         ins.pop()
     outs = ["y", "yh"] + (["yc"] if op == "LSTM" else [])
     direction = "bidirectional" if dirs == 2 else attrs.pop("direction", "forward")
-    node = helper.make_node(op, ins, outs, hidden_size=hidden, direction=direction,
-                            layout=layout, **attrs)
-    g = helper.make_graph([node], "g", graph_ins,
-                          [helper.make_tensor_value_info(o, TensorProto.FLOAT, None)
-                           for o in outs], initializer=inits)
+    node = helper.make_node(
+        op, ins, outs, hidden_size=hidden, direction=direction, layout=layout, **attrs
+    )
+    g = helper.make_graph(
+        [node],
+        "g",
+        graph_ins,
+        [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs],
+        initializer=inits,
+    )
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
     return model.SerializeToString(), feeds
 
 
 RNN_CASES = [  # (op, gates, x shape, hidden, dirs, bias, initial state, layout, attrs)
-    ("LSTM", 4, (1, 1, 64), 128, 1, True, True, 0, {}),        # silero VAD's one step
+    ("LSTM", 4, (1, 1, 64), 128, 1, True, True, 0, {}),  # silero VAD's one step
     ("LSTM", 4, (7, 3, 5), 6, 2, True, True, 0, {}),
     ("LSTM", 4, (7, 3, 5), 6, 1, False, False, 0, {"direction": "reverse"}),
     ("LSTM", 4, (3, 7, 5), 6, 1, True, True, 1, {}),
     ("GRU", 3, (7, 2, 5), 6, 2, True, True, 0, {"linear_before_reset": 1}),
-    ("GRU", 3, (7, 2, 5), 6, 1, True, False, 0, {}),               # NumPy kernel
+    ("GRU", 3, (7, 2, 5), 6, 1, True, False, 0, {}),  # NumPy kernel
     ("RNN", 1, (7, 2, 5), 6, 1, True, True, 0, {}),
     ("RNN", 1, (7, 2, 5), 6, 2, False, True, 0, {"activations": ["Relu", "Relu"]}),
-    ("LSTM", 4, (4, 2, 3), 5, 1, True, True, 0, {"clip": 0.5}),    # NumPy kernel
+    ("LSTM", 4, (4, 2, 3), 5, 1, True, True, 0, {"clip": 0.5}),  # NumPy kernel
 ]
 
 
@@ -124,10 +149,21 @@ RNN_CASES = [  # (op, gates, x shape, hidden, dirs, bias, initial state, layout,
 @pytest.mark.parametrize("case", RNN_CASES, ids=lambda c: f"{c[0]}-{c[2]}-d{c[4]}-{c[8]}")
 def test_recurrent_layers_match_onnxruntime(backend, case):
     op, gates, x_shape, hidden, dirs, with_b, with_init, layout, attrs = case
-    blob, feeds = _rnn_model(op, gates, x_shape, hidden, dirs, with_b, with_init, layout,
-                             dict(attrs), np.random.default_rng(1))
+    blob, feeds = _rnn_model(
+        op,
+        gates,
+        x_shape,
+        hidden,
+        dirs,
+        with_b,
+        with_init,
+        layout,
+        dict(attrs),
+        np.random.default_rng(1),
+    )
     if layout:  # onnxruntime refuses batch-major recurrent layers: ONNX's reference runs them
         from onnx.reference import ReferenceEvaluator
+
         want = ReferenceEvaluator(blob).run(None, feeds)
     else:
         want = ort.InferenceSession(blob, providers=["CPUExecutionProvider"]).run(None, feeds)

@@ -68,6 +68,7 @@ def test_identity_copies_of_equal_initializers_are_parameters_of_their_own(tmp_p
 
 def test_a_weight_read_by_two_nodes_stays_tied():
     """A tied embedding and output layer: one initializer read by two nodes directly."""
+
     class Tied(nn.Module):
         def __init__(self):
             super().__init__()
@@ -92,10 +93,16 @@ def test_a_weight_read_by_two_nodes_stays_tied():
 
 def test_random_init_bert_has_the_original_parameters_and_gradients():
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
-                                  num_attention_heads=2, intermediate_size=48,
-                                  max_position_embeddings=32, hidden_dropout_prob=0.0,
-                                  attention_probs_dropout_prob=0.0)
+    cfg = transformers.BertConfig(
+        vocab_size=64,
+        hidden_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        intermediate_size=48,
+        max_position_embeddings=32,
+        hidden_dropout_prob=0.0,
+        attention_probs_dropout_prob=0.0,
+    )
     torch.manual_seed(0)
     net = transformers.BertModel(cfg, add_pooling_layer=False).eval()
     ids = torch.randint(0, 64, (2, 8))
@@ -129,16 +136,21 @@ def test_random_init_bert_has_the_original_parameters_and_gradients():
 
 def _cnn() -> nn.Module:
     torch.manual_seed(0)
-    return nn.Sequential(nn.Conv2d(1, 4, 3), nn.BatchNorm2d(4), nn.ReLU(), nn.Dropout(0.3),
-                         nn.Flatten(), nn.Linear(4 * 6 * 6, 3))
+    return nn.Sequential(
+        nn.Conv2d(1, 4, 3),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Dropout(0.3),
+        nn.Flatten(),
+        nn.Linear(4 * 6 * 6, 3),
+    )
 
 
 def test_eval_is_inference_for_a_train_mode_export():
     """Exported in train mode, Dropout's training_mode is a constant True and BatchNorm's
     training_mode attribute 1: module.eval() still means inference, the original's eval."""
     net = _cnn()
-    proto = _export(net.train(), (torch.randn(2, 1, 8, 8),), train=True,
-                    do_constant_folding=False)
+    proto = _export(net.train(), (torch.randn(2, 1, 8, 8),), train=True, do_constant_folding=False)
     ops = {n.op_type: n for n in proto.graph.node}
     assert len(ops["BatchNormalization"].output) == 3 and len(ops["Dropout"].input) == 3
     m = kiln.to_torch(proto).eval()
@@ -206,16 +218,31 @@ def test_relu6_trains_with_the_gradient_of_torch_relu6():
 
 def _digits_like():
     torch.manual_seed(0)
-    net = nn.Sequential(nn.Conv2d(1, 4, 3, padding=1), nn.BatchNorm2d(4), nn.ReLU(),
-                        nn.Flatten(), nn.Linear(4 * 8 * 8, 16), nn.ReLU(), nn.Linear(16, 3))
+    net = nn.Sequential(
+        nn.Conv2d(1, 4, 3, padding=1),
+        nn.BatchNorm2d(4),
+        nn.ReLU(),
+        nn.Flatten(),
+        nn.Linear(4 * 8 * 8, 16),
+        nn.ReLU(),
+        nn.Linear(16, 3),
+    )
     with torch.no_grad():
         net[1].weight.uniform_(0.5, 1.5)
         net[1].running_var.uniform_(0.5, 2.0)
     net.eval()
     buf = io.BytesIO()
-    torch.onnx.export(net, (torch.zeros(2, 1, 8, 8),), buf, dynamo=False, input_names=["x"],
-                      output_names=["y"], dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
-                      training=torch.onnx.TrainingMode.PRESERVE, do_constant_folding=False)
+    torch.onnx.export(
+        net,
+        (torch.zeros(2, 1, 8, 8),),
+        buf,
+        dynamo=False,
+        input_names=["x"],
+        output_names=["y"],
+        dynamic_axes={"x": {0: "b"}, "y": {0: "b"}},
+        training=torch.onnx.TrainingMode.PRESERVE,
+        do_constant_folding=False,
+    )
     return net, buf.getvalue()
 
 
@@ -263,17 +290,25 @@ def test_torch_onnx_export_of_a_kiln_module_writes_its_own_nodes():
 
     from conftest import make_model, ort_run
 
-    proto = make_model([helper.make_node("Div", ["a", "b"], ["y"])],
-                       [helper.make_tensor_value_info(n, TensorProto.INT64, [4])
-                        for n in ("a", "b")],
-                       [helper.make_tensor_value_info("y", TensorProto.INT64, [4])], opset=13)
+    proto = make_model(
+        [helper.make_node("Div", ["a", "b"], ["y"])],
+        [helper.make_tensor_value_info(n, TensorProto.INT64, [4]) for n in ("a", "b")],
+        [helper.make_tensor_value_info("y", TensorProto.INT64, [4])],
+        opset=13,
+    )
     a, b = np.array([-7, 7, -5, 9]), np.array([2, -2, 3, 4])
     (want,) = ort_run(proto, {"a": a, "b": b})
     m = kiln.to_torch(proto)
     for opset in (13, 17):
         buf = io.BytesIO()
-        torch.onnx.export(m, (torch.from_numpy(a), torch.from_numpy(b)), buf, dynamo=False,
-                          input_names=["a", "b"], opset_version=opset)
+        torch.onnx.export(
+            m,
+            (torch.from_numpy(a), torch.from_numpy(b)),
+            buf,
+            dynamo=False,
+            input_names=["a", "b"],
+            opset_version=opset,
+        )
         back = onnx.load_from_string(buf.getvalue())
         assert [n.op_type for n in back.graph.node] == ["Div"]
         (got,) = ort_run(back, {"a": a, "b": b})
@@ -284,13 +319,16 @@ def test_a_model_with_batchnorm_folded_by_its_exporter_warns():
     pytest.importorskip("onnxscript")
     net = _cnn().train()
     buf = io.BytesIO()
-    torch.onnx.export(net, (torch.randn(2, 1, 8, 8),), buf, dynamo=True,
-                      training=torch.onnx.TrainingMode.TRAINING)
-    assert "BatchNormalization" not in {n.op_type for n in onnx.load_from_string(
-        buf.getvalue()).graph.node}
+    torch.onnx.export(
+        net, (torch.randn(2, 1, 8, 8),), buf, dynamo=True, training=torch.onnx.TrainingMode.TRAINING
+    )
+    assert "BatchNormalization" not in {
+        n.op_type for n in onnx.load_from_string(buf.getvalue()).graph.node
+    }
     with pytest.warns(kiln.train.FoldedBatchNormWarning, match="dynamo=False"):
         kiln.to_torch(buf.getvalue())
     import warnings
+
     with warnings.catch_warnings():
         warnings.simplefilter("error", kiln.train.FoldedBatchNormWarning)
         kiln.to_torch(_export(_cnn().train(), (torch.randn(2, 1, 8, 8),), train=True))
@@ -301,14 +339,22 @@ def test_torch_onnx_export_writes_a_transpose_without_perm():
 
     from conftest import make_model, ort_run
 
-    proto = make_model([helper.make_node("Transpose", ["x"], ["y"])],
-                       [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
-                       [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3, 2])],
-                       opset=13)
+    proto = make_model(
+        [helper.make_node("Transpose", ["x"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3, 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 3, 2])],
+        opset=13,
+    )
     x = np.random.default_rng(0).standard_normal((2, 3, 4)).astype(np.float32)
     buf = io.BytesIO()
-    torch.onnx.export(kiln.to_torch(proto), (torch.from_numpy(x),), buf, dynamo=False,
-                      input_names=["x"], opset_version=13)
+    torch.onnx.export(
+        kiln.to_torch(proto),
+        (torch.from_numpy(x),),
+        buf,
+        dynamo=False,
+        input_names=["x"],
+        opset_version=13,
+    )
     (got,) = ort_run(onnx.load_from_string(buf.getvalue()), {"x": x})
     np.testing.assert_array_equal(got, x.transpose(2, 1, 0))
 

@@ -34,16 +34,29 @@ MODEL_FILE = "model.onnx"
 STATE_FILE = "optimizer.pt"
 
 
-def fine_tune(model: str | os.PathLike | bytes, x: np.ndarray, y: np.ndarray, *,
-              workers: int = 2, steps: int = 100, batch: int = 64, lr: float = 0.05,
-              momentum: float = 0.9, checkpoint_every: int = 10, seed: int = 0,
-              storage_path: str | os.PathLike, name: str = "kiln-fine-tune",
-              max_failures: int = 1,
-              after_step: Callable[[int, int], None] | None = None,
-              optimizer: Callable[[list], Any] | None = None,
-              loss: Callable[[Any, Any], Any] | None = None,
-              trainable: str | None = None, precision: str = "fp32",
-              dist_option: str = "fp32", dist_settings: dict | None = None) -> Any:
+def fine_tune(
+    model: str | os.PathLike | bytes,
+    x: np.ndarray,
+    y: np.ndarray,
+    *,
+    workers: int = 2,
+    steps: int = 100,
+    batch: int = 64,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    checkpoint_every: int = 10,
+    seed: int = 0,
+    storage_path: str | os.PathLike,
+    name: str = "kiln-fine-tune",
+    max_failures: int = 1,
+    after_step: Callable[[int, int], None] | None = None,
+    optimizer: Callable[[list], Any] | None = None,
+    loss: Callable[[Any, Any], Any] | None = None,
+    trainable: str | None = None,
+    precision: str = "fp32",
+    dist_option: str = "fp32",
+    dist_settings: dict | None = None,
+) -> Any:
     """Fine-tune ``model`` on ``(x, y)`` under Ray Train's ``TorchTrainer`` with ``workers``
     CPU processes; returns Ray's ``Result`` (``result.checkpoint`` is the last one).
 
@@ -69,8 +82,9 @@ def fine_tune(model: str | os.PathLike | bytes, x: np.ndarray, y: np.ndarray, *,
     from kiln.train.distributed import OPTIONS
 
     if dist_option not in OPTIONS:
-        raise OptionError(f"unknown dist_option {dist_option!r}; choose one of "
-                          f"{', '.join(OPTIONS)}")
+        raise OptionError(
+            f"unknown dist_option {dist_option!r}; choose one of {', '.join(OPTIONS)}"
+        )
     if precision not in PRECISIONS:
         raise OptionError(f"precision {precision!r}: choose one of {', '.join(PRECISIONS)}")
     try:
@@ -79,25 +93,46 @@ def fine_tune(model: str | os.PathLike | bytes, x: np.ndarray, y: np.ndarray, *,
     except ImportError as e:
         raise MissingDependencyError(f"Ray Train is not installed: {RAY_INSTALL}") from e
     if workers < 1 or batch % workers:
-        raise OptionError(f"batch {batch} does not split over {workers} workers; "
-                          "pick a batch that is a multiple of workers")
+        raise OptionError(
+            f"batch {batch} does not split over {workers} workers; "
+            "pick a batch that is a multiple of workers"
+        )
     if len(x) != len(y) or len(x) <= batch:
-        raise OptionError(f"need more rows than one batch ({batch}) and as many labels as "
-                          f"rows; got {len(x)} rows and {len(y)} labels")
+        raise OptionError(
+            f"need more rows than one batch ({batch}) and as many labels as "
+            f"rows; got {len(x)} rows and {len(y)} labels"
+        )
     if not isinstance(model, bytes):
         model = Path(model).read_bytes()
-    config = {"model": model, "x": np.ascontiguousarray(x, np.float32),
-              "y": np.ascontiguousarray(y, np.int64), "steps": steps, "batch": batch,
-              "lr": lr, "momentum": momentum, "checkpoint_every": checkpoint_every,
-              "seed": seed, "after_step": after_step, "optimizer": optimizer, "loss": loss,
-              "trainable": trainable, "precision": precision, "dist_option": dist_option,
-              "dist_settings": dict(dist_settings or {})}
+    config = {
+        "model": model,
+        "x": np.ascontiguousarray(x, np.float32),
+        "y": np.ascontiguousarray(y, np.int64),
+        "steps": steps,
+        "batch": batch,
+        "lr": lr,
+        "momentum": momentum,
+        "checkpoint_every": checkpoint_every,
+        "seed": seed,
+        "after_step": after_step,
+        "optimizer": optimizer,
+        "loss": loss,
+        "trainable": trainable,
+        "precision": precision,
+        "dist_option": dist_option,
+        "dist_settings": dict(dist_settings or {}),
+    }
     trainer = TorchTrainer(
-        train_loop, train_loop_config=config,
+        train_loop,
+        train_loop_config=config,
         torch_config=TorchConfig(backend="gloo"),
         scaling_config=ScalingConfig(num_workers=workers, use_gpu=False),
-        run_config=RunConfig(storage_path=str(storage_path), name=name,
-                             failure_config=FailureConfig(max_failures=max_failures)))
+        run_config=RunConfig(
+            storage_path=str(storage_path),
+            name=name,
+            failure_config=FailureConfig(max_failures=max_failures),
+        ),
+    )
     return trainer.fit()
 
 
@@ -143,8 +178,11 @@ def train_loop(config: dict) -> None:
     hook = dist_option(ddp, config.get("dist_option", "fp32"), **config.get("dist_settings", {}))
     params = [p for p in ddp.parameters() if p.requires_grad]
     make_opt = config.get("optimizer")
-    opt = make_opt(params) if make_opt is not None else \
-        torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"])
+    opt = (
+        make_opt(params)
+        if make_opt is not None
+        else torch.optim.SGD(params, lr=config["lr"], momentum=config["momentum"])
+    )
     if state is not None:
         opt.load_state_dict(state["optimizer"])
     loss_fn = config.get("loss") or nn.functional.cross_entropy
@@ -156,7 +194,7 @@ def train_loop(config: dict) -> None:
     written = 0
     for step in range(start, config["steps"]):
         first = (step * batch) % (len(order) - batch)
-        idx = order[first + rank * share: first + (rank + 1) * share]
+        idx = order[first + rank * share : first + (rank + 1) * share]
         before = _wchar()
         opt.zero_grad()
         with torch.autocast("cpu", dtype=low, enabled=low is not None):
@@ -167,16 +205,18 @@ def train_loop(config: dict) -> None:
         done = step + 1
         if done % config["checkpoint_every"] == 0 or done == config["steps"]:
             ran = done - start
-            metrics = {"step": done, "loss": loss.item(),
-                       "payload_bytes_per_step": hook.payload_bytes / ran,
-                       "bytes_written_per_step": written / ran}
+            metrics = {
+                "step": done,
+                "loss": loss.item(),
+                "payload_bytes_per_step": hook.payload_bytes / ran,
+                "bytes_written_per_step": written / ran,
+            }
             # every worker reports; rank 0 alone writes the (identical) weights
             with tempfile.TemporaryDirectory() as d:
                 checkpoint = None
                 if rank == 0:
                     save(module, str(Path(d) / MODEL_FILE))
-                    torch.save({"step": done, "optimizer": opt.state_dict()},
-                               Path(d) / STATE_FILE)
+                    torch.save({"step": done, "optimizer": opt.state_dict()}, Path(d) / STATE_FILE)
                     checkpoint = ray.train.Checkpoint.from_directory(d)
                 ray.train.report(metrics, checkpoint=checkpoint)
         if after is not None:

@@ -37,11 +37,13 @@ class NonDifferentiableWarning(UserWarning):
     them, or the module would not have been created)."""
 
 
-_FX_ROOT = ("torch.fx.symbolic_trace cannot trace a KilnModule itself: it runs ONNX nodes "
-            "whose kernels are chosen by the inputs' shapes and dtypes, which fx's symbolic "
-            "Proxy objects do not carry. Use torch.export.export(module, args) for a graph "
-            "of its torch ops, or trace a module that holds it (it becomes one call_module "
-            "node there).")
+_FX_ROOT = (
+    "torch.fx.symbolic_trace cannot trace a KilnModule itself: it runs ONNX nodes "
+    "whose kernels are chosen by the inputs' shapes and dtypes, which fx's symbolic "
+    "Proxy objects do not carry. Use torch.export.export(module, args) for a graph "
+    "of its torch ops, or trace a module that holds it (it becomes one call_module "
+    "node there)."
+)
 
 
 class KilnModule(nn.Module):
@@ -97,8 +99,9 @@ class KilnModule(nn.Module):
         self._backend.module = True
         try:
             run = fused(model)
-            self._plan: Plan = compile_model(run.graph, run.opset_imports, run.functions,
-                                             self._backend)
+            self._plan: Plan = compile_model(
+                run.graph, run.opset_imports, run.functions, self._backend
+            )
         finally:
             for v in marked:
                 v.meta.pop("overridable", None)
@@ -108,8 +111,9 @@ class KilnModule(nn.Module):
         for v, _, _ in self._feeds:
             self._plan.consts.pop(v, None)  # the module's tensors replace them every run
         self._inputs = list(run.graph.inputs)
-        self.non_differentiable = self._check_gradients({inits[v.name] for v in trainable},
-                                                        run.opset_imports)
+        self.non_differentiable = self._check_gradients(
+            {inits[v.name] for v in trainable}, run.opset_imports
+        )
 
     removed_layers: list[str]
     """The layers ``outputs=``/``last_layers=`` cut off, "name (OpType)" (empty: no cut)."""
@@ -170,21 +174,31 @@ class KilnModule(nn.Module):
             why = _why_not_differentiable(s, opsets)
             if why:
                 lacking[s] = why
-        cut = [s for s in graph_ops.reached(self._plan.steps, trainable)
-               if lacking.get(s, "").startswith("no differentiable kernel")]
+        cut = [
+            s
+            for s in graph_ops.reached(self._plan.steps, trainable)
+            if lacking.get(s, "").startswith("no differentiable kernel")
+        ]
         if cut:
             names = ", ".join(f"{s.layer.name} ({s.node.op_type})" for s in cut)
             raise UnsupportedOpError(
                 f"parameters' gradients would flow through layers with no differentiable torch "
                 f"kernel (they run NumPy kernels): {names}. Cut the model before them "
                 "(kiln.to_torch(..., outputs=[...])) or add a torch kernel for the op.",
-                sorted({s.node.op_type for s in cut}))
-        named = [f"{s.layer.name} ({s.node.op_type}): {why}" for s, why in lacking.items()
-                 if why.startswith("no differentiable kernel")]
+                sorted({s.node.op_type for s in cut}),
+            )
+        named = [
+            f"{s.layer.name} ({s.node.op_type}): {why}"
+            for s, why in lacking.items()
+            if why.startswith("no differentiable kernel")
+        ]
         if named:
-            warnings.warn("layers without a differentiable kernel (no parameter's gradient "
-                          "flows through them): " + "; ".join(named),
-                          NonDifferentiableWarning, stacklevel=3)
+            warnings.warn(
+                "layers without a differentiable kernel (no parameter's gradient "
+                "flows through them): " + "; ".join(named),
+                NonDifferentiableWarning,
+                stacklevel=3,
+            )
         return [f"{s.layer.name} ({s.node.op_type}): {why}" for s, why in lacking.items()]
 
     # -- running ---------------------------------------------------------------------
@@ -197,21 +211,29 @@ class KilnModule(nn.Module):
         if proxies:
             return self._fx_call(proxies[0].tracer, args, kwargs)
         feeds = list(args)
-        for v in self._inputs[len(feeds):]:
+        for v in self._inputs[len(feeds) :]:
             if v.name not in kwargs:
-                raise InputError(f"missing input {v.name!r}; the graph's inputs are "
-                                 f"{[x.name for x in self._inputs]}")
+                raise InputError(
+                    f"missing input {v.name!r}; the graph's inputs are "
+                    f"{[x.name for x in self._inputs]}"
+                )
             feeds.append(kwargs.pop(v.name))
         if kwargs or len(feeds) != len(self._inputs):
-            raise InputError(f"the graph takes {len(self._inputs)} input(s) "
-                             f"{[x.name for x in self._inputs]}, got {len(args)} positional "
-                             f"and {sorted(kwargs)} by name")
+            raise InputError(
+                f"the graph takes {len(self._inputs)} input(s) "
+                f"{[x.name for x in self._inputs]}, got {len(args)} positional "
+                f"and {sorted(kwargs)} by name"
+            )
         be = self._backend
-        inputs = [be.accept_feed(x, v.type.dtype if v.type is not None and
-                                 hasattr(v.type, "dtype") else DType.FLOAT)
-                  for x, v in zip(feeds, self._inputs)]
+        inputs = [
+            be.accept_feed(
+                x, v.type.dtype if v.type is not None and hasattr(v.type, "dtype") else DType.FLOAT
+            )
+            for x, v in zip(feeds, self._inputs)
+        ]
         if torch.onnx.is_in_onnx_export():  # its own nodes, not the kernels' torch ops
             from kiln.train.replay import exported
+
             out = exported(self, inputs, self._run)
             if out is not None:
                 return out
@@ -244,8 +266,9 @@ class KilnModule(nn.Module):
         (what :func:`kiln.save` writes)."""
         for v, owner, attr in self._slots:
             t = getattr(owner, attr).detach().cpu()
-            v.const = np.ascontiguousarray(t.float().numpy().astype(v.const.dtype)
-                                           if t.dtype == torch.bfloat16 else t.numpy())
+            v.const = np.ascontiguousarray(
+                t.float().numpy().astype(v.const.dtype) if t.dtype == torch.bfloat16 else t.numpy()
+            )
         return self.kiln_graph_model
 
 
@@ -256,8 +279,14 @@ def fused(model: Model) -> Model:
     their decomposed ops), after folding the constants they match on. Initializers marked
     overridable (the module's parameters and buffers) are never folded, so each keeps its
     name and value; nothing else (BatchNorm, Dropout, activations into MatMul/Conv) changes."""
-    keep = {"infer_shapes", "fold_constants", "dce", "fuse_gelu",
-            "fuse_layernorm", "fuse_attention"}
+    keep = {
+        "infer_shapes",
+        "fold_constants",
+        "dce",
+        "fuse_gelu",
+        "fuse_layernorm",
+        "fuse_attention",
+    }
     return optimize(model, disable=[p for p in PASS_NAMES if p not in keep], backend="torch")
 
 
