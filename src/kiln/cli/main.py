@@ -18,6 +18,7 @@ from typing import Any
 
 from kiln.errors import InputError, KilnError, OptionError
 from kiln.runtime.backends import backend_names
+from kiln.runtime.run_settings import default_backend_name
 
 USAGE_ERROR = 2
 
@@ -103,21 +104,22 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _add_backend(p: argparse.ArgumentParser, runs: bool = True, tuned: bool = False) -> None:
+    default = f"{default_backend_name()}: torch when installed, else numpy"
     if tuned:  # a file `kiln tune` wrote stores its backend and options
         backend_help = "backend to run on (default: the one `kiln tune` stored in the " \
-                       "file with its options, else numpy; options given here win)"
+                       f"file with its options, else {default}; options given here win)"
         device_help = "torch device: cpu, cuda or cuda:N (default: cpu)"
     elif runs:
-        backend_help = "backend to run on (default: numpy)"
+        backend_help = f"backend to run on (default: {default})"
         device_help = "torch device: cpu, cuda or cuda:N (default: cpu)"
     else:  # inspect runs nothing: the backend only decides what the report says
         backend_help = ("whose kernels to describe: which layers it supports and where it "
                         "would place them, and with --optimize the fusions it gets; "
-                        "nothing is run (default: numpy)")
+                        f"nothing is run (default: {default})")
         device_help = "torch device to describe placement for: cpu, cuda or cuda:N " \
                       "(default: cpu)"
-    p.add_argument("--backend", choices=backend_names(), default=None if tuned else "numpy",
-                   help=backend_help)
+    p.add_argument("--backend", choices=backend_names(),
+                   default=None if tuned else default_backend_name(), help=backend_help)
     p.add_argument("--device", default=None, help=device_help)
 
 

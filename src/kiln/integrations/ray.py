@@ -27,6 +27,7 @@ from kiln.errors import InputError, KilnError, MissingDependencyError, OptionErr
 from kiln.onnxio import to_proto
 from kiln.ort import InferenceSession
 from kiln.runtime.backends import backend_entry
+from kiln.runtime.run_settings import default_backend_name
 from kiln.tools.common import backend_options, load_model
 
 RAY_INSTALL = 'pip install -e ".[ray]"'
@@ -91,15 +92,17 @@ class KilnPredictor:
     :func:`share_model`; a path or bytes also work). ``inputs`` maps model inputs to
     dataset columns and ``outputs`` model outputs to columns; both default to the same
     names, and ``outputs`` also chooses which outputs are computed. Columns that are not
-    model inputs (ids, labels) pass through. ``backend``, ``device``, ``optimize`` are the
-    session's options; ``threads`` defaults to the CPUs Ray reserved for the actor, and
-    ``device`` to ``"cuda"`` when it was given a GPU (torch backend).
+    model inputs (ids, labels) pass through. ``backend`` (default: a session's default,
+    torch when installed, else numpy), ``device``, ``optimize`` are the session's
+    options; ``threads`` defaults to the CPUs Ray reserved for the actor, and ``device``
+    to ``"cuda"`` when it was given a GPU (torch backend).
     """
 
-    def __init__(self, model: Any, *, backend: str = "numpy", device: str | None = None,
+    def __init__(self, model: Any, *, backend: str | None = None, device: str | None = None,
                  threads: int | None = None, optimize: bool = True,
                  inputs: dict[str, str] | None = None, outputs: dict[str, str] | None = None):
         ray = _ray()
+        backend = backend or default_backend_name()
         if isinstance(model, ray.ObjectRef):
             model = ray.get(model)
         n = actor_threads(threads)
@@ -168,7 +171,7 @@ def _as_input(col: np.ndarray, shape: list | None, dtype: np.dtype) -> np.ndarra
 
 
 def predict(ds: Any, model: Any, *, concurrency: int = 1, batch_size: int = 256,
-            backend: str = "numpy", device: str | None = None, threads: int = 1,
+            backend: str | None = None, device: str | None = None, threads: int = 1,
             num_gpus: float = 0, optimize: bool = True, inputs: dict[str, str] | None = None,
             outputs: dict[str, str] | None = None) -> Any:
     """``ds`` scored by ``concurrency`` actors of ``threads`` CPUs each: the model put in
@@ -259,7 +262,7 @@ def _read_file(path: str, input_name: str | None) -> Any:
 
 
 def batch_files(model: Any, patterns: list[str], output: str, *, address: str | None = None,
-                concurrency: int = 1, batch_size: int = 256, backend: str = "numpy",
+                concurrency: int = 1, batch_size: int = 256, backend: str | None = None,
                 device: str | None = None, threads: int = 1, num_gpus: float = 0,
                 optimize: bool = True,
                 on_stage: Callable[[str], None] | None = None) -> BatchResult:

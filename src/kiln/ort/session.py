@@ -32,8 +32,9 @@ class InferenceSession(Session):
     Takes onnxruntime's arguments in its order (``sess_options``, ``providers``,
     ``provider_options``) and Kiln's own by keyword: ``backend`` (unless a CUDA
     provider asks for torch: the one ``kiln tune`` stored in the file with its options,
-    else "numpy"), ``optimize`` (True, False or an optimizer level), ``input_shapes``
-    and the backend's options."""
+    else "torch" when torch is installed, else "numpy"; the CPUExecutionProvider runs on
+    it too, and ``placement()`` names it), ``optimize`` (True, False or an optimizer
+    level), ``input_shapes`` and the backend's options."""
 
     config: Config
 

@@ -40,6 +40,7 @@ class PlacementReport:
     layers: list[LayerPlacement] = field(default_factory=list)
     last_run: RunStats | None = None
     compiled: str = ""  # whether the session runs a compiled program, and why (not)
+    chosen: str = ""  # why this backend: asked for, stored by kiln tune, or the default
 
     @property
     def fallbacks(self) -> list[LayerPlacement]:
@@ -57,7 +58,8 @@ class PlacementReport:
         return out
 
     def __str__(self) -> str:
-        rows = [f"{self.backend} backend on {self.device}: "
+        why = f" ({self.chosen})" if self.chosen else ""
+        rows = [f"{self.backend} backend on {self.device}{why}: "
                 + ", ".join(f"{n} {k}" for k, n in sorted(self.counts().items()))]
         if self.compiled:
             rows.append(f"compiled: {self.compiled}")

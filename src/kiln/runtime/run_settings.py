@@ -5,6 +5,7 @@ reads them back, so a tuned file is one line to run."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import warnings
 from typing import Any
@@ -13,12 +14,36 @@ from kiln.errors import MissingDependencyError
 from kiln.runtime.backend import Backend
 from kiln.runtime.backends import make_backend
 
-__all__ = ["DEFAULT_BACKEND", "KEY", "backend_for", "encode", "stored"]
+__all__ = ["KEY", "backend_for", "default_backend", "default_backend_name", "encode", "stored"]
 
 KEY = "kiln.run_settings"
 """The metadata_props key holding a JSON object ``{"backend": ..., "options": {...}}``."""
-DEFAULT_BACKEND = "numpy"
-"""The backend of a session given none, for a file without stored settings."""
+
+
+def default_backend_name() -> str:
+    """The backend of a session given none, for a file without stored settings: "torch"
+    when torch is installed, else "numpy". On the real-model benchmark and the zoo
+    (docs/performance.md) the torch backend is faster at batch 1 on most models, and the
+    NumPy one is many times slower than onnxruntime on every conv net (OpenBLAS threading
+    on small matmuls, Python loops); the few tiny models where NumPy wins are a small
+    absolute difference, so one rule, not a per-model guess, picks the backend."""
+    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+
+
+def default_backend(options: dict[str, Any]) -> Backend:
+    """The default backend (:func:`default_backend_name`) built with ``options``; NumPy
+    when torch is installed but cannot be imported. On the CPU its fallback layers are not
+    warned about: the user chose no backend, and on the CPU a fallback moves no data
+    between devices (``session.placement()`` still lists them)."""
+    if default_backend_name() == "torch":
+        opts = dict(options)
+        if not str(opts.get("device", "cpu")).startswith("cuda"):
+            opts.setdefault("warn", False)
+        try:
+            return make_backend("torch", **opts)
+        except MissingDependencyError:
+            pass
+    return make_backend("numpy", **options)
 
 
 def encode(backend: str, options: dict[str, Any]) -> str:
@@ -42,17 +67,23 @@ def stored(metadata: dict[str, str]) -> tuple[str, dict[str, Any]] | None:
     return backend, options
 
 
-def backend_for(metadata: dict[str, str], options: dict[str, Any]) -> Backend:
-    """The backend of a session given no backend: the one the model's metadata stores,
-    with the stored options under the caller's ``options`` (the caller's win); the default
-    backend when none is stored or the stored one is not installed here."""
+DEFAULT_WHY = "the default backend: torch when installed, else numpy"
+TUNED_WHY = "stored in the file by kiln tune"
+
+
+def backend_for(metadata: dict[str, str], options: dict[str, Any]) -> tuple[Backend, str]:
+    """The backend of a session given no backend, and why it is that one (for placement
+    reports): the one the model's metadata stores, with the stored options under the
+    caller's ``options`` (the caller's win); the default backend when none is stored or
+    the stored one is not installed here."""
     got = stored(metadata)
     if got is None:
-        return make_backend(DEFAULT_BACKEND, **options)
+        return default_backend(options), DEFAULT_WHY
     backend, tuned = got
     try:
-        return make_backend(backend, **{**tuned, **options})
+        return make_backend(backend, **{**tuned, **options}), TUNED_WHY
     except MissingDependencyError as e:
         warnings.warn(f"the model was tuned to run on the {backend} backend, which is not "
-                      f"installed here ({e}); it runs on {DEFAULT_BACKEND}", stacklevel=4)
-        return make_backend(DEFAULT_BACKEND, **options)
+                      f"installed here ({e}); it runs on {default_backend_name()}",
+                      stacklevel=4)
+        return default_backend(options), DEFAULT_WHY

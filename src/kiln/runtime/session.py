@@ -78,7 +78,9 @@ class Session:
     from several threads at once if you like.
 
     ``backend``: "numpy" or "torch"; None: the backend and options the model file
-    stores (``kiln tune`` writes them; options given here win), else "numpy";
+    stores (``kiln tune`` writes them; options given here win), else the default
+    backend: "torch" when torch is installed, else "numpy" (``session.backend.name`` and
+    ``placement()`` say which);
     ``optimize``: True, False or an optimizer level;
     ``input_shapes``: fixed shapes for inputs by name; ``dims``: sizes for symbolic dims
     by name (in every input that has them); ``quiet``: no warnings while building;
@@ -97,8 +99,11 @@ class Session:
             if backend is not None:  # before any I/O: a wrong option fails at once
                 self.backend = make_backend(backend, **backend_options)
             loaded = model if isinstance(model, Model) else load(model)
+            self.backend_chosen = "asked for"
+            """Why the session runs on its backend, as placement() reports it."""
             if backend is None:  # what the file stores (kiln tune), else the default
-                self.backend = backend_for(loaded.metadata, backend_options)
+                self.backend, self.backend_chosen = backend_for(loaded.metadata,
+                                                                backend_options)
             # Kept to build plans that expose intermediate values (run(["name"])): the
             # loaded model rather than bytes, as it shares its arrays with the optimized one.
             self._source = loaded if isinstance(model, bytes) else model
@@ -205,7 +210,8 @@ class Session:
         what the last run moved between devices."""
         be = self.backend
         return PlacementReport(be.name, be.device, [s.layer for s in self.plan.walk()],
-                               be.last_run_stats(), self.plan.compile_status)
+                               be.last_run_stats(), self.plan.compile_status,
+                               self.backend_chosen)
 
     def _prepare_run(self, output_names, input_feed, output_type: str, run_options=None):
         if output_type not in ("numpy", "torch"):

@@ -15,6 +15,7 @@ import numpy as np
 
 from kiln.errors import InputError, KilnError, ModelLoadError
 from kiln.ort import InferenceSession
+from kiln.runtime.run_settings import default_backend_name
 from kiln.serving.batching import Batcher
 from kiln.serving.tensors import ONNX_TYPES, datatype_of
 from kiln.tools.common import backend_options
@@ -29,7 +30,7 @@ class ModelConfig:
     """Per-model settings; a repository model reads them from ``name/config.json`` (the
     same keys), a file given on the command line from the server's defaults."""
 
-    backend: str = "numpy"
+    backend: str = field(default_factory=default_backend_name)  # as a session given none
     device: str | None = None
     precision: str | None = None
     threads: int | None = None

@@ -153,14 +153,15 @@ def _thread_limit(threads: int):
     return threadpool_limits(limits=threads)
 
 
-def bench(model: Any, backend: str = "numpy", device: str | None = None,
+def bench(model: Any, backend: str | None = None, device: str | None = None,
           feeds: dict | None = None, runs: int = 50, warmup: int = 5, batch: int | None = None,
           threads: int | None = None, vs: str | None = None,
           dims: dict[str, int] | None = None, optimize: bool = True,
           progress: bool | None = None, precision: str | None = None,
           compile: bool = False,
           on_run: Callable[[int, int], None] | None = None) -> BenchResult:
-    """Time ``runs`` runs of ``model`` (after ``warmup``) on ``backend``.
+    """Time ``runs`` runs of ``model`` (after ``warmup``) on ``backend`` (None: the one
+    the file stores from ``kiln tune``, else the default backend, as a session given none).
 
     ``precision`` and ``compile`` are the torch backend's session options; a compiled
     session builds its program in the first warm-up run, so keep ``warmup`` at 1 or more.
@@ -210,5 +211,5 @@ def bench(model: Any, backend: str = "numpy", device: str | None = None,
         rep = sess.placement()
         status = rep.compiled if rep.last_run is not None and rep.last_run.compiled else \
             f"no: the measured runs ran eagerly ({rep.compiled})"
-    return BenchResult(model_name(model), backend, dev, n_batch, threads, warmup, ours,
+    return BenchResult(model_name(model), sess.backend.name, dev, n_batch, threads, warmup, ours,
                        theirs if ort_sess is not None else None, precision or "fp32", status)

@@ -14,7 +14,7 @@ from kiln.errors import InputError, KilnError
 from kiln.ir import DType, Model, SymDim, TensorType, Value, parse_dim, plain_shape
 from kiln.onnxio import load, to_proto
 from kiln.runtime.backends import backend_entry, backend_names
-from kiln.runtime.run_settings import DEFAULT_BACKEND, stored
+from kiln.runtime.run_settings import default_backend_name, stored
 
 # What to run when an optional dependency is missing (extras of pyproject.toml; the README
 # installs Kiln from its checkout with ``pip install -e .``).
@@ -271,7 +271,7 @@ def backend_options(backend: str, device: str | None = None,
     return opts
 
 
-def session_for(model: Any, backend: str | None = "numpy", device: str | None = None,
+def session_for(model: Any, backend: str | None = None, device: str | None = None,
                 threads: int | None = None, optimize: bool = True,
                 precision: str | None = None, compile: bool = False):
     """An InferenceSession on ``backend`` (``device``, ``threads``, ``precision`` and
@@ -282,6 +282,6 @@ def session_for(model: Any, backend: str | None = "numpy", device: str | None = 
 
     m = load_model(model)
     got = stored(m.metadata) if backend is None else None
-    name = got[0] if got else backend or DEFAULT_BACKEND
+    name = got[0] if got else backend or default_backend_name()
     opts = backend_options(name, device, threads, precision, compile)
     return InferenceSession(m, backend=None if got else name, optimize=optimize, **opts)

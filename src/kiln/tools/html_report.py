@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from kiln.ir import DType, Graph, Model
+from kiln.runtime.run_settings import default_backend_name
 from kiln.tools._report_assets import CSS, JS
 from kiln.tools.common import (
     dims_of,
@@ -463,19 +464,21 @@ class HtmlReport:
 
 
 def report(model: Any, path: str | os.PathLike, profile: bool = False,
-           backend: str = "numpy", device: str | None = None, runs: int = 5,
+           backend: str | None = None, device: str | None = None, runs: int = 5,
            feeds: dict | None = None, dims: dict[str, int] | None = None,
            optimize: bool = True,
            on_stage: Callable[[str], None] | None = None) -> HtmlReport:
     """Write the HTML report of ``model`` to ``path``; returns an :class:`HtmlReport`
     saying where it is and what it shows (``render`` gives the page as a string).
 
-    With ``profile=True`` the model is run ``runs`` times on ``backend`` and the graph
+    With ``profile=True`` the model is run ``runs`` times on ``backend`` (default: the
+    default backend, torch when installed, else numpy) and the graph
     drawn is the one the session ran (optimized unless ``optimize`` is False), each layer
     colored by its share of the time. Without, the model is drawn as the file has it.
     ``on_stage(text)`` is called as each stage starts (for progress output).
     """
     stage = on_stage or (lambda text: None)
+    backend = backend or default_backend_name()
     note = ""
     if profile:
         stage(f"building the {backend} session")

@@ -150,14 +150,15 @@ def _sync_fn(backend):
 
 
 def profile(model_or_session: Any, feeds: dict | None = None, runs: int = 10,
-            warmup: int = 1, backend: str = "numpy", device: str | None = None,
+            warmup: int = 1, backend: str | None = None, device: str | None = None,
             dims: dict[str, int] | None = None, seed: int = 0, optimize: bool = True
             ) -> Profile:
     """Run a model ``warmup + runs`` times and time every layer of the measured runs.
 
     ``model_or_session``: an InferenceSession, or anything ``kiln.load`` takes (a session
-    is then made on ``backend``/``device``). ``feeds`` default to random inputs of the
-    declared shapes (symbolic dims sized by ``dims``, default 1). The session made here
+    is then made on ``backend``/``device``; None: as a session given no backend).
+    ``feeds`` default to random inputs of the declared shapes (symbolic dims sized by
+    ``dims``, default 1). The session made here
     is optimized, as sessions are by default, unless ``optimize`` is False. On CUDA each layer is
     synchronized, so its time is its own, not its launch.
     """

@@ -11,6 +11,7 @@ import numpy as np
 
 from kiln.errors import KilnError
 from kiln.ir import Graph, Model, Node, Value
+from kiln.runtime.run_settings import default_backend_name
 from kiln.tools.common import backend_options, dims_of, load_model, model_name, type_name
 from kiln.tools.flops import layer_flops
 
@@ -121,7 +122,7 @@ def infer_shapes(model: Model) -> str | None:
     return None
 
 
-def placements(model: Model, backend: str = "numpy", device: str | None = None
+def placements(model: Model, backend: str | None = None, device: str | None = None
                ) -> tuple[dict[Node, tuple[str, str]], list[str], str, str | None]:
     """Where each main-graph node would run: ({node: (where, how)}, unsupported ops,
     device, note). Builds the plan the way a session does, but never raises for
@@ -129,6 +130,7 @@ def placements(model: Model, backend: str = "numpy", device: str | None = None
     from kiln.runtime import make_backend
     from kiln.runtime.plan import plan_graph
 
+    backend = backend or default_backend_name()
     be = make_backend(backend, **backend_options(backend, device))
     chosen: dict[Node, tuple[str, str]] = {}
     note, missing_ops = None, []
@@ -149,12 +151,13 @@ def inspect(model: Any, backend: str | None = None, device: str | None = None,
             dims: dict[str, int] | None = None) -> ModelSummary:
     """Summarize ``model`` (path, zoo name, ModelProto, bytes or Model): inputs, outputs,
     layers in run order with output shapes, op histogram, parameters, estimated FLOPs
-    (symbolic dims sized by ``dims``, default 1), and which ops ``backend`` (default numpy)
+    (symbolic dims sized by ``dims``, default 1), and which ops ``backend`` (default: the default
+    backend, torch when installed, else numpy)
     cannot run and where each layer would run on ``device``.
 
     A Model passed in gets its value types refined in place by shape inference."""
     m = load_model(model)
-    backend = backend or "numpy"
+    backend = backend or default_backend_name()
     notes = [n for n in [infer_shapes(m)] if n]
     chosen, missing, dev, note = placements(m, backend, device)
     if note:
