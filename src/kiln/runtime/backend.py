@@ -158,8 +158,9 @@ class Backend:
     def specialize(self, plan, opsets: dict, functions: dict) -> None:
         """Set up shape-specialized compiled programs for the main plan, if asked for."""
 
-    def run_context(self):
-        """The context a plan runs in (torch: inference mode)."""
+    def run_context(self, plan: Any = None, inputs: list | None = None):
+        """The context ``plan`` runs in on ``inputs`` (torch: inference mode, and on the
+        CPU the thread count measured fastest for these input shapes)."""
         return contextlib.nullcontext()
 
     def start_run(self) -> Any:

@@ -165,7 +165,7 @@ class Plan:
                     be.stats().compiled = True
                     return out
             prog = self.program
-            with be.run_context():
+            with be.run_context(self, inputs):
                 if prog is None or overrides or run_state.control is not None:
                     return self.run(inputs, None, overrides)
                 try:
