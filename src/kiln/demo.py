@@ -26,7 +26,8 @@ def ascii_digit(img: np.ndarray) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kiln.demo", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="numpy", choices=backend_names())
+    ap.add_argument("--backend", default=None, choices=backend_names(),
+                    help="default: a session's default, torch when installed, else numpy")
     args = ap.parse_args(argv)
     data = resources.files("kiln") / "data"
     with resources.as_file(data / "digits_cnn.onnx") as path:
@@ -35,7 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     images, labels = test["images"], test["labels"]
     inp = sess.get_inputs()[0]
     print(f"model: digits_cnn.onnx  input {inp.name} {inp.shape} {inp.type}  "
-          f"backend: {args.backend}")
+          f"backend: {sess.backend.name}")
 
     t0 = time.perf_counter()
     (logits,) = sess.run(None, {inp.name: images})
