@@ -9,6 +9,10 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import statistics
+import threading
+import time
+import weakref
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -108,6 +112,104 @@ def limit_blas_threads(threads: int | None) -> None:
         lib.set_num_threads(int(threads))
 
 
+class ThreadTrial:
+    """Whether a plan runs faster on one thread than on ``threads`` at some input shapes,
+    measured on its own runs: a small model (a voice detector's step, a wake-word head, a
+    recurrent layer's 50 steps) runs many tiny layers or products, and each one split
+    over threads wakes the pool's second thread, which then spins for the core the next
+    layer needs; on a shared 2-core machine such runs took several times (NumPy's GRU:
+    tens of times) longer on two threads than on one. Runs alternate between the two
+    counts until each has :attr:`RUNS` timed runs, then the faster median wins for good.
+    Two runs on one thread all slower than :attr:`BIG_S` and than the fastest on
+    ``threads`` settle it at once for ``threads``: a model that large has work to split,
+    and its trial runs on one thread would cost more than they could save (one slow run
+    is not enough: on a loaded machine a 1 ms model's run can take 100 ms)."""
+
+    RUNS = 5
+    BIG_S = 0.05
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.chosen: int | None = None
+        self.seen = 0
+        self.times: dict[int, list[float]] = {threads: [], 1: []}
+
+    def next_threads(self) -> int:
+        """The thread count of the next run."""
+        if self.chosen is not None:
+            return self.chosen
+        many, one = self.times[self.threads], self.times[1]
+        return 1 if len(one) < len(many) else self.threads
+
+    def record(self, threads: int, seconds: float) -> None:
+        """A run on ``threads`` took ``seconds``."""
+        self.seen += 1
+        if self.chosen is not None or self.seen <= 2:  # the first runs build, not measure
+            return
+        self.times[threads].append(seconds)
+        many, one = self.times[self.threads], self.times[1]
+        if len(one) >= 2 and min(one) > self.BIG_S and many and min(one) > min(many):
+            self.chosen = self.threads  # a big model: stop paying for one-thread runs
+        elif len(one) >= self.RUNS and len(many) >= self.RUNS:
+            self.chosen = 1 if statistics.median(one) < statistics.median(many) \
+                else self.threads
+
+
+class OneThread:
+    """A process-wide thread pool held at one thread while any run asks for it; the last
+    such run to end restores the count it had (concurrent runs share the setting)."""
+
+    def __init__(self, get: Callable[[], int], set: Callable[[int], Any]):
+        self.get, self.set = get, set
+        self.lock = threading.Lock()
+        self.runs = 0
+        self.saved = 1
+
+    def enter(self) -> None:
+        with self.lock:
+            if self.runs == 0:
+                self.saved = self.get()
+                self.set(1)
+            self.runs += 1
+
+    def exit(self) -> None:
+        with self.lock:
+            self.runs -= 1
+            if self.runs == 0:
+                self.set(self.saved)
+
+
+@contextlib.contextmanager
+def measured_threads(trial: ThreadTrial, pool: OneThread, inner):
+    """Run the body inside ``inner`` on the thread count ``trial`` picks, timed for it."""
+    n = trial.next_threads()
+    if n == 1:
+        pool.enter()
+    t0 = time.perf_counter()
+    try:
+        with inner:
+            yield
+    finally:
+        trial.record(n, time.perf_counter() - t0)
+        if n == 1:
+            pool.exit()
+
+
+def _blas_threads() -> int:
+    blas = [lib for lib in _thread_pools().lib_controllers if lib.user_api == "blas"]
+    return max((lib.num_threads for lib in blas), default=1)
+
+
+def _set_blas_threads(n: int) -> None:
+    for lib in _thread_pools().lib_controllers:
+        if lib.user_api == "blas":
+            lib.set_num_threads(int(n))
+
+
+_BLAS_THREADS = OneThread(_blas_threads, _set_blas_threads)
+"""NumPy's BLAS threads, process-wide."""
+
+
 @functools.cache
 def _thread_pools():
     # Scanning the process's libraries costs milliseconds once torch and onnxruntime are loaded,
@@ -159,8 +261,25 @@ class Backend:
         """Set up shape-specialized compiled programs for the main plan, if asked for."""
 
     def run_context(self, plan: Any = None, inputs: list | None = None):
-        """The context ``plan`` runs in on ``inputs`` (torch: inference mode, and on the
-        CPU the thread count measured fastest for these input shapes)."""
+        """The context ``plan`` runs in on ``inputs``: BLAS's thread count measured
+        fastest for these input shapes (:class:`ThreadTrial`; torch: also inference mode)."""
+        n = _BLAS_THREADS.get() if plan is not None and inputs is not None else 1
+        if n <= 1:
+            return contextlib.nullcontext()
+        return measured_threads(self.thread_trial(plan, inputs, n), _BLAS_THREADS,
+                                contextlib.nullcontext())
+
+    def thread_trial(self, plan: Any, inputs: list, threads: int) -> ThreadTrial:
+        """The thread-count trial of ``plan`` at the shapes of ``inputs``."""
+        trials = self.__dict__.get("_thread_trials")
+        if trials is None:
+            trials = self.__dict__.setdefault("_thread_trials", weakref.WeakKeyDictionary())
+        per_plan = trials.get(plan)
+        if per_plan is None:
+            per_plan = trials.setdefault(plan, {})
+        key = tuple(getattr(x, "shape", None) for x in inputs)
+        trial = per_plan.get(key)
+        return per_plan.setdefault(key, ThreadTrial(threads)) if trial is None else trial
         return contextlib.nullcontext()
 
     def start_run(self) -> Any:

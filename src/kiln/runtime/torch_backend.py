@@ -18,11 +18,8 @@ on the host as CPU tensors, never copied to the device and back.
 from __future__ import annotations
 
 import contextlib
-import statistics
 import threading
-import time
 import warnings
-import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -36,7 +33,15 @@ from kiln.ops.registry import KernelContext, Mode, OpDef, Target
 from kiln.ops.torch.arrays import DTYPE_OF, TORCH_OF, to_numpy, to_torch
 from kiln.ops.torch.conv import native_on_cpu
 from kiln.runtime import compile_cache
-from kiln.runtime.backend import Backend, Candidate, Link, host_feed, usable_cores
+from kiln.runtime.backend import (
+    Backend,
+    Candidate,
+    Link,
+    OneThread,
+    host_feed,
+    measured_threads,
+    usable_cores,
+)
 from kiln.runtime.executor import Program
 from kiln.runtime.placement import LayerPlacement, RunStats
 from kiln.runtime.specialize import CompileFailed, CompileWarning, Specializer
@@ -139,9 +144,6 @@ class TorchBackend(Backend):
         self.tracing = False
         self.mode = Mode()
         self._tls = threading.local()
-        self._thread_trials: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        """Per plan and input shapes, the measured choice between the configured threads
-        and one (:class:`_ThreadTrial`)."""
         self._last: RunStats | None = None
         self.cache_folder: Path | None = None  # of compiled programs; specialize sets it
         self.compile_log: list[str] = []
@@ -421,9 +423,8 @@ class TorchBackend(Backend):
             return _cuda_run("tf32" if self.precision == "tf32" else "ieee")
         if plan is None or inputs is None or torch.get_num_threads() == 1:
             return torch.inference_mode()
-        trials = self._thread_trials.setdefault(plan, {})
-        key = tuple(tuple(x.shape) if hasattr(x, "shape") else None for x in inputs)
-        return _cpu_run(trials.setdefault(key, _ThreadTrial(torch.get_num_threads())))
+        return measured_threads(self.thread_trial(plan, inputs, torch.get_num_threads()),
+                                _TORCH_THREADS, torch.inference_mode())
 
     def start_run(self) -> RunStats:
         st = self._tls.stats = RunStats()
@@ -601,71 +602,8 @@ def _wanted(attr: str, mode: str):
     return mode if attr == "fp32_precision" else mode == "tf32"
 
 
-class _ThreadTrial:
-    """Whether a plan runs faster on one thread than on ``threads`` at some input shapes,
-    measured on its own runs: a small model (a voice detector's step, a wake-word head)
-    does a few hundred tiny layers per run, and each multi-threaded one wakes OpenMP's
-    second thread, which then spins for the CPU the next layer needs; on a shared 2-core
-    machine a run took several times longer on two threads than on one. Runs alternate
-    between the two counts until each has :attr:`RUNS` timed runs, then the faster median
-    wins for good. A run on one thread slower than :attr:`BIG_S` settles it at once for
-    ``threads``: a model that large has work to split (timing its runs on two threads
-    instead would read a loaded machine's stalls as size)."""
-
-    RUNS = 5
-    BIG_S = 0.05
-
-    def __init__(self, threads: int):
-        self.threads = threads
-        self.chosen: int | None = None
-        self.seen = 0
-        self.times: dict[int, list[float]] = {threads: [], 1: []}
-
-    def next_threads(self) -> int:
-        if self.chosen is not None:
-            return self.chosen
-        many, one = self.times[self.threads], self.times[1]
-        return 1 if len(one) < len(many) else self.threads
-
-    def record(self, threads: int, seconds: float) -> None:
-        self.seen += 1
-        if self.chosen is not None or self.seen <= 2:  # the first runs build, not measure
-            return
-        if threads == 1 and seconds > self.BIG_S:
-            self.chosen = self.threads
-            return
-        self.times[threads].append(seconds)
-        if all(len(t) >= self.RUNS for t in self.times.values()):
-            many = statistics.median(self.times[self.threads])
-            self.chosen = 1 if statistics.median(self.times[1]) < many else self.threads
-
-
-_ONE_THREAD = {"lock": threading.Lock(), "runs": 0, "saved": 0}
-"""Runs now on one thread, and the thread count to restore when the last one ends
-(``torch.set_num_threads`` is process-wide)."""
-
-
-@contextlib.contextmanager
-def _cpu_run(trial: _ThreadTrial):
-    """A run on the CPU: inference mode, on the thread count ``trial`` picks, timed for it."""
-    n = trial.next_threads()
-    if n == 1:
-        with _ONE_THREAD["lock"]:
-            if _ONE_THREAD["runs"] == 0:
-                _ONE_THREAD["saved"] = torch.get_num_threads()
-                torch.set_num_threads(1)
-            _ONE_THREAD["runs"] += 1
-    t0 = time.perf_counter()
-    try:
-        with torch.inference_mode():
-            yield
-    finally:
-        trial.record(n, time.perf_counter() - t0)
-        if n == 1:
-            with _ONE_THREAD["lock"]:
-                _ONE_THREAD["runs"] -= 1
-                if _ONE_THREAD["runs"] == 0:
-                    torch.set_num_threads(_ONE_THREAD["saved"])
+_TORCH_THREADS = OneThread(torch.get_num_threads, torch.set_num_threads)
+"""torch's intra-op threads, process-wide."""
 
 
 @contextlib.contextmanager
