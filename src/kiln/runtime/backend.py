@@ -180,11 +180,13 @@ class OneThread:
 
 
 @contextlib.contextmanager
-def measured_threads(trial: ThreadTrial, pool: OneThread, inner):
-    """Run the body inside ``inner`` on the thread count ``trial`` picks, timed for it."""
+def measured_threads(trial: ThreadTrial, pools: tuple[OneThread, ...], inner):
+    """Run the body inside ``inner`` on the thread count ``trial`` picks (every pool of
+    ``pools`` at one thread, or as they are), timed for it."""
     n = trial.next_threads()
     if n == 1:
-        pool.enter()
+        for pool in pools:
+            pool.enter()
     t0 = time.perf_counter()
     try:
         with inner:
@@ -192,7 +194,8 @@ def measured_threads(trial: ThreadTrial, pool: OneThread, inner):
     finally:
         trial.record(n, time.perf_counter() - t0)
         if n == 1:
-            pool.exit()
+            for pool in pools:
+                pool.exit()
 
 
 def _blas_threads() -> int:
@@ -206,7 +209,7 @@ def _set_blas_threads(n: int) -> None:
             lib.set_num_threads(int(n))
 
 
-_BLAS_THREADS = OneThread(_blas_threads, _set_blas_threads)
+BLAS_THREADS = OneThread(_blas_threads, _set_blas_threads)
 """NumPy's BLAS threads, process-wide."""
 
 
@@ -263,10 +266,10 @@ class Backend:
     def run_context(self, plan: Any = None, inputs: list | None = None):
         """The context ``plan`` runs in on ``inputs``: BLAS's thread count measured
         fastest for these input shapes (:class:`ThreadTrial`; torch: also inference mode)."""
-        n = _BLAS_THREADS.get() if plan is not None and inputs is not None else 1
+        n = BLAS_THREADS.get() if plan is not None and inputs is not None else 1
         if n <= 1:
             return contextlib.nullcontext()
-        return measured_threads(self.thread_trial(plan, inputs, n), _BLAS_THREADS,
+        return measured_threads(self.thread_trial(plan, inputs, n), (BLAS_THREADS,),
                                 contextlib.nullcontext())
 
     def thread_trial(self, plan: Any, inputs: list, threads: int) -> ThreadTrial:

@@ -34,6 +34,7 @@ from kiln.ops.torch.arrays import DTYPE_OF, TORCH_OF, to_numpy, to_torch
 from kiln.ops.torch.conv import native_on_cpu
 from kiln.runtime import compile_cache
 from kiln.runtime.backend import (
+    BLAS_THREADS,
     Backend,
     Candidate,
     Link,
@@ -423,8 +424,10 @@ class TorchBackend(Backend):
             return _cuda_run("tf32" if self.precision == "tf32" else "ieee")
         if plan is None or inputs is None or torch.get_num_threads() == 1:
             return torch.inference_mode()
+        # BLAS too: layers torch's kernels leave to the NumPy ones (GRU without
+        # linear_before_reset, ragged sequences) run their products on it
         return measured_threads(self.thread_trial(plan, inputs, torch.get_num_threads()),
-                                _TORCH_THREADS, torch.inference_mode())
+                                (_TORCH_THREADS, BLAS_THREADS), torch.inference_mode())
 
     def start_run(self) -> RunStats:
         st = self._tls.stats = RunStats()
