@@ -459,7 +459,8 @@ def test_cli_prints_one_line_for_a_foreign_error_and_the_traceback_with_debug(tm
     (tmp_path / "shim").mkdir()
     (tmp_path / "shim" / "onnxruntime.py").write_text("raise RuntimeError('broken install')\n")
     env = {"PYTHONPATH": str(tmp_path / "shim") + os.pathsep + os.environ.get("PYTHONPATH", "")}
-    r = _cli("bench", model, "--vs", "onnxruntime", "--runs", "1", env=env)
+    # --quiet: no "still building" line from a session slow to build on a loaded machine
+    r = _cli("bench", model, "--vs", "onnxruntime", "--runs", "1", "--quiet", env=env)
     lines = r.stderr.strip().splitlines()
     assert r.returncode == 1 and len(lines) == 1, r.stderr
     assert "broken install" in lines[0] and "--debug" in lines[0]

@@ -46,10 +46,10 @@ def test_inputs_that_disagree_on_a_shared_dim_are_named_before_any_layer_runs(ba
 def test_a_device_the_numpy_backend_lacks_points_to_the_torch_backend():
     proto = _two_inputs_sharing_seq()
     with pytest.raises(OptionError, match="backend='torch'"):
-        kiln.InferenceSession(proto, device="cuda")
-    kiln.InferenceSession(proto, device="cpu")  # the numpy backend's only device is fine
+        kiln.InferenceSession(proto, backend="numpy", device="cuda")
+    kiln.InferenceSession(proto, backend="numpy", device="cpu")  # its only device is fine
     with pytest.raises(OptionError, match="precision is the torch backend's"):
-        kiln.InferenceSession(proto, precision="bf16")
+        kiln.InferenceSession(proto, backend="numpy", precision="bf16")
 
 
 def test_an_unknown_backend_or_option_is_a_kiln_error():

@@ -72,7 +72,7 @@ def test_numpy_blas_threads_drop_to_one_on_a_busy_machine(mlp_model, busy_machin
     if not numpy_blas():
         pytest.skip("no NumPy BLAS library that threadpoolctl can control")
     with threadpool_limits(limits=usable_cores(), user_api="blas"):
-        kiln.InferenceSession(mlp_model)
+        kiln.InferenceSession(mlp_model, backend="numpy")
         assert {p["num_threads"] for p in numpy_blas()} == {1}
 
 
