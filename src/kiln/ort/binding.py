@@ -35,7 +35,10 @@ class OrtValue:
     def numpy(self) -> np.ndarray:
         """The value as a NumPy array (copied to the host if on a device)."""
         v = self.value
-        return v.detach().cpu().numpy() if hasattr(v, "detach") else np.asarray(v)
+        if hasattr(v, "detach"):  # a torch tensor: bfloat16 too, which .numpy() refuses
+            from kiln.ops.torch.arrays import to_numpy
+            return to_numpy(v)
+        return np.asarray(v)
 
     def __array__(self, dtype=None, copy=None) -> np.ndarray:
         """``np.asarray(v)``: the value as an array (the same memory on the CPU)."""
