@@ -15,6 +15,12 @@ median latency per engine and its ratio to onnxruntime's (< 1: faster than onnxr
 
 With ``--doc`` (or for a full run) writes the table between the ``real-models`` markers of
 docs/performance.md and ``benchmarks/results/real_models.json``.
+
+    python benchmarks/real_models.py --recurrent [--doc]
+
+instead times one LSTM, GRU and RNN layer (hidden 128, input 64, 50 steps, batch 1, random
+weights, built here with onnx.helper: the recurrent layers the voice and wake-word models
+hold, alone) on the same engines, into the ``recurrent`` markers.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ import zoo_suite as zs  # noqa: E402
 import trained_models as tm  # noqa: E402
 
 BEGIN, END = "<!-- real-models:begin -->", "<!-- real-models:end -->"
+RNN_BEGIN, RNN_END = "<!-- recurrent:begin -->", "<!-- recurrent:end -->"
 ENGINES = ("default", "torch", "numpy", "openvino")
 
 
@@ -91,6 +98,63 @@ def bench_one(name: str, batch: int, args, engines: list[str]) -> dict | None:
     return rec
 
 
+def recurrent_model(op: str, folder: str, hidden: int = 128, size: int = 64,
+                    steps: int = 50) -> tuple[str, dict]:
+    """One ``op`` layer (LSTM, GRU or RNN) saved under ``folder``, and its feeds."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+    rng = np.random.default_rng(0)
+    w = {"W": (1, gates * hidden, size), "R": (1, gates * hidden, hidden),
+         "B": (1, 2 * gates * hidden)}
+    inits = [numpy_helper.from_array((rng.standard_normal(s) * 0.1).astype(np.float32), k)
+             for k, s in w.items()]
+    node = helper.make_node(op, ["X", "W", "R", "B"], ["Y", "Y_h"], hidden_size=hidden)
+    graph = helper.make_graph(
+        [node], op.lower(), [helper.make_tensor_value_info("X", TensorProto.FLOAT,
+                                                           [steps, 1, size])],
+        [helper.make_tensor_value_info("Y", TensorProto.FLOAT, None),
+         helper.make_tensor_value_info("Y_h", TensorProto.FLOAT, None)], inits)
+    path = os.path.join(folder, f"{op.lower()}.onnx")
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path, {"X": rng.standard_normal((steps, 1, size)).astype(np.float32)}
+
+
+def bench_recurrent(args, engines: list[str]) -> list[dict]:
+    """Each recurrent layer on every engine, as bench_one does a trained model."""
+    import tempfile
+
+    records = []
+    with tempfile.TemporaryDirectory() as folder:
+        for op in ("LSTM", "GRU", "RNN"):
+            path, feeds = recurrent_model(op, folder)
+            rec: dict = {"model": op, "batch": 1, "engines": {}}
+            runners, want = {}, None
+            for e in engines:
+                try:
+                    fn = make_runner(e, path, args.threads, feeds)
+                    got = fn(feeds)
+                except Exception as exc:  # an engine that cannot run it is a cell
+                    rec["engines"][e] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
+                    continue
+                runners[e] = fn
+                want = got if want is None else want
+                rec["engines"][e] = {"max_abs_diff_vs_ort": max(
+                    float(np.max(np.abs(g - w))) for g, w in zip(got, want))}
+            times = zs.measure(runners, feeds, args.budget, args.min_runs, args.max_runs,
+                               args.rest)
+            base = statistics.median(times["onnxruntime"])
+            for e, ts in times.items():
+                med = statistics.median(ts)
+                rec["engines"][e].update(runs=len(ts), p50_ms=round(med, 4),
+                                         ratio_vs_ort=round(med / base, 3))
+            records.append(rec)
+            print(f"{op}: " + "  ".join(f"{e} {x['ratio_vs_ort']:.2f}x" for e, x in
+                                         rec["engines"].items()), flush=True)
+    return records
+
+
 def markdown(env: dict, records: list[dict], engines: list[str]) -> str:
     others = [e for e in engines if e != "onnxruntime"]
     lines = [f"Run {env['date']} on {env['cpu']} ({env['machine']}), load {env['load']}, "
@@ -115,16 +179,16 @@ def markdown(env: dict, records: list[dict], engines: list[str]) -> str:
     return "\n".join(lines)
 
 
-def write_docs(md: str, doc: str) -> None:
+def write_docs(md: str, doc: str, begin: str = BEGIN, end: str = END) -> None:
     with open(doc) as f:
         text = f.read()
-    if BEGIN not in text:
-        print(f"no {BEGIN} marker in {doc}; the table was not written", file=sys.stderr)
+    if begin not in text:
+        print(f"no {begin} marker in {doc}; the table was not written", file=sys.stderr)
         return
-    head, rest = text.split(BEGIN, 1)
-    tail = rest.split(END, 1)[1]
+    head, rest = text.split(begin, 1)
+    tail = rest.split(end, 1)[1]
     with open(doc, "w") as f:
-        f.write(f"{head}{BEGIN}\n{md}\n{END}{tail}")
+        f.write(f"{head}{begin}\n{md}\n{end}{tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -139,6 +203,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rest", type=float, default=0.05)
     ap.add_argument("--doc", action="store_true", help="write docs/performance.md's table")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--recurrent", action="store_true",
+                    help="time one LSTM, GRU and RNN layer instead of the trained models")
     args = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
 
@@ -154,6 +220,14 @@ def main(argv: list[str] | None = None) -> int:
         env = zs.environment(argparse.Namespace(threads=args.threads, seq=None))
         env["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
         env["default_backend"] = default_backend()
+        if args.recurrent:
+            records = bench_recurrent(args, engines)
+            md = markdown(env, records, engines)
+            print(md)
+            if args.doc:
+                write_docs(md, os.path.join(ROOT, "docs", "performance.md"), RNN_BEGIN,
+                           RNN_END)
+            return 0
         for name in models:
             for b in (int(x) for x in args.batches.split(",")):
                 rec = bench_one(name, b, args, engines)
