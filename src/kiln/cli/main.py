@@ -104,7 +104,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 
 def _add_backend(p: argparse.ArgumentParser, runs: bool = True, tuned: bool = False) -> None:
-    default = f"{default_backend_name()}: torch when installed, else numpy"
+    default = "torch when installed, else numpy"
     if tuned:  # a file `kiln tune` wrote stores its backend and options
         backend_help = "backend to run on (default: the one `kiln tune` stored in the " \
                        f"file with its options, else {default}; options given here win)"
@@ -118,8 +118,7 @@ def _add_backend(p: argparse.ArgumentParser, runs: bool = True, tuned: bool = Fa
                         f"nothing is run (default: {default})")
         device_help = "torch device to describe placement for: cpu, cuda or cuda:N " \
                       "(default: cpu)"
-    p.add_argument("--backend", choices=backend_names(),
-                   default=None if tuned else default_backend_name(), help=backend_help)
+    p.add_argument("--backend", choices=backend_names(), default=None, help=backend_help)
     p.add_argument("--device", default=None, help=device_help)
 
 
@@ -499,10 +498,11 @@ def cmd_inspect(args) -> int:
     from kiln.tools.common import load_model
 
     model: Any = args.model
+    backend = args.backend or default_backend_name()
     if args.optimize:
         from kiln.optimizer import optimize
-        model = optimize(load_model(model), backend=args.backend)
-    s = inspect(model, backend=args.backend, device=args.device, dims=_dims(args))
+        model = optimize(load_model(model), backend=backend)
+    s = inspect(model, backend=backend, device=args.device, dims=_dims(args))
     if args.optimize:
         s.name = f"{Path(args.model).name} (optimized)"
     if args.json:
@@ -711,7 +711,7 @@ def cmd_profile(args) -> int:
         stages.step(f"loading {args.model}")
         model = load_model(args.model)
         feeds = _feeds(args, model, True)
-        stages.step(f"building the {args.backend} session")
+        stages.step(f"building the {args.backend or default_backend_name()} session")
         sess = session_for(model, args.backend, args.device, optimize=not args.no_optimize)
         stages.step(f"profiling {args.warmup} warm-up and {args.runs} timed run(s)")
         p = profile(sess, feeds, runs=args.runs, warmup=args.warmup, dims=_dims(args),
@@ -847,7 +847,8 @@ def cmd_serve(args) -> int:
     if not args.models and not args.model_repository:
         raise UsageError("give model files, --model-repository DIR, or both")
     models = [resolve_path(m) for m in args.models]  # zoo names, as every command takes
-    config = ModelConfig(backend=args.backend, device=args.device, precision=args.precision,
+    config = ModelConfig(backend=args.backend or default_backend_name(), device=args.device,
+                         precision=args.precision,
                          threads=args.threads, max_batch_size=args.max_batch_size,
                          max_queue_delay_microseconds=args.max_queue_delay_microseconds,
                          max_queue_size=args.max_queue_size)

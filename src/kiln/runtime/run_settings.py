@@ -26,8 +26,16 @@ def default_backend_name() -> str:
     (docs/performance.md) the torch backend is faster at batch 1 on most models, and the
     NumPy one is many times slower than onnxruntime on every conv net (OpenBLAS threading
     on small matmuls, Python loops); the few tiny models where NumPy wins are a small
-    absolute difference, so one rule, not a per-model guess, picks the backend."""
-    return "torch" if importlib.util.find_spec("torch") is not None else "numpy"
+    absolute difference, so one rule, not a per-model guess, picks the backend. Installed
+    means importable: a broken or shadowed torch leaves NumPy the default (the import is
+    the one the torch backend would do anyway)."""
+    if importlib.util.find_spec("torch") is None:
+        return "numpy"
+    try:
+        importlib.import_module("torch")
+    except ImportError:
+        return "numpy"
+    return "torch"
 
 
 def default_backend(options: dict[str, Any]) -> Backend:
