@@ -19,6 +19,9 @@ def int_list(x) -> list[int]:
     """A small integer tensor (axes, k, axis) of any array library as Python ints."""
     if x is None:
         return []
+    if isinstance(x, tuple):  # a host parameter the plan made Python numbers: no NumPy
+        # (torch.compile would trace np.ravel as tensor ops and break the graph at int())
+        return [int(i) for i in x]
     if hasattr(x, "tolist"):
         v = x.tolist()
         return [int(i) for i in np.ravel(v)] if isinstance(v, list) else [int(v)]

@@ -26,6 +26,7 @@ from kiln.ops import registry
 from kiln.ops.torch.arrays import to_torch
 from kiln.optimizer import PASS_NAMES, optimize
 from kiln.runtime import make_backend
+from kiln.runtime.executor import Program
 from kiln.runtime.plan import Plan, Step, compile_model
 from kiln.train import graph as graph_ops
 
@@ -111,6 +112,12 @@ class KilnModule(nn.Module):
         for v, _, _ in self._feeds:
             self._plan.consts.pop(v, None)  # the module's tensors replace them every run
         self._inputs = list(run.graph.inputs)
+        self._run_graph, self._run_opsets, self._run_functions = (
+            run.graph,
+            run.opset_imports,
+            run.functions,
+        )
+        self._programs: dict[tuple, tuple] = {}  # torch.compile's, per input signature
         self.non_differentiable = self._check_gradients(
             {inits[v.name] for v in trainable}, run.opset_imports
         )
@@ -237,6 +244,8 @@ class KilnModule(nn.Module):
             out = exported(self, inputs, self._run)
             if out is not None:
                 return out
+        if torch.compiler.is_compiling():
+            return self._traced(inputs)
         return self._run(inputs)
 
     def _fx_call(self, tracer: Any, args: tuple, kwargs: dict):
@@ -251,6 +260,56 @@ class KilnModule(nn.Module):
         n = len(self.kiln_graph_model.graph.outputs)
         # several outputs come back as a tuple, which user code unpacks
         return out if n == 1 else tuple(out[i] for i in range(n))
+
+    def _traced(self, inputs: list):
+        """The run torch.compile traces: the plan specialized to these inputs' shapes
+        (shape arithmetic folded into Python ints, so no value is read on the host and the
+        graph does not break), a straight-line program taking the parameters and buffers
+        as arguments (no environment dict for dynamo to follow)."""
+        key = tuple((tuple(int(d) for d in x.shape), str(x.dtype)) for x in inputs)
+        _specialized(self, key)
+        prog, holder = self._programs[key]  # read here, where dynamo can guard it
+        weights = [getattr(owner, attr) for _, owner, attr in self._feeds]
+        self._backend.training = self.training
+        out = prog(holder, *inputs, *weights)
+        return out[0] if len(out) == 1 else tuple(out)
+
+    def _specialize(self, key: tuple) -> tuple:
+        """(program function, holder of its constants) for inputs of shapes and dtypes
+        ``key``, made once per key."""
+        got = self._programs.get(key)
+        if got is not None:
+            return got
+        fed = {v.name for v, _, _ in self._feeds}
+        for v, _, _ in self._feeds:
+            v.meta["overridable"] = True  # not folded: each stays a value of its own
+        try:
+            shapes = {v.name: list(s) for v, (s, _) in zip(self._inputs, key)}
+            spec = fused(
+                Model(self._run_graph, dict(self._run_opsets), dict(self._run_functions)), shapes
+            )
+        finally:
+            for v, _, _ in self._feeds:
+                v.meta.pop("overridable", None)
+        g = spec.graph
+        # the parameters and buffers become inputs, after the graph's own, in _feeds' order
+        for name in [v.name for v, _, _ in self._feeds]:
+            v = g.initializers.pop(name, None)
+            if v is None:  # no reader left for it: an input nothing reads
+                v = Value(name, None)
+            v.const = None
+            v.meta.pop("overridable", None)
+            g.inputs.append(v)
+        assert fed == {v.name for v in g.inputs[len(self._inputs) :]}
+        tracer = self._backend.tracer()
+        tracer.module, tracer.mode = True, self._backend.mode
+        plan = compile_model(g, spec.opset_imports, spec.functions, tracer)
+        prog = Program(plan, module=True)
+        holder = nn.Module()
+        for k, t in prog.constants.items():
+            holder.register_buffer(k, t, persistent=False)
+        got = self._programs[key] = (prog.fn, holder)
+        return got
 
     def _run(self, inputs: list):
         be = self._backend
@@ -272,14 +331,25 @@ class KilnModule(nn.Module):
         return self.kiln_graph_model
 
 
-def fused(model: Model) -> Model:
+@torch._dynamo.assume_constant_result
+def _specialized(module: KilnModule, key: tuple) -> bool:
+    # Run by dynamo while it traces, its result taken as a constant: building a program is
+    # Python over Kiln's IR that has nothing to trace.
+    module._specialize(key)
+    return True
+
+
+def fused(model: Model, input_shapes: dict | None = None) -> Model:
     """A copy of ``model`` with the fusions that mean the same in training: Gelu,
     LayerNormalization and attention (one differentiable torch kernel each: F.gelu,
     F.layer_norm, scaled_dot_product_attention, which save fewer tensors for backward than
     their decomposed ops), after folding the constants they match on. Initializers marked
     overridable (the module's parameters and buffers) are never folded, so each keeps its
-    name and value; nothing else (BatchNorm, Dropout, activations into MatMul/Conv) changes."""
+    name and value; nothing else (BatchNorm, Dropout, activations into MatMul/Conv) changes.
+    ``input_shapes`` (name -> shape) fixes the inputs' shapes first, so that the shape
+    arithmetic folds to constants (the per-shape program torch.compile traces)."""
     keep = {
+        "fix_input_shapes",
         "infer_shapes",
         "fold_constants",
         "dce",
@@ -287,7 +357,12 @@ def fused(model: Model) -> Model:
         "fuse_layernorm",
         "fuse_attention",
     }
-    return optimize(model, disable=[p for p in PASS_NAMES if p not in keep], backend="torch")
+    return optimize(
+        model,
+        disable=[p for p in PASS_NAMES if p not in keep],
+        backend="torch",
+        input_shapes=input_shapes,
+    )
 
 
 def _why_not_differentiable(s: Step, opsets: dict[str, int]) -> str:
