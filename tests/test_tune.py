@@ -117,3 +117,25 @@ def test_tune_refuses_what_it_cannot_check(tmp_path):
         kiln.tune(str(path), {"x": np.ones(3, np.float32)}, budget="top1=0.99")
     with pytest.raises(InputError, match="no data file"):
         kiln.tune(str(path), str(tmp_path / "missing.npz"))
+
+
+def test_a_short_time_budget_skips_candidates_and_says_where_the_time_went(tmp_path):
+    """With 4 s, the baseline (numpy and torch fp32 eager) is built and measured; the
+    candidates needing a calibration or a compile are skipped and named as such; the report
+    accounts for the time by stage and per candidate."""
+    data, _ = _digits_data(tmp_path, rows=16)
+    r = kiln.tune(DIGITS / "digits_cnn.onnx", str(data), batch=2, time_budget=4)
+    by = {c.name: c for c in r.candidates}
+    for name in ("torch int8 dynamic", "torch int8 static", "torch fp32 compiled"):
+        assert by[name].status.startswith("skipped: out of time"), by[name].status
+        assert not by[name].latencies_ms and name in r.why()
+    for name in ("numpy fp32", "torch fp32 eager"):
+        c = by[name]
+        assert c.latencies_ms and c.status == "ok"
+        assert set(c.seconds) == {"build", "check", "measure"}
+        assert c.seconds["measure"] == pytest.approx(sum(c.latencies_ms) / 1e3)
+    assert set(r.stages) == {"load", "build", "measure"}
+    assert sum(r.stages.values()) <= r.seconds
+    text = str(r)
+    assert "time:" in text and "torch fp32 eager: build" in text
+    assert r.to_dict()["candidates"][0]["seconds"] == by["numpy fp32"].seconds

@@ -40,6 +40,10 @@ __all__ = ["Candidate", "TuneResult", "tune"]
 CHECK_FEEDS = 8
 # Share of the time budget spent building candidates before measuring starts.
 BUILD_SHARE = 0.6
+# Build time a candidate needs left to be tried at all, by kind: an INT8 candidate
+# calibrates and times its layers before its budget search starts, a compiled one needs a
+# first compile (the child is stopped when the time runs out, but starting it costs).
+MIN_BUILD_SECONDS = {"eager": 0.0, "int8": 10.0, "compile": 10.0}
 
 
 @dataclass
@@ -61,7 +65,12 @@ class Candidate:
     errors: dict[str, OutputError] | None = None
     size: int = 0
     status: str = "ok"
-    """"ok", or why it cannot win (over the budget, failed to build or run)."""
+    """"ok", or why it cannot win (over the budget, failed to build or run, skipped)."""
+    seconds: dict[str, float] = field(default_factory=dict)
+    """Where its tuning time went: "calibrate" (kiln.quantize: calibration, the budget's
+    search, speed-aware timing), "compile" (the compile and the first, compiling run),
+    "build" (the session and its first run), "check" (outputs on the data), "measure"
+    (its timed runs)."""
 
     @property
     def ms(self) -> float:
@@ -94,6 +103,9 @@ class TuneResult:
     rounds: int
     seconds: float
     output: str | None = None
+    stages: dict[str, float] = field(default_factory=dict)
+    """Seconds of the whole search by stage: "load" (the model and the fp32 reference),
+    "build" (every candidate's calibrate, compile, build and check), "measure"."""
 
     def why(self) -> str:
         """Why the winner won, in one sentence."""
@@ -105,7 +117,19 @@ class TuneResult:
         text += f": {w.ms:.2f} ms vs {b.ms:.2f} ms for {b.name} ({b.ms / w.ms:.2f}x)"
         if over:
             text += f"; over the budget: {', '.join(over)}"
+        skipped = [c.name for c in self.candidates if c.status.startswith("skipped")]
+        if skipped:
+            text += f"; not tried in the time budget: {', '.join(skipped)}"
         return text
+
+    def time_spent(self) -> str:
+        """Where the tuning time went, in one line per stage and candidate."""
+        st = self.stages
+        head = (f"time: {self.seconds:.0f} s = load {st.get('load', 0):.0f} s + build "
+                f"{st.get('build', 0):.0f} s + measure {st.get('measure', 0):.0f} s")
+        rows = [f"  {c.name}: " + ", ".join(f"{k} {v:.1f} s" for k, v in c.seconds.items())
+                for c in self.candidates if c.seconds and c.threads is None]
+        return "\n".join([head, *rows])
 
     def __str__(self) -> str:
         rows = [f"{'candidate':<34} {'median ms':>10} {'size MB':>8}  accuracy / status"]
@@ -116,7 +140,8 @@ class TuneResult:
             rows.append(f"{mark}{c.name:<33} {ms:>10} {size:>8}  {c.accuracy()}"
                         + ("" if c.status == "ok" else f" ({c.status})"))
         head = f"batch {self.batch}, {self.rounds} alternating round(s), {self.seconds:.0f} s"
-        tail = [self.why()] + ([f"wrote {self.output}"] if self.output else [])
+        tail = [self.why(), self.time_spent()] + (
+            [f"wrote {self.output}"] if self.output else [])
         return "\n".join([head, *rows, *tail])
 
     def to_dict(self) -> dict[str, Any]:
@@ -124,10 +149,12 @@ class TuneResult:
         return {"batch": self.batch, "rounds": self.rounds, "seconds": self.seconds,
                 "budget": str(self.budget) if self.budget else None,
                 "winner": self.winner.name, "output": self.output, "why": self.why(),
+                "stages": self.stages,
                 "candidates": [{"name": c.name, "backend": c.backend,
                                 "settings": c.settings(), "median_ms": c.ms
                                 if c.latencies_ms else None, "size": c.size,
-                                "accuracy": c.accuracy(), "status": c.status}
+                                "accuracy": c.accuracy(), "status": c.status,
+                                "seconds": c.seconds}
                                for c in self.candidates]}
 
 
@@ -141,8 +168,11 @@ def tune(model: Any, data: Any = None, *, budget: Budget | str | None = None,
     (backend, compile, threads). ``budget``: ``"top1=0.99"``, ``"rel=0.01"`` or a
     :class:`~kiln.quantize.api.Budget` (default: top-1 agreement >= 99% for a model with
     score outputs, else relative error <= 1%). ``batch``: rows per timed run.
-    ``time_budget``: seconds for the whole search (building stops at 60% of it; a
-    compiled candidate whose first compile overruns is the one thing that can exceed it).
+    ``time_budget``: seconds for the whole search: candidates are built until 60% of it
+    (each given what is left of that: a compile is stopped, a quantization's search cut
+    short, and a candidate with too little left is skipped and listed as such), measuring
+    stops at the budget (after three rounds at least). The report says where the time
+    went, per stage and per candidate.
     ``output``: where to write the winner (standard ONNX with its run settings in the
     metadata). ``on_stage(text)`` is called as each stage starts."""
     stage = on_stage or (lambda text: None)
@@ -164,18 +194,26 @@ def tune(model: Any, data: Any = None, *, budget: Budget | str | None = None,
     refs = _outputs(ref_sess, names, check)
     budget = _budget(budget, refs) if check else None
     cands = _plan(base, check, budget)
+    t_built = time.perf_counter()
+    stages = {"load": t_built - t0}
+    build_end = t0 + BUILD_SHARE * time_budget
     for i, c in enumerate(cands):
+        left = build_end - time.perf_counter()
         # The first two (numpy and torch fp32 eager) are always built: the baseline.
-        if i >= 2 and time.perf_counter() - t0 > BUILD_SHARE * time_budget:
-            c.status = "skipped: out of time to build it"
+        if i >= 2 and left <= MIN_BUILD_SECONDS[_kind(c)]:
+            c.status = f"skipped: out of time to build it ({max(left, 0):.0f} s left)"
             continue
         stage(f"building {c.name}")
         try:
-            _build(c, base, feeds, check, budget, timed,
-                   BUILD_SHARE * time_budget - (time.perf_counter() - t0))
+            _build(c, base, feeds, check, budget, timed, left)
+            t = time.perf_counter()
             c.session.run(None, timed)  # warm-up (the first run of compile=True compiles)
+            c.seconds["compile" if c.options.get("compile") else "build"] += \
+                time.perf_counter() - t
             if check:
+                t = time.perf_counter()
                 c.errors = output_errors(refs, _outputs(c.session, names, check))
+                c.seconds["check"] = time.perf_counter() - t
                 if not c.exact and budget is not None and budget.shortfall(c.errors) > 0:
                     c.status = f"over the budget ({budget})"
         except KilnError as e:
@@ -188,13 +226,19 @@ def tune(model: Any, data: Any = None, *, budget: Budget | str | None = None,
     runs = [c for c in cands if c.session is not None]
     if not runs:
         raise KilnError("no candidate could be built to run this model")
+    t_measure = time.perf_counter()
+    stages["build"] = t_measure - t_built
     rounds = _measure(runs, timed, t0 + time_budget, stage)
+    stages["measure"] = time.perf_counter() - t_measure
+    for c in runs:  # the one-thread variants share their session's build
+        c.seconds = {**(c.seconds if c.threads is None else {}),
+                     "measure": sum(c.latencies_ms) / 1e3}
     ok = [c for c in runs if c.status == "ok"]
     baseline = next((c for c in runs if c.name.startswith("torch fp32 eager") and
                      c.threads is None), runs[0])
     winner = min(ok, key=lambda c: c.ms) if ok else baseline
     result = TuneResult(cands, winner, baseline, budget, batch, rounds,
-                        time.perf_counter() - t0)
+                        time.perf_counter() - t0, stages=stages)
     if output is not None:
         out = winner.model if winner.model is not None else base
         out.metadata[KEY] = encode(winner.backend, winner.settings())
@@ -273,22 +317,40 @@ def _plan(base: Model, check: list, budget: Budget | None) -> list[Candidate]:
     return cands
 
 
+def _kind(c: Candidate) -> str:
+    return "int8" if c.int8 else "compile" if c.options.get("compile") else "eager"
+
+
 def _build(c: Candidate, base: Model, feeds: list, check: list, budget: Budget | None,
            feed: dict, left: float) -> None:
+    c.seconds = {"calibrate": 0.0} if c.int8 else {}
+    c.seconds.update({"compile": 0.0} if c.options.get("compile") else {}, build=0.0)
     if c.int8:
         mode = c.int8
-        q = quantize(base, mode, calibration=feeds if mode == "static" else None,
-                     validation=check, budget=budget, budget_seconds=max(left * 0.3, 10),
-                     backend="torch", measure_latency=False)
+        t = time.perf_counter()
+        try:
+            # the search for the layers that meet the budget gets part of what is left
+            # (calibrating and timing layers take the rest)
+            q = quantize(base, mode, calibration=feeds if mode == "static" else None,
+                         validation=check, budget=budget, budget_seconds=left * 0.3,
+                         backend="torch", measure_latency=False)
+        finally:
+            c.seconds["calibrate"] = time.perf_counter() - t
         c.model = q.model
     if c.options.get("compile"):
         # Loading the program it made takes this process tens of seconds more on a busy
         # machine (torch's inductor imports): the child gets part of what is left.
-        _precompile(base, feed, 0.7 * left)
+        t = time.perf_counter()
+        try:
+            _precompile(base, feed, 0.7 * left)
+        finally:  # a stopped compile's time is counted too
+            c.seconds["compile"] = time.perf_counter() - t
+    t = time.perf_counter()
     c.size = model_bytes(c.model if c.model is not None else base)
     opts = {**c.options, **({"warn": False} if c.backend == "torch" else {})}
     c.session = InferenceSession(c.model if c.model is not None else base,
                                  backend=c.backend, **opts)
+    c.seconds["build"] = time.perf_counter() - t
 
 
 _PRECOMPILE = """import sys, numpy as np, kiln
