@@ -7,6 +7,7 @@ are checked against onnxruntime."""
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -48,10 +49,10 @@ def _data_dependent_tile(path) -> None:
     nodes = [helper.make_node("Relu", ["x"], ["r"]),
              helper.make_node("ReduceMax", ["r"], ["m"], keepdims=0),
              helper.make_node("Ceil", ["m"], ["c"]),
-             helper.make_node("Cast", ["c"], ["k"], to=TensorProto.INT64),
-             helper.make_node("Unsqueeze", ["k", "ax"], ["k1"]),
-             helper.make_node("Concat", ["k1", "one"], ["reps"], axis=0),
-             helper.make_node("Tile", ["r", "reps"], ["t"]),
+             helper.make_node("Cast", ["c"], ["k"], name="cast", to=TensorProto.INT64),
+             helper.make_node("Unsqueeze", ["k", "ax"], ["k1"], name="unsqueeze"),
+             helper.make_node("Concat", ["k1", "one"], ["reps"], name="concat", axis=0),
+             helper.make_node("Tile", ["r", "reps"], ["t"], name="tile"),
              helper.make_node("ReduceSum", ["t"], ["y"], keepdims=0)]
     g = helper.make_graph(
         nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5])],
@@ -72,6 +73,10 @@ def test_a_failed_compile_is_one_warning_line_not_an_fx_graph(tmp_path):
     assert "def forward" not in err and "torch.ops.aten" not in err, err
     warned = [line for line in err.splitlines() if "CompileWarning" in line]
     assert len(warned) == 1 and "running eagerly" in warned[0], err
+    # It names the layer that reads the repeat count on the host (the optimizer keeps the
+    # count's arithmetic there, so the read may be in any layer from the cast on), and why.
+    assert re.search(r"layer '(cast|unsqueeze|concat|tile)' \((Cast|Unsqueeze|Concat|Tile)\) "
+                     "reads a value computed from the data on the host", warned[0]), err
     # Asked for, the compiler's own output is there, on the kiln.compile logger.
     again = tmp_path / "debug"
     again.mkdir()

@@ -497,8 +497,9 @@ class TorchBackend(Backend):
         if cache is not None:
             params = {k: v for k, v in prog.globals.items() if k[:1] == "p" and k[1:].isdigit()}
             options = f"{self.device}|{self.precision}|{self.channels_last}"
-            return compile_cache.program(mod, plan, prog.source, params, prog.constants,
-                                         options, cache, self.compile_log)
+            return _naming_layer(prog, compile_cache.program(
+                mod, plan, prog.source, params, prog.constants, options, cache,
+                self.compile_log))
         fn = torch.compile(mod.eval(), dynamic=False)
         options = {"freezing": True}
         if self.is_cuda:
@@ -529,8 +530,8 @@ class TorchBackend(Backend):
                 if compiled[0]:
                     raise
                 msg = str(e).strip().splitlines()
-                raise CompileFailed(f"torch.compile failed ({type(e).__name__}: "
-                                    f"{msg[0] if msg else ''})") from e
+                raise CompileFailed(_at_layer(prog, e) + f"torch.compile failed ("
+                                    f"{type(e).__name__}: {msg[0] if msg else ''})") from e
             compiled[0] = True
             if cuda:  # CUDA-graph outputs are overwritten by the next replay
                 return [o.clone() if isinstance(o, _TENSOR) else o for o in out]
@@ -628,6 +629,30 @@ def _cuda_run(mode: str):
             if _SWITCHES["runs"] == 0:
                 for ns, a, v in _SWITCHES["saved"]:
                     setattr(ns, a, v)
+
+
+def _at_layer(prog: Program, e: BaseException) -> str:
+    """"layer 'NAME' (OpType): " for the step of ``prog`` whose kernel raised ``e`` while
+    it was traced (a value read on the host, say), or "" when no step's line did."""
+    step = prog.failing_step(e)
+    if step is None:
+        return ""
+    why = " reads a value computed from the data on the host" \
+        if "DataDependent" in type(e).__name__ else ""
+    return f"layer {step.node.name or '(unnamed)'!r} ({step.node.op_type}){why}: "
+
+
+def _naming_layer(prog: Program, run: Callable[[list], list]) -> Callable[[list], list]:
+    """``run`` whose compile failure names the layer it failed at, when one did."""
+    def named(inputs: list) -> list:
+        try:
+            return run(inputs)
+        except CompileFailed as e:
+            where = "" if e.__cause__ is None else _at_layer(prog, e.__cause__)
+            if not where:
+                raise
+            raise CompileFailed(where + str(e)) from e.__cause__
+    return named
 
 
 def _with_ctx(fn: Callable, wants_ctx: bool) -> Callable:
