@@ -75,7 +75,7 @@ def test_digits_static_keeps_accuracy_and_matches_onnxruntime(digits, method):
     assert {"QuantizeLinear", "DequantizeLinear", "Conv", "Gemm"} <= ops
     (fp32,) = ort_run(path, {"image": images})
     (ort_q,) = ort_run(proto, {"image": images})
-    (kiln_q,) = kiln.InferenceSession(proto).run(None, {"image": images})
+    (kiln_q,) = kiln.InferenceSession(proto, backend="numpy").run(None, {"image": images})
     assert abs(_accuracy(ort_q, labels) - _accuracy(fp32, labels)) <= 0.005
     assert abs(_accuracy(kiln_q, labels) - _accuracy(fp32, labels)) <= 0.005
     np.testing.assert_allclose(kiln_q, ort_q, atol=_one_step(proto), rtol=0)
@@ -111,7 +111,7 @@ def test_variants_run_the_same_in_kiln_and_onnxruntime(digits, kw):
     q = kiln.quantize(path, "static", feeds[:3], measure_latency=False, **kw)
     proto = to_proto(q.model)
     (ort_q,) = ort_run(proto, {"image": images[:100]})
-    (kiln_q,) = kiln.InferenceSession(proto).run(None, {"image": images[:100]})
+    (kiln_q,) = kiln.InferenceSession(proto, backend="numpy").run(None, {"image": images[:100]})
     if q.report.weight_bits == 7 or weight_range(None).bits == 8:
         # 7-bit weights, or a CPU whose int8 kernels accumulate in int32 (VNNI): exact.
         np.testing.assert_allclose(kiln_q, ort_q, atol=_one_step(proto), rtol=0)
@@ -129,7 +129,7 @@ def test_digits_dynamic(digits):
     assert sum(n.op_type == "DynamicQuantizeLinear" for n in proto.graph.node) == 4
     (fp32,) = ort_run(path, {"image": images})
     (ort_q,) = ort_run(proto, {"image": images})
-    (kiln_q,) = kiln.InferenceSession(proto).run(None, {"image": images})
+    (kiln_q,) = kiln.InferenceSession(proto, backend="numpy").run(None, {"image": images})
     np.testing.assert_allclose(kiln_q, ort_q, atol=1e-4, rtol=1e-5)
     assert abs(_accuracy(kiln_q, labels) - _accuracy(fp32, labels)) <= 0.005
     assert q.report.outputs == {}  # no data given: nothing measured, and it says so
@@ -140,7 +140,7 @@ def test_report_measures_against_the_float_model(digits):
     path, feeds, images, labels = digits
     q = kiln.quantize(path, "static", feeds[:2], validation={"image": images})
     (fp32,) = ort_run(path, {"image": images})
-    (kq,) = kiln.InferenceSession(q.model).run(None, {"image": images})
+    (kq,) = kiln.InferenceSession(q.model, backend="numpy").run(None, {"image": images})
     err = q.report.outputs["logits"]
     assert err.max_abs == pytest.approx(float(np.abs(kq - fp32).max()), rel=1e-3, abs=1e-4)
     assert err.top1 == pytest.approx(float((kq.argmax(1) == fp32.argmax(1)).mean()))
@@ -209,7 +209,7 @@ def test_weight_only_int4_blocked_bert(zoo_model):
     assert {a.name: a.i for a in dqs[0].attribute}["block_size"] == 32
     refs, gots = ort_run(path, feeds), ort_run(proto, feeds)
     literal = _ort_unoptimized(proto, feeds)
-    kilns = kiln.InferenceSession(proto).run(None, feeds)
+    kilns = kiln.InferenceSession(proto, backend="numpy").run(None, feeds)
     for r, g, lit, k in zip(refs, gots, literal, kilns):
         # onnxruntime's fused int4 MatMul rounds differently (~1% here); run literally
         # (DQ, then a float MatMul) it is what Kiln computes.
@@ -227,7 +227,7 @@ def test_weight_only_matches_onnxruntime(mlp_model, bits, block):
     x = np.random.default_rng(0).standard_normal((5, 4)).astype(np.float32)
     (lit,) = _ort_unoptimized(proto, {"x": x})
     (g,) = ort_run(proto, {"x": x})
-    (k,) = kiln.InferenceSession(proto).run(None, {"x": x})
+    (k,) = kiln.InferenceSession(proto, backend="numpy").run(None, {"x": x})
     np.testing.assert_allclose(k, lit, atol=1e-6)
     np.testing.assert_allclose(k, g, atol=2e-2)  # onnxruntime's fused kernel rounds more
 
@@ -310,7 +310,7 @@ def test_static_mlp_matches_onnxruntime(mlp_model):
     onnx.checker.check_model(proto, full_check=True)
     x = rng.standard_normal((64, 4)).astype(np.float32)
     (g,) = ort_run(proto, {"x": x})
-    (k,) = kiln.InferenceSession(proto).run(None, {"x": x})
+    (k,) = kiln.InferenceSession(proto, backend="numpy").run(None, {"x": x})
     (kt,) = kiln.InferenceSession(proto, backend="torch").run(None, {"x": x})
     np.testing.assert_allclose(k, g, atol=_one_step(proto), rtol=0)
     np.testing.assert_allclose(kt, g, atol=_one_step(proto), rtol=0)
@@ -331,7 +331,7 @@ def test_static_bert_matches_onnxruntime(zoo_model):
     assert sum(n.op_type == "MatMul" for n in proto.graph.node) == 33
     feeds = make_inputs("bert", batch=2, seed=9)
     gots = ort_run(proto, feeds)
-    kilns = kiln.InferenceSession(proto).run(None, feeds)
+    kilns = kiln.InferenceSession(proto, backend="numpy").run(None, feeds)
     for g, k in zip(gots, kilns):
         np.testing.assert_allclose(k, g, atol=_one_step(proto), rtol=0)
 
