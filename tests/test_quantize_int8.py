@@ -136,6 +136,18 @@ def test_digits_dynamic(digits):
     assert "not measured" in str(q.report)
 
 
+@pytest.mark.xfail(strict=True, reason="the torch backend's dynamic-quantization path differs "
+                   "from onnxruntime's by up to ~1.5e-2 on 39 of 4,500 digits logits (found "
+                   "when torch became the default backend; not yet explained)")
+def test_digits_dynamic_on_torch_matches_onnxruntime(digits):
+    pytest.importorskip("torch")
+    path, feeds, images, labels = digits
+    proto = to_proto(kiln.quantize(path, "dynamic", measure_latency=False).model)
+    (ort_q,) = ort_run(proto, {"image": images})
+    (kiln_q,) = kiln.InferenceSession(proto, backend="torch").run(None, {"image": images})
+    np.testing.assert_allclose(kiln_q, ort_q, atol=1e-4, rtol=1e-5)
+
+
 def test_report_measures_against_the_float_model(digits):
     path, feeds, images, labels = digits
     q = kiln.quantize(path, "static", feeds[:2], validation={"image": images})
