@@ -7,7 +7,7 @@ error, the relative L2 error (‖got − ref‖ / ‖ref‖), whether the run is
 stated fp32 tolerance,
 top-1 agreement on classifier outputs, NaN/Inf counts, and the placement report's
 fallback layers and host<->device transfers per run. The zoo is built on demand.
-Needs a CUDA device; tests/test_zoo_models.py holds the asserted tolerances.
+Needs a CUDA device; tests/cli/test_zoo_models.py holds the asserted tolerances.
 """
 
 from __future__ import annotations

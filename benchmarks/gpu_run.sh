@@ -45,8 +45,8 @@ section() {  # section TITLE PATTERN CMD...: run CMD into the log, show its PATT
   grep -E "$pattern" "$part" | tail -14
 }
 torch_tests() {
-  section "tests/test_torch_backend.py $*" "^FAILED|passed|failed" \
-    python3 -m pytest -q -p no:cacheprovider -rfs tests/test_torch_backend.py "$@"
+  section "tests/runtime/test_torch_backend.py $*" "^FAILED|passed|failed" \
+    python3 -m pytest -q -p no:cacheprovider -rfs tests/runtime/test_torch_backend.py "$@"
 }
 conformance() {
   section "conformance, torch on $1" "^FAILED|passed" python3 -W ignore -m kiln.conformance \
@@ -59,8 +59,8 @@ zoo_tests() {
     section "zoo accuracy on cuda" "ERROR| fp32 .*tol NO" \
       python3 benchmarks/gpu_accuracy.py --json "$OUT/accuracy.json"
   fi
-  section "tests/test_zoo_models.py -k cuda" "^FAILED|passed|failed|skipped" \
-    python3 -m pytest -q -p no:cacheprovider -rf tests/test_zoo_models.py -k cuda
+  section "tests/cli/test_zoo_models.py -k cuda" "^FAILED|passed|failed|skipped" \
+    python3 -m pytest -q -p no:cacheprovider -rf tests/cli/test_zoo_models.py -k cuda
 }
 
 case "$1" in

@@ -26,7 +26,7 @@ Per model and tool (every step's exception is caught; its first line is kept):
    LayerNormalization; every other initializer (MatMul weights, embeddings, PRelu slopes,
    Add biases) is a frozen buffer.
 
-Gradient oracle (resnet18, mobilenetv2, bert, gpt2: the models of tests/test_train_zoo.py,
+Gradient oracle (resnet18, mobilenetv2, bert, gpt2: the models of tests/train/test_train_zoo.py,
 with its ``_prepare``, ``_loss`` and ``_padding_rows``): each tool's module of the zoo
 PyTorch module's trainable export, eval mode, against that module's gradients, parameter by
 parameter. Kiln's parameters map back with ``initializer_name``. onnx2torch's are named
@@ -631,7 +631,7 @@ def main() -> None:
     head["wall_s"] = round(time.perf_counter() - t0, 1)
     print(header_line(head), "\n")
     print(models_table(rows), "\n")
-    print("Gradient oracle (eval mode, tests/test_train_zoo.py's export, loss and inputs):\n")
+    print("Gradient oracle (eval mode, tests/train/test_train_zoo.py's export, loss and inputs):\n")
     print(oracle_table(grads), "\n")
     print(f"Training step, batch 8, 2 threads, best of {a.reps} "
           "(forward + backward + SGD); saved = bytes saved for backward:\n")

@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _BERNOULLI = ("Bernoulli draws random numbers; the expected output is one draw of NumPy's "
               "global generator at the time the test was made, and the test's own source says "
               "implementations may differ even with a seed. Kiln's draws are checked for type, "
-              "shape, p in {0, 1} and seeded replay in tests/test_control_flow.py.")
+              "shape, p in {0, 1} and seeded replay in tests/runtime/test_control_flow.py.")
 NOTES: dict[str, str] = {
     **{f"test_bernoulli{s}": _BERNOULLI
        for s in ("", "_expanded", "_double", "_double_expanded", "_seed", "_seed_expanded")},
@@ -96,8 +96,8 @@ def main() -> int:
     lines += [
               "## Failing tests", "",
               "Every test below fails for the reason given, on every backend unless its kind "
-              "says `(BACKEND only)`; `tests/test_conformance.py` runs the whole list in CI "
-              "and fails on any test that fails without being listed here.", "",
+              "says `(BACKEND only)`; `tests/runtime/test_conformance.py` runs the whole "
+              "list in CI and fails on any test that fails without being listed here.", "",
               "| test | kind | reason |", "|---|---|---|"]
     for o in sorted(failing.values(), key=lambda o: (o["kind"], o["name"])):
         reason = NOTES.get(o["name"], o["reason"]).replace("|", "\\|")

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Test dependencies pip cannot install: Debian's chromium and chromium-driver, which the
-# HTML-report browser test (tests/test_report_browser.py) drives through selenium.
+# HTML-report browser test (tests/cli/test_report_browser.py) drives through selenium.
 # Does nothing when both are already installed; without apt-get or root it says so and
 # leaves the browser test to skip.
 set -euo pipefail

@@ -8,7 +8,7 @@ sets that share no sample, and scores a converted model by *task agreement* with
 model: the fraction of evaluation samples where both give the same answer (label, string,
 mask pixel, speech decision). Packages are found, never imported (several pull OpenCV).
 
-Used by tests/test_quantize_trained.py, benchmarks/quantization_trained.py and
+Used by tests/quantize/test_quantize_trained.py, benchmarks/quantization_trained.py and
 benchmarks/real_models.py.
 """
 

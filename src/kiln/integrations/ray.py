@@ -181,7 +181,7 @@ def predict(ds: Any, model: Any, *, concurrency: int = 1, batch_size: int = 256,
     ref = share_model(model)
     kwargs = {"model": ref, "backend": backend, "device": device, "threads": threads,
               "optimize": optimize, "inputs": inputs, "outputs": outputs}
-    # Fault tolerance is Ray Data's actor pool default, which tests/test_ray.py holds it to:
+    # Fault tolerance is Ray Data's actor pool default, which tests/serve/test_ray.py holds it to:
     # max_restarts=-1 and max_task_retries=-1, so a killed actor process is restarted and
     # the batches it had not returned are run again on it (setting them here would only
     # repeat the default through a keyword Ray deprecates).

@@ -7,7 +7,7 @@ ranks only inference finds, when the optimizer types the graph.
 A file that breaks one has no single meaning (onnxruntime, ``onnx.reference`` and PyTorch
 read such values differently, or crash), so it is refused with
 :class:`~kiln.errors.InvalidAttributeError` naming the node, the attribute and what is
-allowed. ``tests/test_never_silently_wrong.py`` checks every table entry against ONNX's
+allowed. ``tests/runtime/test_never_silently_wrong.py`` checks every table entry against ONNX's
 schemas (each name exists with the type used here) and the refusals against onnxruntime.
 """
 

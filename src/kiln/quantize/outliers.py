@@ -37,7 +37,7 @@ __all__ = ["MAX_NOISE", "Outliers", "measure_noise"]
 
 MAX_NOISE = 0.02
 """A noise ratio worth keeping a layer in float for (output SQNR below 17 dB): the
-synthetic case in tests/test_quantize_outliers.py measures 0.5. Not a default: on the
+synthetic case in tests/quantize/test_quantize_outliers.py measures 0.5. Not a default: on the
 trained models the ratio did not rank the layers whose quantization changes the task
 answer (docs/quantization.md)."""
 

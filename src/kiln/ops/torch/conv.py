@@ -157,7 +157,7 @@ def _single_threaded(fn: Callable, *args):
     Not when autograd records the op (training): oneDNN picks another algorithm on one
     thread, so the forward's rounding differs from the PyTorch module's, and train-mode
     BatchNorm over few pixels amplifies that into the gradients (MobileNetV2's at 32x32
-    ended farther from the float64 ones than PyTorch's; tests/test_train_zoo.py)."""
+    ended farther from the float64 ones than PyTorch's; tests/train/test_train_zoo.py)."""
     n = torch.get_num_threads()
     if n == 1 or _records_grad(args):
         return fn(*args)

@@ -8,7 +8,7 @@ import pytest
 
 from kiln.conformance.runner import collect, run_case
 
-_DOC = os.path.join(os.path.dirname(__file__), "..", "docs", "conformance.md")
+_DOC = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "conformance.md")
 
 
 def _known_failures() -> dict[str, str | None]:

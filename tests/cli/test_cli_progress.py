@@ -19,7 +19,7 @@ import pytest
 
 import kiln
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(Path(kiln.__file__).parent / "data" / "digits_cnn.onnx")
 FIRST_LINE_S = 5.0  # after the command could first print anything (see _startup_s)
 

@@ -476,7 +476,7 @@ def test_bench_draws_no_bar_off_a_terminal(runnable, capsys):
 def test_cli_bench_into_a_pipe_has_no_bar(runnable):
     r = kiln_cli("bench", runnable, "--runs", "3", "--warmup", "1")
     ok(r)
-    # Only the one-line hint about the faster backend (tests/test_cli_progress.py), and the
+    # Only the one-line hint about the faster backend (tests/cli/test_cli_progress.py), and the
     # plain "still building" lines a session slow to build prints in a pipe (torch's import
     # on a loaded machine takes seconds)
     assert "\r" not in r.stderr

@@ -33,7 +33,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 LINKED = ("src", "examples", "benchmarks", "scripts")
 RUNNABLE = {"python", "console", "bash", "sh"}

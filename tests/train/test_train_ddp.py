@@ -16,7 +16,7 @@ pytest.importorskip("sklearn")
 
 import kiln  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_digits.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_digits.py"
 
 
 def _run(tmp_path: Path, procs: int) -> dict:

@@ -14,11 +14,11 @@ from pathlib import Path
 import onnx
 import pytest
 from onnx import TensorProto, helper
+from test_cli import tiny_cnn
 
 import kiln
 from conftest import LIGHT_DIR, make_model
 from kiln import tools
-from test_cli import tiny_cnn
 
 webdriver = pytest.importorskip("selenium.webdriver", reason="selenium is not installed "
                                 "(pip install -e '.[test]')")

@@ -16,7 +16,7 @@ import pytest
 import kiln
 from kiln.errors import MissingDependencyError, ModelLoadError, SaveError
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 DIGITS = str(Path(kiln.__file__).parent / "data" / "digits_cnn.onnx")
 IMAGES = np.load(Path(DIGITS).parent / "digits_test.npz")["images"]
 
@@ -189,7 +189,7 @@ def test_a_test_run_building_a_zoo_model_says_so_step_by_step(tmp_path):
     """In pytest's own output, not the test's captured output (shown only on failure)."""
     pytest.importorskip("torch")
     pytest.importorskip("onnxruntime")
-    test = "tests/test_surgery.py::test_cut_by_tensor_agrees_with_the_originals_intermediates"
+    test = "tests/edit/test_surgery.py::test_cut_by_tensor_agrees_with_the_originals_intermediates"
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", test],
                        cwd=ROOT, capture_output=True, text=True, timeout=900,
                        env=dict(os.environ, PYTHONPATH=str(ROOT / "src"),

@@ -12,8 +12,6 @@ import numpy as np
 import onnx
 import pytest
 from onnx import TensorProto, helper
-
-from kiln.cli.main import main
 from test_surgery import (
     DIGITS,
     MEAN,
@@ -23,6 +21,8 @@ from test_surgery import (
     digits_images,
     ort_outputs,
 )
+
+from kiln.cli.main import main
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")
 

@@ -19,7 +19,7 @@ onnx = pytest.importorskip("onnx")
 from sklearn.datasets import load_digits  # noqa: E402
 from sklearn.model_selection import train_test_split  # noqa: E402
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
 NUM = r"([01]\.\d{4})"
 
 

@@ -24,7 +24,7 @@ pytest.importorskip("sklearn")
 
 from kiln.errors import OptionError  # noqa: E402
 
-EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "ddp_dist_options.py"
+EXAMPLE = Path(__file__).resolve().parents[2] / "examples" / "ddp_dist_options.py"
 
 
 @pytest.fixture(scope="module")

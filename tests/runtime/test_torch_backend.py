@@ -511,7 +511,7 @@ def test_threads_option_sets_torch_threads(mlp_model):
 
 def test_compile_runs_one_program_and_matches(mlp_model, monkeypatch):
     # The in-memory torch.compile path (CUDA's, and the CPU's with the disk cache off);
-    # tests/test_compile_cache.py covers the CPU's AOTInductor packages.
+    # tests/runtime/test_compile_cache.py covers the CPU's AOTInductor packages.
     monkeypatch.setenv("KILN_COMPILE_CACHE", "0")
     sess = kiln.InferenceSession(mlp_model, backend="torch", compile=True)
     assert sess.placement().compiled.startswith("yes")

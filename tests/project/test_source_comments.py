@@ -11,7 +11,7 @@ import re
 import tokenize
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "kiln"
+SRC = Path(__file__).resolve().parents[2] / "src" / "kiln"
 
 FIGURE = re.compile(
     r"\b\d+(\.\d+)?\s?(us|µs|ms)\b"  # a time

@@ -7,6 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
+from test_passes_helpers import I64, F, helper, init, make_model, ops, optimized, ort_run, rand, vi
 
 import kiln
 from kiln.ir import DType, TensorType
@@ -15,7 +16,6 @@ from kiln.optimize import PASS_NAMES, optimize_with_report
 from kiln.passes.base import PassRecord, clone_model
 from kiln.passes.infer_shapes import infer_model
 from kiln.passes.rewrite import Rule, apply_plan, run_rules
-from test_passes_helpers import I64, F, helper, init, make_model, ops, optimized, ort_run, rand, vi
 
 # ---------------------------------------------------------------- symbolic dims
 

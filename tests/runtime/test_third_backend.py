@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from test_conformance import _KNOWN
 
 import kiln
 from kiln.conformance.runner import collect, run_case
@@ -18,7 +19,6 @@ from kiln.ops import registry
 from kiln.runtime import backend_names, register_backend
 from kiln.runtime.backend import Backend, Link, host_feed
 from kiln.runtime.placement import LayerPlacement
-from test_conformance import _KNOWN
 
 NAME = "sim"
 

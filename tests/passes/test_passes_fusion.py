@@ -9,11 +9,11 @@ import time
 
 import numpy as np
 import pytest
+from test_passes_helpers import I64, helper, init, make_model, ops, optimized, ort_run, rand, vi
 
 import kiln
 from kiln.ir import Node
 from kiln.ops import registry
-from test_passes_helpers import I64, helper, init, make_model, ops, optimized, ort_run, rand, vi
 
 # ---------------------------------------------------------------- BatchNorm folding
 

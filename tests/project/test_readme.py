@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 README = (ROOT / "README.md").read_text()
 
 
@@ -70,8 +70,8 @@ def test_test_sh_runs_the_fast_tests_and_slow_ones_on_request(fake_tools):
     assert install == ["-m", "pip", "install", "--progress-bar", "off", "-e", ".[test]"]
     assert pytest_call == ["-m", "pytest", "-q", "-m", "not slow"]
     Path(fake_tools["CALLS"]).unlink()
-    _, pytest_call = run_test_sh(fake_tools, "--slow", "-x", "tests/test_cli.py")
-    assert pytest_call == ["-m", "pytest", "-q", "-x", "tests/test_cli.py"]
+    _, pytest_call = run_test_sh(fake_tools, "--slow", "-x", "tests/cli/test_cli.py")
+    assert pytest_call == ["-m", "pytest", "-q", "-x", "tests/cli/test_cli.py"]
 
 
 # Where files that are data, results or build output may be committed: the model and test

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-FUZZER = Path(__file__).resolve().parents[1] / "fuzz" / "fuzz_kiln.py"
+FUZZER = Path(__file__).resolve().parents[2] / "fuzz" / "fuzz_kiln.py"
 
 
 def _fuzzer():

@@ -7,7 +7,7 @@ fixture, so the counts do not depend on what the cache held before the run.
 
 A model Kiln cannot run unoptimized (an op still missing) is skipped with the reason. Each
 case prints the optimizer's report (node counts before/after, what each pass did); run
-with ``-s`` to see them, or ``python tests/test_optimizer_differential.py [names]``.
+with ``-s`` to see them, or ``python tests/passes/test_optimizer_differential.py [names]``.
 """
 
 from __future__ import annotations
@@ -240,7 +240,7 @@ def bench(names: list[str], rounds: int = 20) -> None:
               f"{best[0] / best[2]:.2f}x |", flush=True)
 
 
-if __name__ == "__main__":  # python tests/test_optimizer_differential.py [--bench] [name ...]
+if __name__ == "__main__":  # python tests/passes/test_optimizer_differential.py [--bench] [name...]
     args = sys.argv[1:]
     if args and args[0] == "--bench":
         bench(args[1:] or ["resnet18", "resnet50", "mobilenetv2", "bert", "gpt2"])

@@ -11,10 +11,11 @@ import pytest
 
 zoo = pytest.importorskip("kiln.zoo")
 
+from test_surgery import ort_outputs  # noqa: E402
+
 import kiln  # noqa: E402
 from kiln.onnxio import to_proto  # noqa: E402
 from kiln.zoo.registry import REGISTRY, make_inputs  # noqa: E402
-from test_surgery import ort_outputs  # noqa: E402
 
 
 def _valid(model: kiln.Model) -> onnx.ModelProto:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-SRC = Path(__file__).resolve().parents[1] / "src" / "kiln"
+SRC = Path(__file__).resolve().parents[2] / "src" / "kiln"
 
 # Lower layers first; a module may import its own layer and any layer before it.
 LAYERS = ["errors", "ir", "onnxio", "ops", "passes", "edit", "runtime", "ort", "onnxruntime",
