@@ -123,7 +123,8 @@ class ThreadTrial:
     Two runs on one thread all slower than :attr:`BIG_S` and than the fastest on
     ``threads`` settle it at once for ``threads``: a model that large has work to split,
     and its trial runs on one thread would cost more than they could save (one slow run
-    is not enough: on a loaded machine a 1 ms model's run can take 100 ms)."""
+    is not enough: on a loaded machine a small model's run can take many times its usual
+    time)."""
 
     RUNS = 5
     BIG_S = 0.05
