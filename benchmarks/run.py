@@ -26,6 +26,7 @@ SUITE: dict[str, tuple[str, str]] = {
     "sessions": ("session_overhead.py", "session creation time and memory (--zoo)"),
     "big-graph": ("big_graph.py", "load/optimize/session time of a 200k-node chain"),
     "training": ("training.py", "kiln.to_torch training steps against the PyTorch module"),
+    "training-compiled": ("training_compiled.py", "compiled training step vs the compiled module"),
     "onnx2torch": ("onnx2torch_compare.py", "kiln.to_torch against onnx2torch"),
     "quantization": ("quantization.py", "fp16/int8/int4 files: size, error, latency"),
     "tune": ("tune.py", "kiln tune's winner vs onnxruntime fp32 and its own int8 file"),
