@@ -94,6 +94,21 @@ def _symmetric_int8(w: np.ndarray, wz: np.ndarray | None) -> bool:
     return w.dtype == np.int8 and (wz is None or not np.any(wz))
 
 
+def _static_int8_layer(site, w: np.ndarray) -> tuple[float, int, torch.Tensor | None] | None:
+    """The input grid (scale, zero point) and float bias of a fused int8 layer (QConv, QMatMul)
+    whose input grid and bias are constants and whose weights are symmetric int8; None when
+    the layer is not one the integer kernels take."""
+    xin = _static_grid(site)
+    if (
+        xin is None
+        or not _symmetric_int8(w, site.const(5))
+        or (site.has_input(6) and site.const(6) is None)
+    ):
+        return None
+    bc = site.const(6)
+    return xin[0], xin[1], None if bc is None else torch.from_numpy(bc.astype(np.float32))
+
+
 def _qweight(w: np.ndarray, ws: np.ndarray, axis: int):
     """The int8 weight as torch's quantized tensor for fbgemm (per channel along ``axis``,
     or per tensor)."""
@@ -287,16 +302,10 @@ def qconv(site):
         ) or _float_layer(
             site, 0, lambda x, wf, b: F.conv2d(x, wf, b, strides, pads[:2], dil, group)
         )
-    xin = _static_grid(site)
-    if (
-        xin is None
-        or not _symmetric_int8(w, site.const(5))
-        or (site.has_input(6) and site.const(6) is None)
-    ):
+    static = _static_int8_layer(site, w)
+    if static is None:
         return None
-    bc = site.const(6)
-    b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
-    xs, xz, _ = xin
+    xs, xz, b = static
     if _ONEDNN_QCONV:
         with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
             return _onednn_qconv(site, w, xs, xz, b, strides, pads[:2], dil, group, grid)
@@ -450,16 +459,10 @@ def qmatmul(site):
         return (
             _ONEDNN_QLINEAR and _int_float(site, w, w.shape[1], prepack, product)
         ) or _float_layer(site, 1, lambda x, wf, b: F.linear(x, wf.T, b))
-    xin = _static_grid(site)
-    if (
-        xin is None
-        or not _symmetric_int8(w, site.const(5))
-        or (site.has_input(6) and site.const(6) is None)
-    ):
+    static = _static_int8_layer(site, w)
+    if static is None:
         return None
-    bc = site.const(6)
-    b = None if bc is None else torch.from_numpy(bc.astype(np.float32))
-    xs, xz, _ = xin
+    xs, xz, b = static
     if _ONEDNN_QLINEAR:
         with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
             return _onednn_qlinear(site, w, xs, xz, b, grid)
