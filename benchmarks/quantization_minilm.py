@@ -32,6 +32,7 @@ import warnings
 
 import numpy as np
 import onnxruntime as ort
+from quantization_trained import ort_quantized  # this folder: the same baseline rows
 
 import kiln
 from kiln.onnxio import to_proto
@@ -161,32 +162,10 @@ def main() -> None:
             )
         blob = to_proto(q.model).SerializeToString()
         row(label, blob, len(blob), time.perf_counter() - t0)
-    from onnxruntime.quantization import (
-        CalibrationDataReader,
-        QuantFormat,
-        quantize_dynamic,
-        quantize_static,
-    )
-
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.it = iter(cal)
-
-        def get_next(self):
-            return next(self.it, None)
-
-    for label, fn in (
-        (
-            "onnxruntime static (QDQ, per-channel)",
-            lambda p: quantize_static(
-                path, p, Reader(), quant_format=QuantFormat.QDQ, per_channel=True
-            ),
-        ),
-        ("onnxruntime dynamic", lambda p: quantize_dynamic(path, p)),
-    ):
-        out = os.path.join(tmp, "ort.onnx")
+    out = os.path.join(tmp, "ort.onnx")
+    for label, write in ort_quantized(path, cal, out):
         t0 = time.perf_counter()
-        fn(out)
+        write()
         row(label, out, os.path.getsize(out), time.perf_counter() - t0)
 
 

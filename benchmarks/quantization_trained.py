@@ -102,6 +102,26 @@ def run(name: str, use_budget: bool) -> list[str]:
         except Exception as e:
             rows.append((label, float("nan"), 0, f"failed: {type(e).__name__}: "
                          f"{str(e)[:80]}", ""))
+    path = os.path.join(tmp, "ort.onnx")
+    for label, write in ort_quantized(m.path, cal, path):
+        t0 = time.perf_counter()
+        try:
+            write()
+            rows.append((label, m.agreement(ref, _ort_runs(path, ev)), os.path.getsize(path),
+                         "defaults", f"{time.perf_counter() - t0:.0f} s"))
+        except Exception as e:  # report what onnxruntime's tool said
+            rows.append((label, float("nan"), 0, f"failed: {str(e)[:60]}", ""))
+    out = [f"### {name} ({m.task}; {n_cal} calibration / {n_eval} evaluation samples)", "",
+           "| file | agreement with fp32 | size (MB) | what it chose | time |",
+           "| --- | --- | --- | --- | --- |"]
+    out += [f"| {a} | {b:.1%} | {c / 1e6:.2f} | {d} | {e} |" for a, b, c, d, e in rows]
+    return out
+
+
+def ort_quantized(src: str, cal: list[dict], out: str):
+    """onnxruntime's own quantization tool on the same calibration feeds, as the baseline
+    rows: yields (label, write), where write() quantizes `src` into `out` (static QDQ
+    per-channel, then dynamic), each with the tool's defaults otherwise."""
     from onnxruntime.quantization import (
         CalibrationDataReader,
         QuantFormat,
@@ -116,22 +136,9 @@ def run(name: str, use_budget: bool) -> list[str]:
         def get_next(self):
             return next(self.it, None)
 
-    for label, fn in (("onnxruntime static (QDQ, per-channel)", lambda p: quantize_static(
-            m.path, p, Reader(), quant_format=QuantFormat.QDQ, per_channel=True)),
-            ("onnxruntime dynamic", lambda p: quantize_dynamic(m.path, p))):
-        path = os.path.join(tmp, "ort.onnx")
-        t0 = time.perf_counter()
-        try:
-            fn(path)
-            rows.append((label, m.agreement(ref, _ort_runs(path, ev)), os.path.getsize(path),
-                         "defaults", f"{time.perf_counter() - t0:.0f} s"))
-        except Exception as e:  # report what onnxruntime's tool said
-            rows.append((label, float("nan"), 0, f"failed: {str(e)[:60]}", ""))
-    out = [f"### {name} ({m.task}; {n_cal} calibration / {n_eval} evaluation samples)", "",
-           "| file | agreement with fp32 | size (MB) | what it chose | time |",
-           "| --- | --- | --- | --- | --- |"]
-    out += [f"| {a} | {b:.1%} | {c / 1e6:.2f} | {d} | {e} |" for a, b, c, d, e in rows]
-    return out
+    yield "onnxruntime static (QDQ, per-channel)", lambda: quantize_static(
+        src, out, Reader(), quant_format=QuantFormat.QDQ, per_channel=True)
+    yield "onnxruntime dynamic", lambda: quantize_dynamic(src, out)
 
 
 def _feed_at(feed: dict, batch: int) -> dict:
