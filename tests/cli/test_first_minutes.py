@@ -176,7 +176,8 @@ def test_the_onnxruntime_crash_test_prints_no_fatal_error():
     pytest.importorskip("onnxruntime")
     pytest.importorskip("torch")
     r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
-                        str(ROOT / "tests" / "test_fuzz_campaign.py"), "-k", "crashes_on"],
+                        str(ROOT / "tests" / "runtime" / "test_fuzz_campaign.py"),
+                        "-k", "crashes_on"],
                        capture_output=True, text=True, timeout=600,
                        env=dict(os.environ, PYTHONPATH=str(ROOT / "src")))
     assert "1 passed" in r.stdout, r.stdout + r.stderr

@@ -133,3 +133,26 @@ def test_narrow_dtypes_import(dtype):
     got = kiln.load(m).graph.initializers["c"].const
     assert got.dtype == arr.dtype
     np.testing.assert_array_equal(got.astype(np.float32), arr.astype(np.float32))
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_results_are_c_ordered_as_onnxruntime_hands_them_out(backend):
+    """A channels-last convolution (torch) and a transposed view (NumPy) come back in
+    C order, as onnxruntime's results always do: callers hand them to ctypes and buffers."""
+    if backend == "torch":
+        pytest.importorskip("torch")
+    F = TensorProto.FLOAT
+    rng = np.random.default_rng(0)
+    w = helper.make_tensor("w", F, [64, 64, 3, 3], rng.standard_normal(64 * 64 * 9) / 24)
+    model = make_model(
+        [helper.make_node("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]),
+         helper.make_node("Transpose", ["c"], ["y"], perm=[0, 2, 3, 1])],
+        [helper.make_tensor_value_info("x", F, None)],
+        [helper.make_tensor_value_info("c", F, None), helper.make_tensor_value_info("y", F, None)],
+        [w])
+    x = rng.standard_normal((1, 64, 12, 12)).astype(np.float32)
+    want = ort_run(model, {"x": x})
+    got = kiln.InferenceSession(model, backend=backend).run(None, {"x": x})
+    for g, r in zip(got, want):
+        assert r.flags.c_contiguous and g.flags.c_contiguous
+        np.testing.assert_allclose(g, r, rtol=1e-4, atol=1e-4)

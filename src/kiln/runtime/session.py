@@ -226,7 +226,7 @@ class Session:
         if output_type == "torch":
             from kiln.runtime.torch_backend import as_torch as convert
         else:
-            convert = self.backend.to_numpy
+            convert = functools.partial(_c_ordered, self.backend.to_numpy)
         check = None if run_options is None else stop_check(run_options)
         return target.plan, inputs, overrides, picks, convert, check
 
@@ -386,3 +386,13 @@ def _fixed_shapes(model: Model, given: dict | None, dims: dict[str, int]) -> dic
 
 def _fmt(shape) -> str:
     return "(" + ", ".join("?" if d is None else str(d) for d in shape) + ")"
+
+
+def _c_ordered(to_numpy, x):
+    """A result as onnxruntime hands it out: a C-ordered array, whatever layout a kernel
+    left it in (torch's channels-last convolutions, NumPy's transposed views), because
+    callers pass results on to ctypes, buffers and ``tobytes`` without looking."""
+    a = to_numpy(x)
+    if isinstance(a, np.ndarray) and not a.flags.c_contiguous:
+        return np.ascontiguousarray(a)
+    return a
