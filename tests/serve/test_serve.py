@@ -64,6 +64,7 @@ def _reshaper(path) -> str:
 def server(tmp_path_factory):
     reshaper = _reshaper(tmp_path_factory.mktemp("models") / "reshaper.onnx")
     s = ServeProcess(str(DIGITS), reshaper, "--max-request-size", "200000")
+    s.reshaper = reshaper
     yield s
     assert s.stop() == 0
 
@@ -419,6 +420,9 @@ def repository_server(tmp_path_factory):
         shutil.copy(DIGITS, root / name / "2" / "model.onnx")
     (root / "strings" / "1").mkdir(parents=True)
     _strings(root / "strings" / "1" / "model.onnx")
+    (root / "digits" / "config.json").write_text(
+        json.dumps({"max_batch_size": 8, "max_queue_delay_microseconds": 100, "max_queue_size": 50})
+    )
     s = ServeProcess("--model-repository", str(root), env={"KILN_SERVE_TOKEN": "s3cret"})
     s.root = root
     yield s
@@ -602,3 +606,179 @@ def test_import_kiln_loads_no_server_library():
         env={**os.environ, "PYTHONPATH": str(DIGITS.parents[2])},
     )
     assert out.stdout.split() == ["True", "[]"], out
+
+
+# onnxruntime's NodeArg.type -> the DataType name of Triton's model configuration
+TRITON_TYPES = {
+    "tensor(float)": "TYPE_FP32",
+    "tensor(int64)": "TYPE_INT64",
+    "tensor(bool)": "TYPE_BOOL",
+    "tensor(string)": "TYPE_STRING",
+}
+
+
+def _as_config(got: dict, kind: str) -> dict:
+    """tritonclient's answer as Triton's HTTP JSON: gRPC's ``as_json`` wraps it in
+    ``config`` and writes 64-bit integers as strings."""
+    if kind == "http":
+        return got
+    got = got["config"]
+    for t in got.get("input", []) + got.get("output", []):
+        t["dims"] = [int(d) for d in t.get("dims", [])]
+    return got
+
+
+def _ort_tensors(path, batched: bool) -> dict:
+    """Inputs and outputs as Triton's config lists them, from the real onnxruntime: dims
+    without the batch dimension when the model batches, -1 for a free dim."""
+    sess = ort.InferenceSession(str(path))
+    skip = 1 if batched else 0
+
+    def rows(args):
+        return [
+            {
+                "name": a.name,
+                "data_type": TRITON_TYPES[a.type],
+                "dims": [d if isinstance(d, int) else -1 for d in a.shape or []][skip:],
+            }
+            for a in args
+        ]
+
+    return {"input": rows(sess.get_inputs()), "output": rows(sess.get_outputs())}
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+def test_model_configuration_extension_matches_onnxruntime(repository_server, server, kind):
+    mod = CLIENTS[kind]
+    as_json = {"as_json": True} if kind == "grpc" else {}
+    client = mod.InferenceServerClient(getattr(repository_server, kind))
+    meta = client.get_server_metadata(headers=dict(AUTH), **as_json)
+    assert {"model_configuration", "statistics"} <= set(meta["extensions"])
+    for version in ("", "2"):
+        config = _as_config(
+            client.get_model_config("digits", version, headers=dict(AUTH), **as_json), kind
+        )
+        path = repository_server.root / "digits" / "2" / "model.onnx"
+        assert {k: config.get(k) for k in ("input", "output")} == _ort_tensors(path, True)
+        # the values of digits/config.json
+        assert config["name"] == "digits" and config["backend"] == "kiln"
+        assert config["max_batch_size"] == 8
+        batching = config["dynamic_batching"]
+        assert int(batching["max_queue_delay_microseconds"]) == 100
+        assert batching["default_queue_policy"]["max_queue_size"] == 50
+        assert config["instance_group"][0]["kind"] == "KIND_CPU"
+        assert config["instance_group"][0]["count"] == 1
+        assert config["default_model_filename"] == "model.onnx"
+    # the string model takes the server's default max batch size
+    strings = _as_config(client.get_model_config("strings", headers=dict(AUTH), **as_json), kind)
+    assert strings["max_batch_size"] == 32
+    assert {k: strings[k] for k in ("input", "output")} == _ort_tensors(
+        repository_server.root / "strings" / "1" / "model.onnx", True
+    )
+    with pytest.raises(mod.InferenceServerException) as e:
+        client.get_model_config("digits", "1", headers=dict(AUTH))
+    assert e.value.status() in ("404", "StatusCode.NOT_FOUND")
+    # a model without a free first dim does not batch: max_batch_size 0, full dims
+    plain = mod.InferenceServerClient(getattr(server, kind))
+    reshaper = _as_config(plain.get_model_config("reshaper", **as_json), kind)
+    assert reshaper.get("max_batch_size", 0) == 0 and "dynamic_batching" not in reshaper
+    want = _ort_tensors(server.reshaper, False)
+    assert reshaper["input"] == want["input"]
+    assert [o["name"] for o in reshaper["output"]] == [o["name"] for o in want["output"]]
+
+
+def _as_stats(got, kind: str) -> dict:
+    """One model's statistics with integers (gRPC's ``as_json`` writes uint64 as strings
+    and leaves out zeros)."""
+    (stat,) = got["model_stats"]
+
+    def ints(d):
+        if isinstance(d, dict):
+            return {k: v if k in ("name", "version") else ints(v) for k, v in d.items()}
+        if isinstance(d, list):
+            return [ints(v) for v in d]
+        return int(d) if isinstance(d, str) and d.isdigit() else d
+
+    stat = ints(stat)
+    for key in ("inference_count", "execution_count", "last_inference"):
+        stat.setdefault(key, 0)
+    for key in ("success", "fail", "queue", "compute_input", "compute_infer", "compute_output"):
+        d = stat.setdefault("inference_stats", {}).setdefault(key, {})
+        d.setdefault("count", 0)
+        d.setdefault("ns", 0)
+    stat.setdefault("batch_stats", [])
+    return stat
+
+
+def test_statistics_extension_counts_the_requests_sent():
+    s = ServeProcess(
+        str(DIGITS), "--max-batch-size", "16", "--max-queue-delay-microseconds", "300000"
+    )
+    try:
+        clients = {
+            "http": th.InferenceServerClient(s.http),
+            "grpc": tg.InferenceServerClient(s.grpc),
+        }
+
+        def stats(kind: str, *args) -> dict:
+            got = clients[kind].get_inference_statistics(
+                *args, **({"as_json": True} if kind == "grpc" else {})
+            )
+            return _as_stats(got, kind)
+
+        for kind in CLIENTS:
+            before = stats(kind, "digits_cnn")
+            assert before["name"] == "digits_cnn" and before["version"] == "1"
+            assert before["inference_count"] == before["execution_count"] == 0
+        started_ms = time.time() * 1000
+        rng = np.random.default_rng(9)
+
+        def send(kind: str, x: np.ndarray):
+            # a client each: tritonclient.http's client is not for several threads
+            client = CLIENTS[kind].InferenceServerClient(getattr(s, kind))
+            inp = CLIENTS[kind].InferInput("image", list(x.shape), "FP32")
+            inp.set_data_from_numpy(x)
+            got = client.infer("digits_cnn", [inp]).as_numpy("logits")
+            np.testing.assert_allclose(got, _reference(x), rtol=1e-4, atol=1e-5)
+
+        # one at a time: each runs alone, as batches of 1, 2 and 3 rows
+        for kind, rows in (("http", 1), ("grpc", 2), ("http", 3)):
+            send(kind, rng.random((rows, 1, 8, 8), dtype=np.float32))
+        bad = th.InferInput("image", [1, 1, 4, 4], "FP32")
+        bad.set_data_from_numpy(np.zeros((1, 1, 4, 4), np.float32))
+        with pytest.raises(th.InferenceServerException):
+            clients["http"].infer("digits_cnn", [bad])
+        # eight at once, within the 0.3 s window: merged into fewer runs
+        xs = rng.random((8, 1, 1, 8, 8), dtype=np.float32)
+        with concurrent.futures.ThreadPoolExecutor(8) as pool:
+            list(pool.map(lambda i: send("grpc" if i % 2 else "http", xs[i]), range(8)))
+        for kind in CLIENTS:
+            st = stats(kind, "digits_cnn", "1")
+            assert (
+                st
+                == stats(kind, "digits_cnn")
+                == _as_stats(
+                    clients[kind].get_inference_statistics(
+                        **({"as_json": True} if kind == "grpc" else {})
+                    ),
+                    kind,
+                )
+            )
+            inf = st["inference_stats"]
+            assert st["inference_count"] == 1 + 2 + 3 + 8
+            assert inf["success"]["count"] == 11 and inf["fail"]["count"] == 1
+            assert inf["queue"]["count"] == 11
+            for phase in ("compute_input", "compute_infer", "compute_output"):
+                assert inf[phase]["count"] == 11
+            assert inf["success"]["ns"] > inf["compute_infer"]["ns"] > 0
+            # the 0.3 s window: every request waited in the queue
+            assert inf["queue"]["ns"] >= 11 * 0.2e9
+            assert st["last_inference"] >= started_ms - 1
+            sizes = {b["batch_size"]: b["compute_infer"]["count"] for b in st["batch_stats"]}
+            assert sum(sizes.values()) == st["execution_count"]
+            assert sum(size * n for size, n in sizes.items()) == 14
+            assert sizes.get(2) and sizes.get(3), sizes
+            assert st["execution_count"] < 11, f"{st['execution_count']} runs: nothing merged"
+            assert max(sizes) > 3, sizes
+    finally:
+        assert s.stop() == 0

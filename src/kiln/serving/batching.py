@@ -18,8 +18,22 @@ import numpy as np
 from kiln.errors import KilnError
 
 RunFn = Callable[[dict[str, np.ndarray]], list[np.ndarray]]
-# (model, batch size in rows, seconds each request waited, seconds the run took)
-Observer = Callable[[str, int, list[float], float], None]
+
+
+@dataclass
+class Execution:
+    """One run of the model, as the statistics and metrics count it."""
+
+    rows: int  # the batch size: rows of all its requests together
+    waits: list[float]  # seconds each of its requests waited in the queue
+    input_s: float  # joining the requests' inputs into one batch (0 for one request)
+    infer_s: float  # the model's run
+    output_s: float  # splitting the outputs back into each request's rows
+    failed: int = 0  # its requests whose run failed
+
+
+# (model, the run)
+Observer = Callable[[str, Execution], None]
 
 
 # Without a batching window, a request that finds its model idle runs in the event loop
@@ -53,8 +67,6 @@ def _key(feed: dict[str, np.ndarray]) -> tuple[tuple | None, int]:
 class Batcher:
     """The queue and worker of one model. ``max_batch`` <= 1 runs every request alone."""
 
-    observer: Observer | None = None
-
     def __init__(self, name: str, run: RunFn, max_batch: int, window_s: float, max_queue: int):
         self.name, self._run = name, run
         self.max_batch, self.window, self.max_queue = max_batch, window_s, max_queue
@@ -66,6 +78,7 @@ class Batcher:
         self._closed = False
         self._worker_idle = True
         self._recent_s = float("inf")  # a recent single run's seconds (for INLINE_S)
+        self.observers: list[Observer] = []  # told of every run, in the event loop
 
     @property
     def queued(self) -> int:
@@ -149,15 +162,21 @@ class Batcher:
         self._waiting = keep
         return batch
 
+    def _observe(self, run: Execution) -> None:
+        for observe in self.observers:
+            observe(self.name, run)
+
     def _run_inline(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         start = time.perf_counter()
+        failed = 1
         try:
-            return self._run(feed)
+            outs = self._run(feed)
+            failed = 0
+            return outs
         finally:
             took = time.perf_counter() - start
             self._recent_s = took
-            if self.observer is not None:
-                self.observer(self.name, _key(feed)[1], [0.0], took)
+            self._observe(Execution(_key(feed)[1], [0.0], 0.0, took, 0.0, failed))
 
     async def _execute(self, batch: list[_Request]) -> None:
         self._worker_idle = False
@@ -165,18 +184,15 @@ class Batcher:
         waits = [start - r.queued for r in batch]
         loop = asyncio.get_running_loop()
         try:
-            if len(batch) == 1:
-                results = [await loop.run_in_executor(self._pool, self._run, batch[0].feed)]
-            else:
-                results = await loop.run_in_executor(self._pool, self._run_merged, batch)
-        except Exception as e:  # noqa: BLE001 - handed to the request that caused it
-            results = [e]
-        took = time.perf_counter() - start
+            results, run = await loop.run_in_executor(self._pool, self._run_batch, batch)
+        except Exception as e:  # noqa: BLE001 - every request of the batch hears of it
+            results = [e] * len(batch)
+            run = Execution(sum(r.rows for r in batch), [], 0.0, 0.0, 0.0, len(batch))
+        run.waits = waits
         self._worker_idle = True
         if len(batch) == 1:
-            self._recent_s = took
-        if self.observer is not None:
-            self.observer(self.name, sum(r.rows for r in batch), waits, took)
+            self._recent_s = time.perf_counter() - start
+        self._observe(run)
         for r, res in zip(batch, results):
             if r.future.done():  # the client went away
                 continue
@@ -185,19 +201,34 @@ class Batcher:
             else:
                 r.future.set_result(res)
 
-    def _run_merged(self, batch: list[_Request]) -> list:
+    def _run_batch(self, batch: list[_Request]) -> tuple[list, Execution]:
+        """Each request's outputs (or its exception) and the run's timings; on the
+        model's thread."""
+        total = sum(r.rows for r in batch)
+        t0 = time.perf_counter()
+        if len(batch) == 1:
+            results = [self._run_alone(batch[0].feed)]
+            t1 = time.perf_counter()
+            failed = int(isinstance(results[0], Exception))
+            return results, Execution(total, [], 0.0, t1 - t0, 0.0, failed)
         names = list(batch[0].feed)
         merged = {n: np.concatenate([r.feed[n] for r in batch]) for n in names}
-        total = sum(r.rows for r in batch)
+        t1 = time.perf_counter()
         try:
             outs = self._run(merged)
         except Exception:  # noqa: BLE001 - one bad request must not fail the others
             outs = None
+        t2 = time.perf_counter()
         if outs is None or any(o.ndim == 0 or o.shape[0] != total for o in outs):
             # the run failed, or an output is not per-row: run each request alone
-            return [self._run_alone(r.feed) for r in batch]
+            results = [self._run_alone(r.feed) for r in batch]
+            failed = sum(isinstance(x, Exception) for x in results)
+            took = time.perf_counter() - t0
+            return results, Execution(total, [], 0.0, took, 0.0, failed)
         bounds = np.cumsum([0] + [r.rows for r in batch])
-        return [[o[bounds[i] : bounds[i + 1]] for o in outs] for i in range(len(batch))]
+        results = [[o[bounds[i] : bounds[i + 1]] for o in outs] for i in range(len(batch))]
+        t3 = time.perf_counter()
+        return results, Execution(total, [], t1 - t0, t2 - t1, t3 - t2)
 
     def _run_alone(self, feed: dict[str, np.ndarray]) -> list[np.ndarray] | Exception:
         try:

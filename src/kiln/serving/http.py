@@ -214,6 +214,15 @@ def build_app(service: Service) -> Starlette:
     async def model_metadata(request: Request) -> Response:
         return JSONResponse(model_of(request).metadata())
 
+    async def model_config(request: Request) -> Response:
+        return JSONResponse(model_of(request).model_config())
+
+    async def statistics(request: Request) -> Response:
+        p = request.path_params
+        return JSONResponse(
+            {"model_stats": service.statistics(p.get("name", ""), p.get("version", ""))}
+        )
+
     async def model_ready(request: Request) -> Response:
         model_of(request)
         return JSONResponse({"name": request.path_params["name"], "ready": True})
@@ -251,6 +260,8 @@ def build_app(service: Service) -> Starlette:
         Route("/v2/health/ready", guarded(ready, public=True)),
         Route("/v2", guarded(server_metadata)),
         Route("/metrics", guarded(metrics)),
+        # before /v2/models/{name}: "stats" here is the route, not a model's name
+        Route("/v2/models/stats", guarded(statistics)),
         Route("/v2/repository/index", guarded(index), methods=["POST"]),
         Route("/v2/repository/models/{name}/load", guarded(load), methods=["POST"]),
         Route("/v2/repository/models/{name}/unload", guarded(unload), methods=["POST"]),
@@ -259,6 +270,8 @@ def build_app(service: Service) -> Starlette:
         routes += [
             Route(base, guarded(model_metadata)),
             Route(base + "/ready", guarded(model_ready)),
+            Route(base + "/config", guarded(model_config)),
+            Route(base + "/stats", guarded(statistics)),
             Route(base + "/infer", guarded(infer), methods=["POST"]),
         ]
 

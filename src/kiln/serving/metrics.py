@@ -4,6 +4,7 @@ as in the tests, do not mix counts)."""
 from __future__ import annotations
 
 from kiln.errors import MissingDependencyError
+from kiln.serving.batching import Execution
 
 SERVE_INSTALL = 'pip install -e ".[serve]"'
 
@@ -55,11 +56,11 @@ class Metrics:
         if seconds is not None:
             self.latency.labels(model).observe(seconds)
 
-    def observe_batch(self, model: str, rows: int, waits: list[float], took: float) -> None:
-        """One run of ``rows`` rows that took ``took`` seconds after its requests waited."""
-        self.batch.labels(model).observe(rows)
-        self.compute.labels(model).observe(took)
-        for w in waits:
+    def observe_batch(self, model: str, run: Execution) -> None:
+        """One run of the model, after its requests waited in the queue."""
+        self.batch.labels(model).observe(run.rows)
+        self.compute.labels(model).observe(run.input_s + run.infer_s + run.output_s)
+        for w in run.waits:
             self.queue.labels(model).observe(w)
 
     def exposition(self) -> tuple[bytes, str]:

@@ -17,8 +17,13 @@ from kiln.errors import InputError, KilnError, ModelLoadError
 from kiln.ort import InferenceSession
 from kiln.runtime.run_settings import default_backend_name
 from kiln.serving.batching import Batcher
+from kiln.serving.stats import Statistics
 from kiln.serving.tensors import ONNX_TYPES, datatype_of
 from kiln.tools.common import backend_options
+
+PLATFORM = "onnx_kiln"
+# KServe datatype -> the DataType enum name of Triton's model configuration
+CONFIG_TYPES = {name: f"TYPE_{name}" for name in ONNX_TYPES.values()} | {"BYTES": "TYPE_STRING"}
 
 
 class ModelNotFound(KilnError):
@@ -86,20 +91,23 @@ class ServedModel:
     inputs: list[TensorSpec] = field(default_factory=list)
     outputs: list[TensorSpec] = field(default_factory=list)
     batcher: Batcher = field(init=False, repr=False)
+    stats: Statistics = field(default_factory=Statistics, repr=False)
 
     def __post_init__(self) -> None:
         self.inputs = [_spec(a) for a in self.session.get_inputs()]
         self.outputs = [_spec(a) for a in self.session.get_outputs()]
         # Merging along dim 0 is only right when every input and output has a free dim 0.
         batchable = all(s.shape and s.shape[0] == -1 for s in self.inputs + self.outputs)
-        max_batch = self.config.max_batch_size if batchable else 0
+        # Triton's max_batch_size: 0 means the model has no batch dimension to merge on
+        self.max_batch_size = max(self.config.max_batch_size, 0) if batchable else 0
         self.batcher = Batcher(
             self.name,
             self._run,
-            max_batch,
+            self.max_batch_size,
             self.config.max_queue_delay_microseconds / 1e6,
             self.config.max_queue_size,
         )
+        self.batcher.observers.append(self.stats.executed)
 
     def _run(self, feed: dict[str, np.ndarray]) -> list[np.ndarray]:
         return self.session.run(None, feed)
@@ -109,10 +117,61 @@ class ServedModel:
         return {
             "name": self.name,
             "versions": [self.version],
-            "platform": "onnx_kiln",
+            "platform": PLATFORM,
             "inputs": [s.as_json() for s in self.inputs],
             "outputs": [s.as_json() for s in self.outputs],
         }
+
+    def model_config(self) -> dict:
+        """The model's configuration as Triton's model configuration extension answers it
+        (the JSON form of its ``ModelConfig`` message): with a max batch size, dims leave
+        out the batch dimension, as Triton's do."""
+        skip = 1 if self.max_batch_size > 0 else 0
+
+        def tensor(s: TensorSpec) -> dict:
+            return {"name": s.name, "data_type": CONFIG_TYPES[s.datatype], "dims": s.shape[skip:]}
+
+        device = self.config.device or "cpu"
+        group: dict[str, Any] = {"name": self.name, "count": 1, "kind": "KIND_CPU"}
+        if device.startswith("cuda"):
+            group.update(kind="KIND_GPU", gpus=[int(device.partition(":")[2] or 0)])
+        config: dict[str, Any] = {
+            "name": self.name,
+            "platform": PLATFORM,
+            "backend": "kiln",
+            "version_policy": {"latest": {"num_versions": 1}},  # the newest version serves
+            "max_batch_size": self.max_batch_size,
+            "input": [tensor(s) for s in self.inputs],
+            "output": [tensor(s) for s in self.outputs],
+            # one worker thread per model runs its batches one after another
+            "instance_group": [group],
+            "default_model_filename": self.path.name,
+            "parameters": {
+                key: {"string_value": str(value)}
+                for key, value in (
+                    ("backend", self.config.backend),
+                    ("device", self.config.device),
+                    ("precision", self.config.precision),
+                    ("threads", self.config.threads),
+                )
+                if value is not None
+            },
+        }
+        if self.max_batch_size > 1:
+            # Kiln has no preferred batch sizes: it runs what has queued, up to the max
+            config["dynamic_batching"] = {
+                "max_queue_delay_microseconds": self.config.max_queue_delay_microseconds,
+                "default_queue_policy": {"max_queue_size": self.config.max_queue_size},
+            }
+        return config
+
+    def rows_of(self, feed: dict[str, np.ndarray]) -> int:
+        """How many inferences a request holds, as Triton counts them: its batch size
+        for a model with a batch dimension, else 1."""
+        if self.max_batch_size == 0 or not feed:
+            return 1
+        first = next(iter(feed.values()))
+        return first.shape[0] if first.ndim else 1
 
     def check_feed(self, feed: dict[str, np.ndarray]) -> None:
         """Refuse a feed the model cannot take, before it joins a batch with others. BYTES

@@ -12,6 +12,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 F = descriptor_pb2.FieldDescriptorProto
 B, I32, I64, U32, U64 = F.TYPE_BOOL, F.TYPE_INT32, F.TYPE_INT64, F.TYPE_UINT32, F.TYPE_UINT64
 FLT, DBL, STR, BYT, MSG = F.TYPE_FLOAT, F.TYPE_DOUBLE, F.TYPE_STRING, F.TYPE_BYTES, F.TYPE_MESSAGE
+ENUM = F.TYPE_ENUM
 REP = "repeated"
 PACKAGE = "inference"
 SERVICE = f"{PACKAGE}.GRPCInferenceService"
@@ -52,6 +53,137 @@ def _map(message, full: str, field: str, number: int, value_type: str) -> None:
         label=F.LABEL_REPEATED,
         type_name=f".{PACKAGE}.{full}.{entry.name}",
     )
+
+
+def _enum(parent, name: str, values: list[str]) -> None:
+    """Add enum ``name`` to ``parent`` (a file or message), numbered from 0 in order."""
+    e = parent.enum_type.add(name=name)
+    for number, value in enumerate(values):
+        e.value.add(name=value, number=number)
+
+
+def _model_config(fd, p: str) -> None:
+    """Triton's ``ModelConfig`` (model_config.proto), the fields Kiln fills in."""
+    _enum(
+        fd,
+        "DataType",
+        ["TYPE_INVALID", "TYPE_BOOL"]
+        + [f"TYPE_{t}" for t in ("UINT8", "UINT16", "UINT32", "UINT64")]
+        + [f"TYPE_{t}" for t in ("INT8", "INT16", "INT32", "INT64")]
+        + ["TYPE_FP16", "TYPE_FP32", "TYPE_FP64", "TYPE_STRING", "TYPE_BF16"],
+    )
+    policy = _message(
+        fd,
+        "ModelVersionPolicy",
+        [("latest", 1, MSG, f"{p}ModelVersionPolicy.Latest")],
+        oneof="policy_choice",
+    )
+    _message(policy, "Latest", [("num_versions", 1, U32)])
+    dtype = f"{p}DataType"
+    _message(
+        fd,
+        "ModelInput",
+        [("name", 1, STR), ("data_type", 2, ENUM, dtype), ("dims", 4, I64, REP)],
+    )
+    _message(
+        fd,
+        "ModelOutput",
+        [("name", 1, STR), ("data_type", 2, ENUM, dtype), ("dims", 3, I64, REP)],
+    )
+    _message(fd, "ModelQueuePolicy", [("max_queue_size", 4, U32)])
+    _message(
+        fd,
+        "ModelDynamicBatching",
+        [
+            ("preferred_batch_size", 1, I32, REP),
+            ("max_queue_delay_microseconds", 2, U64),
+            ("default_queue_policy", 6, MSG, f"{p}ModelQueuePolicy"),
+        ],
+    )
+    group = _message(
+        fd,
+        "ModelInstanceGroup",
+        [
+            ("name", 1, STR),
+            ("count", 2, I32),
+            ("gpus", 3, I32, REP),
+            ("kind", 4, ENUM, f"{p}ModelInstanceGroup.Kind"),
+        ],
+    )
+    _enum(group, "Kind", ["KIND_AUTO", "KIND_GPU", "KIND_CPU", "KIND_MODEL"])
+    _message(fd, "ModelParameter", [("string_value", 1, STR)])
+    config = _message(
+        fd,
+        "ModelConfig",
+        [
+            ("name", 1, STR),
+            ("platform", 2, STR),
+            ("version_policy", 3, MSG, f"{p}ModelVersionPolicy"),
+            ("max_batch_size", 4, I32),
+            ("input", 5, MSG, REP, f"{p}ModelInput"),
+            ("output", 6, MSG, REP, f"{p}ModelOutput"),
+            ("instance_group", 7, MSG, REP, f"{p}ModelInstanceGroup"),
+            ("default_model_filename", 8, STR),
+            ("dynamic_batching", 11, MSG, f"{p}ModelDynamicBatching"),
+            ("backend", 17, STR),
+        ],
+    )
+    _map(config, "ModelConfig", "parameters", 14, f"{p}ModelParameter")
+    _message(fd, "ModelConfigRequest", [("name", 1, STR), ("version", 2, STR)])
+    _message(fd, "ModelConfigResponse", [("config", 1, MSG, f"{p}ModelConfig")])
+
+
+def _statistics(fd, p: str) -> None:
+    """The statistics extension's messages (Triton's grpc_service.proto)."""
+    duration = f"{p}StatisticDuration"
+    _message(fd, "StatisticDuration", [("count", 1, U64), ("ns", 2, U64)])
+    _message(
+        fd,
+        "InferStatistics",
+        [
+            (name, number, MSG, duration)
+            for number, name in enumerate(
+                [
+                    "success",
+                    "fail",
+                    "queue",
+                    "compute_input",
+                    "compute_infer",
+                    "compute_output",
+                    "cache_hit",
+                    "cache_miss",
+                ],
+                start=1,
+            )
+        ],
+    )
+    _message(
+        fd,
+        "InferBatchStatistics",
+        [
+            ("batch_size", 1, U64),
+            ("compute_input", 2, MSG, duration),
+            ("compute_infer", 3, MSG, duration),
+            ("compute_output", 4, MSG, duration),
+        ],
+    )
+    _message(fd, "MemoryUsage", [("type", 1, STR), ("id", 2, I64), ("byte_size", 3, U64)])
+    _message(
+        fd,
+        "ModelStatistics",
+        [
+            ("name", 1, STR),
+            ("version", 2, STR),
+            ("last_inference", 3, U64),
+            ("inference_count", 4, U64),
+            ("execution_count", 5, U64),
+            ("inference_stats", 6, MSG, f"{p}InferStatistics"),
+            ("batch_stats", 7, MSG, REP, f"{p}InferBatchStatistics"),
+            ("memory_usage", 8, MSG, REP, f"{p}MemoryUsage"),
+        ],
+    )
+    _message(fd, "ModelStatisticsRequest", [("name", 1, STR), ("version", 2, STR)])
+    _message(fd, "ModelStatisticsResponse", [("model_stats", 1, MSG, REP, f"{p}ModelStatistics")])
 
 
 def _file() -> descriptor_pb2.FileDescriptorProto:
@@ -193,6 +325,8 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
         )
         _map(m, f"RepositoryModel{call}Request", "parameters", 3, f"{p}ModelRepositoryParameter")
         _message(fd, f"RepositoryModel{call}Response", [])
+    _model_config(fd, p)
+    _statistics(fd, p)
     return fd
 
 

@@ -8,6 +8,7 @@ import asyncio
 from typing import Any
 
 import numpy as np
+from google.protobuf import json_format
 
 from kiln.errors import MissingDependencyError
 from kiln.serving import tensors
@@ -87,6 +88,14 @@ def _handlers(service: Service) -> dict[str, tuple[Any, str, str]]:
         meta = service.repository.get(req.name, req.version).metadata()
         return M["ModelMetadataResponse"](**meta)
 
+    async def model_config(req, ctx):
+        config = service.repository.get(req.name, req.version).model_config()
+        return M["ModelConfigResponse"](config=json_format.ParseDict(config, M["ModelConfig"]()))
+
+    async def statistics(req, ctx):
+        stats = {"model_stats": service.statistics(req.name, req.version)}
+        return json_format.ParseDict(stats, M["ModelStatisticsResponse"]())
+
     async def infer(req, ctx):
         served = service.repository.get(req.model_name, req.model_version)
         wanted = [o.name for o in req.outputs] or None
@@ -119,6 +128,8 @@ def _handlers(service: Service) -> dict[str, tuple[Any, str, str]]:
         "ModelReady": (model_ready, "ModelReadyRequest", "ModelReadyResponse"),
         "ServerMetadata": (server_metadata, "ServerMetadataRequest", "ServerMetadataResponse"),
         "ModelMetadata": (model_metadata, "ModelMetadataRequest", "ModelMetadataResponse"),
+        "ModelConfig": (model_config, "ModelConfigRequest", "ModelConfigResponse"),
+        "ModelStatistics": (statistics, "ModelStatisticsRequest", "ModelStatisticsResponse"),
         "ModelInfer": (infer, "ModelInferRequest", "ModelInferResponse"),
         "RepositoryIndex": (index, "RepositoryIndexRequest", "RepositoryIndexResponse"),
         "RepositoryModelLoad": (load, "RepositoryModelLoadRequest", "RepositoryModelLoadResponse"),

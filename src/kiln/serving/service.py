@@ -19,7 +19,7 @@ from kiln.serving.models import ModelNotFound, Repository, ServedModel
 log = logging.getLogger("kiln.serving")
 
 VERSION = "0.1.0"
-EXTENSIONS = ["binary_tensor_data", "model_repository"]
+EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
 
 
 class Unauthorized(KilnError):
@@ -76,7 +76,7 @@ class Service:
 
     def __post_init__(self) -> None:
         for m in self.repository.loaded():
-            m.batcher.observer = self.metrics.observe_batch
+            m.batcher.observers.append(self.metrics.observe_batch)
 
     def authorize(self, header: str | None) -> None:
         """Refuse unless ``header`` is ``Bearer <token>`` (when a token is set)."""
@@ -92,9 +92,15 @@ class Service:
     def load(self, name: str) -> ServedModel:
         """(Re)load ``name`` from the repository and start counting its batches."""
         served = self.repository.load(name)
-        served.batcher.observer = self.metrics.observe_batch
+        served.batcher.observers.append(self.metrics.observe_batch)
         log.info(json.dumps({"event": "load", "model": name, "version": served.version}))
         return served
+
+    def statistics(self, name: str = "", version: str = "") -> list[dict]:
+        """Triton's ``model_stats`` list: of ``name`` (at ``version``), or of every loaded
+        model when ``name`` is empty."""
+        models = [self.repository.get(name, version)] if name else self.repository.loaded()
+        return [m.stats.as_json(m.name, m.version) for m in sorted(models, key=lambda m: m.name)]
 
     def unload(self, name: str) -> None:
         """Unload ``name``; its queued requests still finish."""
@@ -123,6 +129,7 @@ class Service:
             outs = await served.batcher.submit(feed)
         except Exception as e:
             self.metrics.count(served.name, protocol, status_of(e)[0])
+            served.stats.answered(0, time.perf_counter() - start, ok=False)
             log.warning(
                 json.dumps(
                     {
@@ -134,6 +141,8 @@ class Service:
                 )
             )
             raise
-        self.metrics.count(served.name, protocol, 200, time.perf_counter() - start)
+        took = time.perf_counter() - start
+        self.metrics.count(served.name, protocol, 200, took)
+        served.stats.answered(served.rows_of(feed), took, ok=True)
         result = dict(zip(names, outs))
         return {n: result[n] for n in (wanted or names)}
