@@ -255,7 +255,9 @@ def build_app(service: Service) -> Starlette:
 
     model = "/v2/models/{name}"
     version = "/v2/models/{name}/versions/{version}"
-    routes = [
+    # Starlette tries the routes in order, each a regular expression: inference first
+    routes = [Route(base + "/infer", guarded(infer), methods=["POST"]) for base in (model, version)]
+    routes += [
         Route("/v2/health/live", guarded(live, public=True)),
         Route("/v2/health/ready", guarded(ready, public=True)),
         Route("/v2", guarded(server_metadata)),
@@ -272,7 +274,6 @@ def build_app(service: Service) -> Starlette:
             Route(base + "/ready", guarded(model_ready)),
             Route(base + "/config", guarded(model_config)),
             Route(base + "/stats", guarded(statistics)),
-            Route(base + "/infer", guarded(infer), methods=["POST"]),
         ]
 
     async def no_route(request: Request, exc: HTTPException) -> Response:

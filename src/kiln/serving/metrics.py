@@ -25,6 +25,7 @@ class Metrics:
     def __init__(self) -> None:
         p = _prometheus()
         self._p = p
+        self._children: dict[tuple, object] = {}
         self.registry = p.CollectorRegistry()
         r = self.registry
         self.requests = p.Counter(
@@ -50,18 +51,28 @@ class Metrics:
             buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512),
         )
 
+    def _child(self, metric, *labels: str):
+        # prometheus_client's labels() validates and hashes its arguments on every call;
+        # a request would pay that five times, so each labelled child is looked up once
+        key = (metric, labels)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = metric.labels(*labels)
+        return child
+
     def count(self, model: str, protocol: str, code: int, seconds: float | None = None) -> None:
         """One request answered with ``code`` (and its latency when it succeeded)."""
-        self.requests.labels(model, protocol, str(code)).inc()
+        self._child(self.requests, model, protocol, str(code)).inc()
         if seconds is not None:
-            self.latency.labels(model).observe(seconds)
+            self._child(self.latency, model).observe(seconds)
 
     def observe_batch(self, model: str, run: Execution) -> None:
         """One run of the model, after its requests waited in the queue."""
-        self.batch.labels(model).observe(run.rows)
-        self.compute.labels(model).observe(run.input_s + run.infer_s + run.output_s)
+        self._child(self.batch, model).observe(run.rows)
+        self._child(self.compute, model).observe(run.input_s + run.infer_s + run.output_s)
+        queue = self._child(self.queue, model)
         for w in run.waits:
-            self.queue.labels(model).observe(w)
+            queue.observe(w)
 
     def exposition(self) -> tuple[bytes, str]:
         """The text format and its content type."""
