@@ -22,7 +22,10 @@ from kiln.ir import DType, Model
 from kiln.onnxio import load, save
 from kiln.ops import register_op
 from kiln.optimize import optimize  # loads the old module name first: it never shadows this
-from kiln.ort import (
+from kiln.quantize import convert_float16, quantize
+from kiln.runtime import NodeArg, Session
+from kiln.serving import serve
+from kiln.session_api import (
     ExecutionMode,
     GraphOptimizationLevel,
     InferenceSession,
@@ -34,9 +37,6 @@ from kiln.ort import (
     get_device,
     set_default_logger_severity,
 )
-from kiln.quantize import convert_float16, quantize
-from kiln.runtime import NodeArg, Session
-from kiln.serving import serve
 from kiln.tools import bench, inspect, profile, report, tune
 from kiln.train import to_torch
 

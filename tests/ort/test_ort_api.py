@@ -167,6 +167,23 @@ def test_snippet_gives_what_onnxruntime_gives(snippet, mlp_path):
     _same(snippet(kiln, mlp_path), snippet(ort, mlp_path))
 
 
+def test_the_old_package_name_kiln_ort_still_imports_the_same_api(mlp_path):
+    """``kiln.ort`` was renamed ``kiln.session_api`` (``ort`` reads as onnxruntime's alias);
+    code written against the old name gets the same classes and the same outputs."""
+    import kiln.ort
+    import kiln.session_api
+    from kiln.ort import InferenceSession, SessionOptions
+
+    assert InferenceSession is kiln.session_api.InferenceSession is kiln.InferenceSession
+    assert SessionOptions is kiln.session_api.SessionOptions
+    assert sorted(kiln.ort.__all__) == sorted(kiln.session_api.__all__)
+    assert all(getattr(kiln.ort, n) is getattr(kiln.session_api, n) for n in kiln.ort.__all__)
+    x = {"x": np.random.default_rng(0).standard_normal((2, 4)).astype(np.float32)}
+    (got,) = InferenceSession(mlp_path, SessionOptions()).run(None, x)
+    (want,) = ort.InferenceSession(mlp_path, providers=["CPUExecutionProvider"]).run(None, x)
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+
+
 def test_an_unavailable_provider_warns_and_falls_back_as_onnxruntime_does(mlp_path):
     if "CUDAExecutionProvider" in kiln.get_available_providers():
         pytest.skip("a CUDA device is here; onnxruntime's CPU build would still fall back")

@@ -19,11 +19,12 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[2] / "src" / "kiln"
 
 # Lower layers first; a module may import its own layer and any layer before it.
-LAYERS = ["errors", "ir", "onnxio", "ops", "passes", "edit", "runtime", "ort", "onnxruntime",
-          "train", "quantize", "tools", "integrations", "zoo", "serving", "cli"]
+LAYERS = ["errors", "ir", "onnxio", "ops", "passes", "edit", "runtime", "session_api",
+          "onnxruntime", "train", "quantize", "tools", "integrations", "zoo", "serving", "cli"]
 # Top-level modules that belong to a layer.
 MODULE_LAYER = {"optimize": "passes", "demo": "cli", "conformance": "cli", "__init__": "cli",
-                "__main__": "cli", "model_names": "cli", "optimizer": "passes"}
+                "__main__": "cli", "model_names": "cli", "optimizer": "passes",
+                "ort": "session_api"}
 
 
 def _layer(parts: list[str]) -> str:

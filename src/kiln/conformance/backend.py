@@ -8,8 +8,8 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from kiln.ort import InferenceSession
 from kiln.runtime.backends import backend_entry
+from kiln.session_api import InferenceSession
 
 
 class KilnRep(BackendRep):

@@ -25,9 +25,9 @@ import numpy as np
 
 from kiln.errors import InputError, KilnError, MissingDependencyError, OptionError
 from kiln.onnxio import to_proto
-from kiln.ort import InferenceSession
 from kiln.runtime.backends import backend_entry
 from kiln.runtime.run_settings import default_backend_name
+from kiln.session_api import InferenceSession
 from kiln.tools.common import backend_options, load_model
 
 RAY_INSTALL = 'pip install -e ".[ray]"'

@@ -12,8 +12,8 @@ from __future__ import annotations
 from kiln.errors import OptionError
 from kiln.ir import Model
 from kiln.onnxio import to_proto
-from kiln.ort import InferenceSession
 from kiln.runtime.backends import backend_names
+from kiln.session_api import InferenceSession
 
 BACKENDS = (*backend_names(), "onnxruntime")
 

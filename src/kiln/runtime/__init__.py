@@ -1,5 +1,5 @@
 """Running models: the precomputed plan, the backends and their executors, and the
-``Session`` that ties them together (``kiln.ort`` puts onnxruntime's API on it)."""
+``Session`` that ties them together (``kiln.session_api`` puts onnxruntime's API on it)."""
 
 from kiln.runtime.backends import backend_names, make_backend, register_backend
 from kiln.runtime.session import NodeArg, Session

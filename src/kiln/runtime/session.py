@@ -1,5 +1,5 @@
 """``Session``: a model made ready to run (optimized, planned, kernels prepared) and run
-on feeds, from any number of threads. ``kiln.InferenceSession`` (in ``kiln.ort``) adds
+on feeds, from any number of threads. ``kiln.InferenceSession`` (in ``kiln.session_api``) adds
 onnxruntime's API on top of it."""
 
 from __future__ import annotations

@@ -14,11 +14,11 @@ from typing import Any
 import numpy as np
 
 from kiln.errors import InputError, KilnError, ModelLoadError
-from kiln.ort import InferenceSession
 from kiln.runtime.run_settings import default_backend_name
 from kiln.serving.batching import Batcher
 from kiln.serving.stats import Statistics
 from kiln.serving.tensors import ONNX_TYPES, datatype_of
+from kiln.session_api import InferenceSession
 from kiln.tools.common import backend_options
 
 PLATFORM = "onnx_kiln"

@@ -278,7 +278,7 @@ def session_for(model: Any, backend: str | None = None, device: str | None = Non
     ``compile`` are torch options), optimized as sessions are by default unless
     ``optimize`` is False. ``backend=None``: the backend and options the model file
     stores (``kiln tune``), the options given here winning, else the default backend."""
-    from kiln.ort import InferenceSession
+    from kiln.session_api import InferenceSession
 
     m = load_model(model)
     got = stored(m.metadata) if backend is None else None

@@ -162,7 +162,7 @@ def profile(model_or_session: Any, feeds: dict | None = None, runs: int = 10,
     is optimized, as sessions are by default, unless ``optimize`` is False. On CUDA each layer is
     synchronized, so its time is its own, not its launch.
     """
-    from kiln.ort import InferenceSession
+    from kiln.session_api import InferenceSession
 
     sess = model_or_session if isinstance(model_or_session, InferenceSession) \
         else session_for(model_or_session, backend, device, optimize=optimize)

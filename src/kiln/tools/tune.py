@@ -24,7 +24,6 @@ import numpy as np
 from kiln.errors import InputError, KilnError, OptionError
 from kiln.ir import Model
 from kiln.onnxio import save
-from kiln.ort import InferenceSession
 from kiln.quantize import quantize
 from kiln.quantize.api import Budget
 from kiln.quantize.calibrate import load_feeds
@@ -32,6 +31,7 @@ from kiln.quantize.report import OutputError, model_bytes, output_errors
 from kiln.runtime.backend import usable_cores
 from kiln.runtime.backends import backend_names
 from kiln.runtime.run_settings import KEY, encode
+from kiln.session_api import InferenceSession
 from kiln.tools.common import load_model, random_feeds
 
 __all__ = ["Candidate", "TuneResult", "tune"]

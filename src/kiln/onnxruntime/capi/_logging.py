@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from kiln.onnxruntime.capi._errors import runtime_error
-from kiln.ort import set_default_logger_severity as _kiln_severity
+from kiln.session_api import set_default_logger_severity as _kiln_severity
 
 _state: dict = {"callback": None, "severity": 2}
 

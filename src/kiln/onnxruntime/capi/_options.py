@@ -1,5 +1,5 @@
 """onnxruntime's ``SessionOptions`` and ``RunOptions`` at the level of its bindings, on
-``kiln.ort``'s: every field and config entry onnxruntime documents is honoured, met by the
+``kiln.session_api``'s: every field and config entry onnxruntime documents is honoured, met by the
 way Kiln runs, or refused when the session is built (docs/compatibility.md lists which)."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ from typing import Any
 
 from kiln.errors import OptionError
 from kiln.onnxruntime.capi._errors import both, runtime_error
-from kiln.ort import RunOptions as KilnRunOptions
-from kiln.ort import SessionOptions as KilnSessionOptions
-from kiln.ort.options import RUN_ENTRIES, SESSION_ENTRIES  # noqa: F401 - re-exported
-from kiln.ort.options import check_entries as _check
+from kiln.session_api import RunOptions as KilnRunOptions
+from kiln.session_api import SessionOptions as KilnSessionOptions
+from kiln.session_api.options import RUN_ENTRIES, SESSION_ENTRIES  # noqa: F401 - re-exported
+from kiln.session_api.options import check_entries as _check
 
 
 def check_entries(config: dict[str, str], table: dict, what: str) -> None:

@@ -1,5 +1,5 @@
 """onnxruntime's ``C.InferenceSession`` and ``C.SessionIOBinding`` on Kiln: a
-``kiln.ort.InferenceSession`` built from the model as onnxruntime would prepare it, run
+``kiln.session_api.InferenceSession`` built from the model as onnxruntime would prepare it, run
 with onnxruntime's rules for feeds and results, its errors raised as onnxruntime's."""
 
 from __future__ import annotations
@@ -31,9 +31,9 @@ from kiln.onnxruntime.capi._values import (
     onnx_dtype,
     strings,
 )
-from kiln.ort import InferenceSession as KilnSession
-from kiln.ort import OrtValue as KilnOrtValue
 from kiln.runtime import NodeArg
+from kiln.session_api import InferenceSession as KilnSession
+from kiln.session_api import OrtValue as KilnOrtValue
 
 ALL_PROVIDERS = ["TensorrtExecutionProvider", "CUDAExecutionProvider",
                  "MIGraphXExecutionProvider", "OpenVINOExecutionProvider",
@@ -381,7 +381,7 @@ def _adapter_params(adapters: list) -> dict:
 
 
 class SessionIOBinding:
-    """onnxruntime's ``C.SessionIOBinding`` on ``kiln.ort``'s IOBinding."""
+    """onnxruntime's ``C.SessionIOBinding`` on ``kiln.session_api``'s IOBinding."""
 
     def __init__(self, session: InferenceSession):
         self.session = session

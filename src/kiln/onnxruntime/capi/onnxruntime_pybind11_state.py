@@ -52,14 +52,14 @@ from kiln.onnxruntime.capi._values import (  # noqa: F401
     SparseTensor,
     is_dlpack_uint8_tensor,
 )
-from kiln.ort import (  # noqa: F401
+from kiln.runtime import NodeArg  # noqa: F401
+from kiln.session_api import (  # noqa: F401
     ExecutionMode,
     GraphOptimizationLevel,
     ModelMetadata,
     get_device,  # noqa: F401
 )
-from kiln.ort import get_available_providers as _providers
-from kiln.runtime import NodeArg  # noqa: F401
+from kiln.session_api import get_available_providers as _providers
 
 ModelLoadCanceled = ModelLoadCancelled
 

@@ -19,10 +19,10 @@ import onnx
 
 from kiln.ir import Model
 from kiln.onnxio import save
-from kiln.ort.binding import IOBinding
-from kiln.ort.options import Config, SessionOptions, configure
 from kiln.runtime.plan import Plan
 from kiln.runtime.session import Session
+from kiln.session_api.binding import IOBinding
+from kiln.session_api.options import Config, SessionOptions, configure
 
 
 class InferenceSession(Session):
