@@ -33,7 +33,7 @@ import onnx
 from kiln.errors import KilnError
 from kiln.ir import Model, collector_paused
 from kiln.ops import registry
-from kiln.ops.registry import KILN_DOMAIN
+from kiln.ops.registry import KILN_DOMAIN, REFERENCE
 from kiln.passes import (
     CommonSubexpressionElimination,
     DeadCodeElimination,
@@ -86,14 +86,14 @@ PASS_NAMES: tuple[str, ...] = tuple(dict.fromkeys(
 def optimize(model: Model | str | os.PathLike | bytes | onnx.ModelProto,
              level: int | str = DEFAULT_LEVEL, disable: Iterable[str] = (),
              input_shapes: Mapping[str, Sequence[int | str | None]] | None = None, *,
-             backend: str = "numpy", max_iterations: int = 8, inplace: bool = False) -> Model:
+             backend: str = REFERENCE, max_iterations: int = 8, inplace: bool = False) -> Model:
     """The optimized model (a copy unless ``inplace``); see the module docstring."""
     return optimize_with_report(model, level, disable, input_shapes, backend=backend,
                                 max_iterations=max_iterations, inplace=inplace)[0]
 
 
 def optimize_with_report(model, level: int | str = DEFAULT_LEVEL, disable: Iterable[str] = (),
-                         input_shapes=None, *, backend: str = "numpy",
+                         input_shapes=None, *, backend: str = REFERENCE,
                          max_iterations: int = 8, inplace: bool = False
                          ) -> tuple[Model, OptimizeReport]:
     """Like :func:`optimize`, also returning the report of what every pass did.
@@ -201,7 +201,7 @@ def _done_level(model: Model) -> int:
 def _supported(p: Pass, backend: str) -> bool:
     """A fusion runs only for backends that have kernels for the ops it creates (NumPy has
     them all; others get a fused op once they register a kernel or it is generic)."""
-    if backend == "numpy" or not p.creates:
+    if backend == REFERENCE or not p.creates:
         return True
     for op_type in p.creates:
         d = registry.lookup(KILN_DOMAIN, op_type, 1)

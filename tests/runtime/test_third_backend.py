@@ -2,9 +2,13 @@
 ndarray subclass standing for device memory). It is an adapter (array type, device,
 transfers), a kernel table of its own (one kernel: Relu) and, for every other op, the
 shared array-API kernel on its arrays or, where an op has none, NumPy's reference kernel on
-the host with the plan's explicit transfers around it. Registered by name, it runs ONNX's
-own backend tests (their expected outputs are the oracle) through ``kiln.InferenceSession``
-like the built-in backends, with the same known failures as the NumPy backend."""
+the host with the plan's explicit transfers around it. Registered once, by name, it runs
+ONNX's own backend tests (their expected outputs are the oracle) through
+``kiln.InferenceSession`` like the built-in backends, with the same known failures as the
+NumPy backend, and is reached from the CLI, ``python -m kiln.conformance``, the
+onnxruntime API's options and quantization without their code naming it (checked against
+onnxruntime). It is registered for this module's tests only: left in the registry it would
+join every later test's backend lists (``kiln tune``'s candidates)."""
 
 from __future__ import annotations
 
@@ -14,10 +18,12 @@ from test_conformance import _KNOWN
 
 import kiln
 from kiln.conformance.runner import collect, run_case
+from kiln.errors import OptionError
 from kiln.ir import DType
 from kiln.ops import registry
 from kiln.runtime import backend_names, register_backend
 from kiln.runtime.backend import Backend, Link, host_feed
+from kiln.runtime.backends import unregister_backend
 from kiln.runtime.placement import LayerPlacement
 
 NAME = "sim"
@@ -81,8 +87,12 @@ class SimBackend(Backend):
         return to_device(host_feed(x, dtype))
 
 
-register_backend(NAME, lambda **_: SimBackend(), ("device",), ("sim",),
-                 about="NumPy arrays on a simulated device (tests)")
+@pytest.fixture(autouse=True, scope="module")
+def _registered():
+    register_backend(NAME, lambda **_: SimBackend(), ("device",), ("sim",),
+                     about="NumPy arrays on a simulated device (tests)")
+    yield
+    unregister_backend(NAME)
 
 
 @registry.backend_kernel(NAME, "Relu", 6)
@@ -91,24 +101,86 @@ def sim_relu(x):
     return np.maximum(x, 0).view(DeviceArray)
 
 
-def test_the_registry_lists_it_and_the_plan_places_each_layer():
-    assert backend_names()[:2] == ["numpy", "torch"] and NAME in backend_names()
+def _model():
+    """Relu (the sim kernel), Exp (array-API on sim arrays), EyeLike (NumPy on the host)
+    and Add of both paths."""
     from onnx import TensorProto, helper
 
     nodes = [helper.make_node("Relu", ["x"], ["a"]), helper.make_node("Exp", ["a"], ["b"]),
-             helper.make_node("EyeLike", ["b"], ["y"])]
+             helper.make_node("EyeLike", ["b"], ["e"]), helper.make_node("Add", ["b", "e"],
+                                                                         ["y"])]
     info = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [3, 3]) for n in "xy"]
-    model = helper.make_model(helper.make_graph(nodes, "g", info[:1], info[1:]),
-                              opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(helper.make_graph(nodes, "g", info[:1], info[1:]),
+                             opset_imports=[helper.make_opsetid("", 17)])
+
+
+X = np.arange(-4, 5, dtype=np.float32).reshape(3, 3) / 2
+
+
+def _onnxruntime(model):
+    import onnxruntime
+
+    sess = onnxruntime.InferenceSession(model.SerializeToString(),
+                                        providers=["CPUExecutionProvider"])
+    return sess.run(None, {"x": X})[0]
+
+
+def test_the_registry_lists_it_and_the_plan_places_each_layer():
+    assert backend_names()[:2] == ["numpy", "torch"] and NAME in backend_names()
+    model = _model()
     sess = kiln.InferenceSession(model, backend=NAME, optimize=False)
-    x = np.arange(-4, 5, dtype=np.float32).reshape(3, 3)
-    (y,) = sess.run(None, {"x": x})
+    (y,) = sess.run(None, {"x": X})
     assert type(y) is np.ndarray
-    np.testing.assert_array_equal(y, np.eye(3, dtype=np.float32))
+    np.testing.assert_allclose(y, _onnxruntime(model), rtol=1e-6)
     assert [(lp.how, lp.where) for lp in sess.placement().layers] == [
-        (NAME, "sim"), (f"{NAME}-generic", "sim"), ("cpu-fallback", "cpu")]
+        (NAME, "sim"), (f"{NAME}-generic", "sim"), ("cpu-fallback", "cpu"),
+        (f"{NAME}-generic", "sim")]
     steps = sess.plan.steps
-    assert [s.transfers is not None for s in steps] == [False, False, True]
+    assert [s.transfers is not None for s in steps] == [False, False, True, False]
+
+
+def test_the_cli_runs_it(tmp_path, capsys):
+    """``kiln run --backend sim``: the CLI's choices come from the registry."""
+    import onnx
+
+    from kiln.cli.main import main
+
+    model = _model()
+    onnx.save(model, tmp_path / "m.onnx")
+    np.save(tmp_path / "x.npy", X)
+    out = tmp_path / "y.npz"
+    assert main(["run", str(tmp_path / "m.onnx"), "--backend", NAME, "--no-optimize",
+                 "--input", f"x={tmp_path / 'x.npy'}", "--output", str(out), "--json"]) == 0
+    assert f'"backend": "{NAME}"' in capsys.readouterr().out
+    np.testing.assert_allclose(np.load(out)["y"], _onnxruntime(model), rtol=1e-6)
+
+
+def test_conformance_runs_it(tmp_path):
+    """``python -m kiln.conformance --backend sim`` (ONNX's expected outputs the oracle)."""
+    import json
+
+    from kiln.conformance.__main__ import main
+
+    report = tmp_path / "out.json"
+    assert main(["--backend", NAME, "--kind", "node", "-k", "test_relu", "-j", "1",
+                 "--strict", "--json", str(report)]) == 0
+    outcomes = json.loads(report.read_text())
+    assert outcomes and all(o["passed"] for o in outcomes)
+
+
+def test_the_onnxruntime_api_and_quantization_take_it(tmp_path):
+    """onnxruntime's options map onto it (deterministic compute is refused: it is not the
+    exact backend), and quantization measures on it."""
+    so = kiln.SessionOptions()
+    model = _model()
+    sess = kiln.InferenceSession(model.SerializeToString(), so, backend=NAME,
+                                 providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(sess.run(None, {"x": X})[0], _onnxruntime(model), rtol=1e-6)
+    so.use_deterministic_compute = True
+    with pytest.raises(OptionError, match="only the numpy backend"):
+        kiln.InferenceSession(model.SerializeToString(), so, backend=NAME)
+    q = kiln.quantize(model, "dynamic", backend=NAME, validation=[{"x": X}])
+    assert q.report.backend == NAME
 
 
 _CASES = collect(("node", "light"))

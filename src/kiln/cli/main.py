@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from kiln.errors import InputError, KilnError, OptionError
-from kiln.runtime.backends import backend_names
+from kiln.quantize.engines import engines, integer_engines
+from kiln.runtime.backends import backend_entry, backend_names, reference_backend_name
 from kiln.runtime.run_settings import default_backend_name
 
 USAGE_ERROR = 2
@@ -103,8 +104,16 @@ def _add_model(p: argparse.ArgumentParser) -> None:
                         "on first use)")
 
 
+def _default_words() -> str:
+    """The default backend in words, from the registry (without importing a backend's
+    dependency, which would slow every command's start)."""
+    top = max((backend_entry(n) for n in backend_names()), key=lambda e: e.preference)
+    ref = reference_backend_name()
+    return ref if top.name == ref else f"{top.name} when installed, else {ref}"
+
+
 def _add_backend(p: argparse.ArgumentParser, runs: bool = True, tuned: bool = False) -> None:
-    default = "torch when installed, else numpy"
+    default = _default_words()
     if tuned:  # a file `kiln tune` wrote stores its backend and options
         backend_help = "backend to run on (default: the one `kiln tune` stored in the " \
                        f"file with its options, else {default}; options given here win)"
@@ -429,9 +438,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--budget-seconds", type=float, default=600.0, metavar="S",
                    help="stop the accuracy-budget search after S seconds with the closest "
                         "model found (default: 600)")
-    p.add_argument("--backend", choices=[*backend_names(), "onnxruntime"], default="numpy",
+    p.add_argument("--backend", choices=engines(), default=None,
                    help="engine that calibrates and on which the report, the accuracy budget "
-                        "and --speed-aware measure (the one the file will run on)")
+                        "and --speed-aware measure (the one the file will run on; default: "
+                        f"{reference_backend_name()})")
     p.add_argument("--speed-aware", action=argparse.BooleanOptionalAction, default=None,
                    help="time each quantized layer alone, float and quantized, on --backend "
                         "and keep in float those not measured faster (default: on where "
@@ -885,10 +895,10 @@ def cmd_quantize(args) -> int:
     print(f"{args.model} -> {args.output}")
     print(q.report)
     r = q.report
-    if args.backend == "numpy" and r.latency_before_ms and r.latency_after_ms:
-        _hint(f"on the NumPy backend the quantized model ran "
+    if r.backend not in integer_engines() and r.latency_before_ms and r.latency_after_ms:
+        _hint(f"on the {r.backend} backend the quantized model ran "
               f"{r.latency_before_ms / r.latency_after_ms:.2f}x as fast as the original "
-              f"({r.latency_after_ms:.2f} against {r.latency_before_ms:.2f} ms): NumPy has "
+              f"({r.latency_after_ms:.2f} against {r.latency_before_ms:.2f} ms): it has "
               "no int8 kernels. The torch backend runs int8 layers on oneDNN's and "
               "fbgemm's (2.2-3.4x faster than fp32 on conv nets at batch 8, "
               "docs/quantization.md): measure with --backend torch, run with "

@@ -14,15 +14,15 @@ from collections import Counter
 from functools import partial
 
 from kiln.conformance.runner import KINDS, collect, run_case
-from kiln.runtime.backends import backend_names
+from kiln.runtime.backends import backend_names, backends_where, reference_backend_name
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m kiln.conformance", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="numpy", choices=backend_names())
+    ap.add_argument("--backend", default=reference_backend_name(), choices=backend_names())
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"],
-                    help="where the torch backend runs (cuda: needs a GPU)")
+                    help="where the backend runs (cuda: a backend that runs there, and a GPU)")
     ap.add_argument("--kind", action="append", choices=KINDS,
                     help="test kinds to run (repeatable; default: all)")
     ap.add_argument("-k", dest="pattern", help="only tests whose name contains this")
@@ -32,8 +32,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--strict", action="store_true", help="exit 1 if any test fails")
     args = ap.parse_args(argv)
     cases = collect(tuple(args.kind or KINDS), args.pattern)
-    if args.device == "cuda" and args.backend != "torch":
-        ap.error("--device cuda runs the torch backend: add --backend torch")
+    gpu = backends_where(lambda e: "cuda" in e.devices)
+    if args.device == "cuda" and args.backend not in gpu:
+        ap.error(f"--device cuda runs the {' or '.join(gpu)} backend: add --backend "
+                 f"{gpu[0] if gpu else '...'}")
     work = partial(run_case, backend=args.backend, timeout=args.timeout, device=args.device)
     if args.jobs > 1 and len(cases) > 1:
         with mp.get_context("fork").Pool(args.jobs, maxtasksperchild=200) as pool:

@@ -8,7 +8,7 @@ import numpy as np
 import onnx
 from onnx.backend.base import Backend, BackendRep
 
-from kiln.runtime.backends import backend_entry
+from kiln.runtime.backends import backend_entry, reference_backend_name
 from kiln.session_api import InferenceSession
 
 
@@ -32,7 +32,7 @@ class KilnRep(BackendRep):
 class KilnBackend(Backend):
     """Adapter between ONNX's backend API and :class:`kiln.InferenceSession`."""
 
-    backend_name = "numpy"
+    backend_name = reference_backend_name()
 
     @classmethod
     def prepare(cls, model: onnx.ModelProto, device: str = "CPU", **kwargs: Any) -> KilnRep:

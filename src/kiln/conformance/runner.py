@@ -16,6 +16,7 @@ from onnx.backend.test.runner import Runner
 
 from kiln.conformance.backend import backend_for
 from kiln.onnxio.tensors import to_array
+from kiln.runtime.backends import reference_backend_name
 
 KINDS = ("node", "simple", "pytorch-converted", "pytorch-operator", "light")
 _ONNX_ROOT = os.path.dirname(onnx.__file__)
@@ -107,10 +108,10 @@ class _Timeout(Exception):
     pass
 
 
-def run_case(case: Case, backend: str = "numpy", timeout: int = 120,
+def run_case(case: Case, backend: str | None = None, timeout: int = 120,
              device: str = "cpu") -> Outcome:
-    """Run one case on ``device`` ("cpu", or "cuda" for the torch backend); failures carry a
-    one-line reason."""
+    """Run one case on ``backend`` (None: the reference backend) and ``device`` ("cpu", or
+    "cuda" for a backend that runs there); failures carry a one-line reason."""
     def on_alarm(*_):
         raise _Timeout(f"took longer than {timeout}s")
 
@@ -118,7 +119,7 @@ def run_case(case: Case, backend: str = "numpy", timeout: int = 120,
     signal.alarm(timeout)
     try:
         model = case.model if case.model is not None else onnx.load(case.model_path)
-        rep = backend_for(backend).prepare(model, device.upper())
+        rep = backend_for(backend or reference_backend_name()).prepare(model, device.upper())
         for feeds, refs in _data_sets(case, model):
             outs = rep.run(feeds)
             outs = [_plain(o) for o in outs]

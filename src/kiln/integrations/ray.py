@@ -110,7 +110,7 @@ class KilnPredictor:
             if ray.is_initialized() else 0
         if device is None and gpus and "cuda" in backend_entry(backend).devices:
             device = "cuda"  # Ray's CUDA_VISIBLE_DEVICES leaves this actor its own GPU(s)
-        if backend == "numpy":
+        if not backend_entry(backend).threads_per_run:
             _limit_blas_threads(n)
         self.session = InferenceSession(model, backend=backend, optimize=optimize,
                                         **backend_options(backend, device, n))
@@ -151,7 +151,8 @@ def _mapping(given: dict[str, str] | None, names: list[str], what: str) -> dict[
 
 
 def _limit_blas_threads(n: int) -> None:
-    """The NumPy backend's threads are BLAS's: cap them at the actor's share."""
+    """A backend without per-run threads (NumPy's are BLAS's): cap the process's BLAS
+    threads at the actor's share."""
     try:
         from threadpoolctl import threadpool_limits
     except ImportError:  # Ray already sets OMP_NUM_THREADS to the actor's CPUs

@@ -18,7 +18,7 @@ from kiln.passes.infer_shapes import infer_model
 from kiln.quantize import qdq, weight_only
 from kiln.quantize.calibrate import METHODS, calibrate, calibrate_all, load_feeds
 from kiln.quantize.cpu import weight_range
-from kiln.quantize.engines import BACKENDS
+from kiln.quantize.engines import engines, integer_engines
 from kiln.quantize.fp16 import as_model, at_opset, standard_ops
 from kiln.quantize.outliers import measure_noise
 from kiln.quantize.report import (
@@ -31,14 +31,13 @@ from kiln.quantize.report import (
 )
 from kiln.quantize.smooth import smooth
 from kiln.quantize.speed import LayerTiming, time_layers, whole_model_ms
+from kiln.runtime.backends import reference_backend_name
 
 __all__ = ["MODES", "Budget", "Quantized", "quantize"]
 
 MODES = ("dynamic", "static", "weight-only")
 SMOOTH_ALPHAS = (0.5,)
 """SmoothQuant strengths the accuracy budget tries (static, when none was asked)."""
-INTEGER_ENGINES = ("torch", "onnxruntime")
-"""Engines that run quantized layers on integer kernels: speed-aware by default there."""
 # How many feeds the report's accuracy check runs at most.
 REPORT_FEEDS = 8
 
@@ -66,7 +65,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
              bits: int = 4,
              block_size: int = 128, budget: Budget | str | None = None,
              budget_seconds: float = 600.0,
-             backend: str = "numpy", measure_latency: bool = True,
+             backend: str | None = None, measure_latency: bool = True,
              speed_aware: bool | None = None,
              on_batch: Callable[[int, int], None] | None = None,
              on_stage: Callable[[str], None] | None = None) -> Quantized:
@@ -123,9 +122,10 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     stage = on_stage or (lambda text: None)
     if isinstance(budget, str):
         budget = Budget.parse(budget)
-    if backend not in BACKENDS:
+    backend = backend or reference_backend_name()
+    if backend not in engines():
         raise OptionError(f"unknown backend {backend!r} to measure on; choose one of "
-                          f"{', '.join(BACKENDS)}")
+                          f"{', '.join(engines())}")
     if mode not in MODES:
         raise OptionError(f"unknown quantization mode {mode!r}; choose one of "
                           f"{', '.join(MODES)}")
@@ -277,12 +277,13 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     timings: dict[str, LayerTiming] = {}
     speed_note = []
     if speed_aware is None:
-        speed_aware = bool(check) and mode != "weight-only" and backend in INTEGER_ENGINES
-        if mode != "weight-only" and backend not in INTEGER_ENGINES:
+        fast = integer_engines()
+        speed_aware = bool(check) and mode != "weight-only" and backend in fast
+        if mode != "weight-only" and backend not in fast:
             speed_note = [f"speed-aware off on {backend}, which runs quantized layers in "
                           "float (slower than the float model); to keep in float what "
-                          "is slower where the file will run, pass backend='torch' or "
-                          "'onnxruntime'"]
+                          "is slower where the file will run, pass backend="
+                          f"{' or '.join(repr(e) for e in fast)}"]
     if speed_aware and mode != "weight-only":
         if not check:
             raise OptionError("speed-aware quantization times layers on real inputs: give "

@@ -65,7 +65,7 @@ def load_feeds(calibration, input_names: list[str], batch: int = 16) -> list[dic
 
 
 def calibrate(model: Model, tensors: list[str], feeds: list[dict], method: str = "minmax",
-              percentile: float = 99.99, backend: str = "numpy",
+              percentile: float = 99.99, backend: str | None = None,
               on_batch: Callable[[int, int], None] | None = None) -> dict[str, Range]:
     """The range of each of ``tensors`` (value names of ``model``) over ``feeds``.
     ``on_batch(done, total)`` is called after every batch (a progress bar hooks in)."""
@@ -75,7 +75,7 @@ def calibrate(model: Model, tensors: list[str], feeds: list[dict], method: str =
 
 def calibrate_all(model: Model, tensors: list[str], feeds: list[dict],
                   methods: tuple[str, ...] = METHODS, percentile: float = 99.99,
-                  backend: str = "numpy",
+                  backend: str | None = None,
                   on_batch: Callable[[int, int], None] | None = None
                   ) -> dict[str, dict[str, Range]]:
     """Per method of ``methods``, the range of each of ``tensors`` over ``feeds``: one
@@ -136,7 +136,7 @@ def calibrate_all(model: Model, tensors: list[str], feeds: list[dict],
     return result
 
 
-def session_with(model: Model, tensors: list[str], backend: str):
+def session_with(model: Model, tensors: list[str], backend: str | None):
     """A session on a copy of ``model`` that also returns ``tensors``."""
     m = clone_model(model)
     by_name = {v.name: v for _, n in m.graph.walk() for v in n.outputs if v is not None}

@@ -12,18 +12,33 @@ from __future__ import annotations
 from kiln.errors import OptionError
 from kiln.ir import Model
 from kiln.onnxio import to_proto
-from kiln.runtime.backends import backend_names
+from kiln.runtime.backends import backend_names, backends_where, reference_backend_name
 from kiln.session_api import InferenceSession
 
-BACKENDS = (*backend_names(), "onnxruntime")
+ONNXRUNTIME = "onnxruntime"
+"""The engine name that measures on onnxruntime itself."""
 
 
-def open_session(model: Model, backend: str, optimize: bool = True):
-    """A session running ``model`` on ``backend`` (one of :data:`BACKENDS`); both kinds
-    answer ``run(names, feed)`` and ``get_outputs()``. ``optimize=False`` runs every node
-    as written (calibration reads tensors a fusion would hide)."""
-    if backend != "onnxruntime":
-        return InferenceSession(model, backend=backend, optimize=optimize)
+def engines() -> list[str]:
+    """The engines to measure on: every registered backend (read when asked, so one
+    registered after import is among them), then onnxruntime."""
+    return [*backend_names(), ONNXRUNTIME]
+
+
+def integer_engines() -> list[str]:
+    """The engines that run quantized layers on integer kernels (speed-aware there by
+    default): the backends the registry says do, and onnxruntime."""
+    return [*backends_where(lambda e: e.integer_kernels), ONNXRUNTIME]
+
+
+def open_session(model: Model, backend: str | None, optimize: bool = True):
+    """A session running ``model`` on ``backend`` (one of :func:`engines`; None: the
+    reference backend); both kinds answer ``run(names, feed)`` and ``get_outputs()``.
+    ``optimize=False`` runs every node as written (calibration reads tensors a fusion
+    would hide)."""
+    if backend != ONNXRUNTIME:
+        return InferenceSession(model, backend=backend or reference_backend_name(),
+                                optimize=optimize)
     try:
         import onnxruntime as ort
     except ImportError:

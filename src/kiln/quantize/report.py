@@ -39,7 +39,8 @@ class QuantizeReport:
     kept: dict[str, str] = field(default_factory=dict)
     outputs: dict[str, OutputError] = field(default_factory=dict)
     samples: int = 0
-    backend: str = "numpy"
+    backend: str | None = None
+    """The engine measured on (None: the reference backend)."""
     latency_before_ms: float | None = None
     latency_after_ms: float | None = None
     layer_times: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -110,7 +111,7 @@ def model_bytes(m: Model) -> int:
 
 
 def compare(ref: Model | dict[str, list[np.ndarray]], quant: Model, feeds: list[dict],
-            backend: str = "numpy") -> dict[str, OutputError]:
+            backend: str | None = None) -> dict[str, OutputError]:
     """Per-output error of ``quant`` against ``ref`` over ``feeds``; ``ref`` may be the
     float model's outputs already computed (:func:`outputs_of`), as a search comparing
     many candidates against one model does."""
@@ -119,7 +120,7 @@ def compare(ref: Model | dict[str, list[np.ndarray]], quant: Model, feeds: list[
     return output_errors(refs, {n: gots[n] for n in refs})
 
 
-def outputs_of(m: Model, feeds: list[dict], backend: str = "numpy"
+def outputs_of(m: Model, feeds: list[dict], backend: str | None = None
                ) -> dict[str, list[np.ndarray]]:
     """Each output of ``m`` (name -> one array per feed) on ``backend``."""
     sess = open_session(m, backend)
@@ -164,7 +165,7 @@ def output_errors(refs: dict[str, list[np.ndarray]], gots: dict[str, list[np.nda
     return out
 
 
-def latency_ms(m: Model, feed: dict, backend: str = "numpy", runs: int = 5) -> float:
+def latency_ms(m: Model, feed: dict, backend: str | None = None, runs: int = 5) -> float:
     """Best-of-``runs`` wall time of one run of ``m`` on ``feed`` (after a warm-up)."""
     sess = open_session(m, backend)
     sess.run(None, feed)

@@ -187,7 +187,7 @@ def smooth(
     layers: list[Node],
     feeds: list[dict],
     alpha: float = 0.5,
-    backend: str = "numpy",
+    backend: str | None = None,
     quantized: Iterable[Node] = (),
 ) -> Smoothing:
     """Migrate activation range into the weights of ``layers`` (nodes of ``model``;

@@ -5,14 +5,18 @@ reads them back, so a tuned file is one line to run."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import warnings
 from typing import Any
 
 from kiln.errors import MissingDependencyError
 from kiln.runtime.backend import Backend
-from kiln.runtime.backends import make_backend
+from kiln.runtime.backends import (
+    backend_entry,
+    default_backend_name,
+    make_backend,
+    reference_backend_name,
+)
 
 __all__ = ["KEY", "backend_for", "default_backend", "default_backend_name", "encode", "stored"]
 
@@ -20,38 +24,21 @@ KEY = "kiln.run_settings"
 """The metadata_props key holding a JSON object ``{"backend": ..., "options": {...}}``."""
 
 
-def default_backend_name() -> str:
-    """The backend of a session given none, for a file without stored settings: "torch"
-    when torch is installed, else "numpy". On the real-model benchmark and the zoo
-    (docs/performance.md) the torch backend is faster at batch 1 on most models, and the
-    NumPy one is many times slower than onnxruntime on every conv net (OpenBLAS threading
-    on small matmuls, Python loops); the few tiny models where NumPy wins are a small
-    absolute difference, so one rule, not a per-model guess, picks the backend. Installed
-    means importable: a broken or shadowed torch leaves NumPy the default (the import is
-    the one the torch backend would do anyway)."""
-    if importlib.util.find_spec("torch") is None:
-        return "numpy"
-    try:
-        importlib.import_module("torch")
-    except ImportError:
-        return "numpy"
-    return "torch"
-
-
 def default_backend(options: dict[str, Any]) -> Backend:
-    """The default backend (:func:`default_backend_name`) built with ``options``; NumPy
-    when torch is installed but cannot be imported. On the CPU its fallback layers are not
-    warned about: the user chose no backend, and on the CPU a fallback moves no data
-    between devices (``session.placement()`` still lists them)."""
-    if default_backend_name() == "torch":
-        opts = dict(options)
-        if not str(opts.get("device", "cpu")).startswith("cuda"):
-            opts.setdefault("warn", False)
-        try:
-            return make_backend("torch", **opts)
-        except MissingDependencyError:
-            pass
-    return make_backend("numpy", **options)
+    """The default backend (:func:`default_backend_name`: torch where it imports, see the
+    registry) built with ``options``; the reference backend when the default's dependency
+    turns out missing. On the CPU its fallback layers are not warned about: the user chose
+    no backend, and on the CPU a fallback moves no data between devices
+    (``session.placement()`` still lists them)."""
+    name = default_backend_name()
+    opts = dict(options)
+    if backend_entry(name).takes("warn") and \
+            not str(opts.get("device", "cpu")).startswith("cuda"):
+        opts.setdefault("warn", False)
+    try:
+        return make_backend(name, **opts)
+    except MissingDependencyError:
+        return make_backend(reference_backend_name(), **options)
 
 
 def encode(backend: str, options: dict[str, Any]) -> str:

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from kiln.errors import MissingDependencyError
+from kiln.runtime.backends import backend_entry
 from kiln.serving.http import build_app
 from kiln.serving.models import ModelConfig, Repository
 from kiln.serving.service import Service
@@ -70,7 +71,7 @@ def application(
     run threads."""
     serve = _serve()
     config = config or ModelConfig()
-    if config.threads is None and config.backend != "numpy":
+    if config.threads is None and backend_entry(config.backend).threads_per_run:
         config.threads = max(1, int(num_cpus))
     options: dict[str, Any] = {
         "ray_actor_options": {"num_cpus": num_cpus},

@@ -3,6 +3,7 @@ and outputs bound to a session ahead of its runs."""
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import numpy as np
@@ -159,7 +160,8 @@ class IOBinding:
         """Run the session on the bound inputs into the bound outputs."""
         s = self.session
         names = list(self.outputs) or [v.name for v in s.model.graph.outputs]
-        as_torch = s.backend.name == "torch"
+        torch = sys.modules.get("torch")  # a backend whose arrays are torch tensors
+        as_torch = torch is not None and issubclass(s.backend.array_type, torch.Tensor)
         got = s.run(names, self.inputs, run_options,
                     output_type="torch" if as_torch else "numpy")
         results = []

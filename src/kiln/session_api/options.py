@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kiln.errors import OptionError
-from kiln.runtime.backends import backend_entry
+from kiln.runtime.backends import backend_entry, backends_where, reference_backend_name
 
 CPU = "CPUExecutionProvider"
 CUDA = "CUDAExecutionProvider"
@@ -257,16 +257,21 @@ def configure(sess_options: SessionOptions | None, providers, provider_options,
     chosen = _choose_provider(providers, provider_options)
     name, popts = chosen
     if name == CUDA:
-        if backend is not None and "cuda" not in backend_entry(backend).devices:
-            raise OptionError(f"CUDAExecutionProvider runs on the torch backend, not "
-                              f"{backend!r}; drop backend= or use the CPUExecutionProvider")
-        backend = "torch"
+        gpu = backends_where(lambda e: "cuda" in e.devices)
+        if backend is not None and backend not in gpu:
+            raise OptionError(f"CUDAExecutionProvider runs on the {' or '.join(gpu)} "
+                              f"backend, not {backend!r}; drop backend= or use the "
+                              "CPUExecutionProvider")
+        backend = backend or gpu[0]
         options.setdefault("device", f"cuda:{int(popts.get('device_id', 0))}")
     if so.use_deterministic_compute and backend is None:
-        backend = "numpy"  # asked for: settings a tuned file stores do not override it
-    if so.use_deterministic_compute and backend != "numpy":
-        raise OptionError("use_deterministic_compute: only the numpy backend is known to "
-                          "give the same result run after run; use backend='numpy'")
+        # asked for: settings a tuned file stores do not override it
+        backend = reference_backend_name()
+    if so.use_deterministic_compute and not backend_entry(backend).exact:
+        exact = backends_where(lambda e: e.exact)
+        raise OptionError(f"use_deterministic_compute: only the {' or '.join(exact)} "
+                          "backend is known to give the same result run after run; use "
+                          f"backend={exact[0]!r}")
     if so.intra_op_num_threads:
         options.setdefault("threads", int(so.intra_op_num_threads))
     options.setdefault("keep_freed_memory", bool(so.enable_cpu_mem_arena))

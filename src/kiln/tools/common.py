@@ -13,7 +13,7 @@ import onnx
 from kiln.errors import InputError, KilnError
 from kiln.ir import DType, Model, SymDim, TensorType, Value, parse_dim, plain_shape
 from kiln.onnxio import load, to_proto
-from kiln.runtime.backends import backend_entry, backend_names
+from kiln.runtime.backends import backend_entry, backends_where
 from kiln.runtime.run_settings import default_backend_name, stored
 
 # What to run when an optional dependency is missing (extras of pyproject.toml; the README
@@ -244,27 +244,31 @@ def backend_options(backend: str, device: str | None = None,
                     threads: int | None = None, precision: str | None = None,
                     compile: bool = False) -> dict[str, Any]:
     """The backend options the CLI's ``--device``/``--threads``/``--precision``/
-    ``--compile`` mean, for the backends that take them (the registry says which: a
-    backend without them runs fp32 on the CPU, said in the CLI's own words)."""
+    ``--compile`` mean, for the backends that take them (the registry says which: asking
+    a backend for what it does not take is refused in the CLI's own words, naming the
+    backends that do)."""
     entry = backend_entry(backend)
-    if "precision" not in entry.options:
-        others = [e for e in backend_names() if "precision" in backend_entry(e).options]
-        other = others[0] if others else "torch"
-        if device not in (None, "cpu"):
-            raise KilnError(f"the {backend} backend runs on the CPU only; use --backend "
-                            f"{other} for device {device!r}")
-        if precision not in (None, "fp32") or compile:
-            asked = f"--precision {precision}" if precision not in (None, "fp32") else \
-                "--compile"
-            raise KilnError(f"{asked} needs --backend {other} (the {backend} backend "
-                            "computes in the model's own types, eagerly)")
-        return {}
-    opts: dict[str, Any] = {"warn": False} if "warn" in entry.options else {}
-    if device:
+
+    def others(test) -> str:
+        return " or ".join(backends_where(test)) or "another backend"
+
+    kind = (device or "cpu").split(":")[0]
+    if device and kind not in entry.devices:
+        raise KilnError(f"the {backend} backend runs on {' and '.join(entry.devices)} only; "
+                        f"use --backend {others(lambda e: kind in e.devices)} for device "
+                        f"{device!r}")
+    for asked, option in (((precision not in (None, "fp32")) and f"--precision {precision}",
+                           "precision"), (compile and "--compile", "compile")):
+        if asked and not entry.takes(option):
+            raise KilnError(f"{asked} needs --backend "
+                            f"{others(lambda e, o=option: e.takes(o))} (the {backend} "
+                            "backend computes in the model's own types, eagerly)")
+    opts: dict[str, Any] = {"warn": False} if entry.takes("warn") else {}
+    if device and entry.takes("device"):
         opts["device"] = device
-    if threads:
+    if threads and entry.threads_per_run:  # a process-wide pool is the caller's to set
         opts["threads"] = threads
-    if precision:
+    if precision and entry.takes("precision"):
         opts["precision"] = precision
     if compile:
         opts["compile"] = True
@@ -275,7 +279,7 @@ def session_for(model: Any, backend: str | None = None, device: str | None = Non
                 threads: int | None = None, optimize: bool = True,
                 precision: str | None = None, compile: bool = False):
     """An InferenceSession on ``backend`` (``device``, ``threads``, ``precision`` and
-    ``compile`` are torch options), optimized as sessions are by default unless
+    ``compile`` as :func:`backend_options` passes them), optimized as sessions are by default unless
     ``optimize`` is False. ``backend=None``: the backend and options the model file
     stores (``kiln tune``), the options given here winning, else the default backend."""
     from kiln.session_api import InferenceSession

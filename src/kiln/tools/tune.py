@@ -29,7 +29,7 @@ from kiln.quantize.api import Budget
 from kiln.quantize.calibrate import load_feeds
 from kiln.quantize.report import OutputError, model_bytes, output_errors
 from kiln.runtime.backend import usable_cores
-from kiln.runtime.backends import backend_names
+from kiln.runtime.backends import backend_entry, backend_names, reference_backend_name
 from kiln.runtime.run_settings import KEY, encode
 from kiln.session_api import InferenceSession
 from kiln.tools.common import load_model, random_feeds
@@ -189,7 +189,8 @@ def tune(model: Any, data: Any = None, *, budget: Budget | str | None = None,
     check = feeds[:CHECK_FEEDS]
     timed = _rows(feeds[0], batch) if feeds else random_feeds(base, batch=batch)
     stage("running the fp32 reference")
-    ref_sess = InferenceSession(base, backend="numpy")
+    ref = reference_backend_name()
+    ref_sess = InferenceSession(base, backend=ref)
     names = [o.name for o in ref_sess.get_outputs()]
     refs = _outputs(ref_sess, names, check)
     budget = _budget(budget, refs) if check else None
@@ -199,11 +200,12 @@ def tune(model: Any, data: Any = None, *, budget: Budget | str | None = None,
     build_end = t0 + BUILD_SHARE * time_budget
     for i, c in enumerate(cands):
         left = build_end - time.perf_counter()
-        # The first two (numpy and torch fp32 eager) are always built: the baseline.
+        # The first two (the reference and the next backend's fp32) are always built: the
+        # baseline.
         if i >= 2 and left <= MIN_BUILD_SECONDS[_kind(c)]:
             c.status = f"skipped: out of time to build it ({max(left, 0):.0f} s left)"
             continue
-        if c.backend == "numpy" and not c.options:
+        if c.backend == ref and not c.options:
             # the fp32 reference is this candidate: its session and outputs serve again
             # (on a big model NumPy's check alone took minutes)
             c.session, c.size, c.seconds = ref_sess, model_bytes(base), {"build": 0.0}
@@ -227,7 +229,8 @@ def tune(model: Any, data: Any = None, *, budget: Budget | str | None = None,
             c.status = text if text.startswith("skipped") else f"failed: {text}"
             c.session = None
     cands += [replace(c, name=f"{c.name}, 1 thread", threads=1, latencies_ms=[])
-              for c in cands if c.session is not None and c.backend == "torch"
+              for c in cands if c.session is not None and c.threads is None
+              and backend_entry(c.backend).threads_per_run
               and usable_cores() > 1]  # the same session: threads are set per run
     runs = [c for c in cands if c.session is not None]
     if not runs:
@@ -301,25 +304,24 @@ def _budget(budget: Budget | str | None, refs: dict) -> Budget:
 
 
 def _plan(base: Model, check: list, budget: Budget | None) -> list[Candidate]:
-    """The candidates that apply on this machine, cheapest to build first."""
-    cands = [Candidate("numpy fp32", "numpy", {})]
-    if "torch" not in backend_names():
-        return cands
-    try:
-        import torch
-
-        from kiln.runtime.torch_backend import native_on_cpu
-    except ImportError:  # torch not installed: NumPy is the only backend here
-        return cands
-    cands.append(Candidate("torch fp32 eager", "torch", {}))
-    if check:
-        if native_on_cpu(torch.bfloat16):
-            cands.append(Candidate("torch bf16 eager", "torch", {"precision": "bf16"},
-                                   exact=False))
-        for mode in ("dynamic", "static"):
-            cands.append(Candidate(f"torch int8 {mode}", "torch", {}, exact=False,
-                                   int8=mode))
-    cands.append(Candidate("torch fp32 compiled", "torch", {"compile": True}))
+    """The candidates that apply on this machine, cheapest to build first: the reference
+    backend, then each other usable backend eagerly in fp32, in the reduced precisions it
+    computes natively, int8 where it has integer kernels, and compiled where it has a
+    compiler (the registry says which)."""
+    ref = reference_backend_name()
+    cands = [Candidate(f"{ref} fp32", ref, {})]
+    others = [backend_entry(n) for n in backend_names(usable_only=True) if n != ref]
+    for e in others:
+        cands.append(Candidate(f"{e.name} fp32 eager", e.name, {}))
+    for e in others:
+        if check:
+            cands += [Candidate(f"{e.name} {p} eager", e.name, {"precision": p}, exact=False)
+                      for p in e.precisions()]
+            if e.integer_kernels:
+                cands += [Candidate(f"{e.name} int8 {mode}", e.name, {}, exact=False,
+                                    int8=mode) for mode in ("dynamic", "static")]
+        if e.takes("compile"):
+            cands.append(Candidate(f"{e.name} fp32 compiled", e.name, {"compile": True}))
     return cands
 
 
@@ -339,7 +341,7 @@ def _build(c: Candidate, base: Model, feeds: list, check: list, budget: Budget |
             # (calibrating and timing layers take the rest)
             q = quantize(base, mode, calibration=feeds if mode == "static" else None,
                          validation=check, budget=budget, budget_seconds=left * 0.3,
-                         backend="torch", measure_latency=False)
+                         backend=c.backend, measure_latency=False)
         finally:
             c.seconds["calibrate"] = time.perf_counter() - t
         c.model = q.model
@@ -348,12 +350,12 @@ def _build(c: Candidate, base: Model, feeds: list, check: list, budget: Budget |
         # machine (torch's inductor imports): the child gets part of what is left.
         t = time.perf_counter()
         try:
-            _precompile(base, feed, 0.7 * left)
+            _precompile(base, c.backend, feed, 0.7 * left)
         finally:  # a stopped compile's time is counted too
             c.seconds["compile"] = time.perf_counter() - t
     t = time.perf_counter()
     c.size = model_bytes(c.model if c.model is not None else base)
-    opts = {**c.options, **({"warn": False} if c.backend == "torch" else {})}
+    opts = {**c.options, **({"warn": False} if backend_entry(c.backend).takes("warn") else {})}
     c.session = InferenceSession(c.model if c.model is not None else base,
                                  backend=c.backend, **opts)
     c.seconds["build"] = time.perf_counter() - t
@@ -361,15 +363,16 @@ def _build(c: Candidate, base: Model, feeds: list, check: list, budget: Budget |
 
 _PRECOMPILE = """import sys, numpy as np, kiln
 feed = dict(np.load(sys.argv[2]))
-kiln.InferenceSession(sys.argv[1], backend="torch", compile=True, warn=False).run(None, feed)
+kiln.InferenceSession(sys.argv[1], backend=sys.argv[3], compile=True).run(None, feed)
 """
 
 
-def _precompile(base: Model, feed: dict, seconds: float) -> None:
-    """Compile ``base`` for ``feed``'s shapes in a child process that is stopped after
-    ``seconds``: a first compile can take minutes on a busy machine, and only a process
-    can be stopped. What it compiled lands in the disk cache (kiln.runtime.compile_cache),
-    where this process's session finds it; a refusal says so."""
+def _precompile(base: Model, backend: str, feed: dict, seconds: float) -> None:
+    """Compile ``base`` on ``backend`` for ``feed``'s shapes in a child process that is
+    stopped after ``seconds``: a first compile can take minutes on a busy machine, and
+    only a process can be stopped. What it compiled lands in the disk cache
+    (kiln.runtime.compile_cache), where this process's session finds it; a refusal says
+    so."""
     from kiln.runtime import compile_cache
 
     if compile_cache.folder() is None:  # no disk cache: nothing a child could hand over
@@ -380,7 +383,7 @@ def _precompile(base: Model, feed: dict, seconds: float) -> None:
         save(base, f"{d}/m.onnx")
         np.savez(f"{d}/feed.npz", **feed)
         proc = subprocess.Popen([sys.executable, "-c", _PRECOMPILE, f"{d}/m.onnx",
-                                 f"{d}/feed.npz"], stdout=subprocess.DEVNULL,
+                                 f"{d}/feed.npz", backend], stdout=subprocess.DEVNULL,
                                 stderr=subprocess.DEVNULL, start_new_session=True)
         try:
             proc.wait(timeout=seconds)
