@@ -897,6 +897,32 @@ def test_pointwise_convolutions_run_as_linear_layers_and_match_onnxruntime(monke
     from kiln.ops.torch import conv
 
     monkeypatch.setattr(conv, "_ROWS_MACS", 24_000_000)  # on AVX2 CPUs too (0 there)
+    monkeypatch.setattr(conv, "_ROWS_PLAIN_MACS", 0)  # these small layers too
+    _check_pointwise_model(monkeypatch, [(12, 5), (12, 12), (8, 12)])
+
+
+@_requires("Conv")
+def test_small_pointwise_convolutions_are_plain_products_and_match_onnxruntime(monkeypatch):
+    """The same 1x1 layers under ``_ROWS_PLAIN_MACS`` run as MKL's plain product, with
+    the activation and residual applied after it: no weight is packed, and the results
+    are onnxruntime's."""
+    from kiln.ops.torch import conv
+
+    monkeypatch.setattr(conv, "_ROWS_MACS", 24_000_000)
+    monkeypatch.setattr(conv, "_ROWS_PLAIN_MACS", 1 << 21)
+    convs: list[tuple[int, ...]] = []
+    real = torch.ops.mkldnn._reorder_convolution_weight
+
+    def counted(w, *args):
+        convs.append(tuple(w.shape))
+        return real(w, *args)
+    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_convolution_weight", counted)
+    _check_pointwise_model(monkeypatch, [])
+    # only the padded, strided and residual-then-Relu layers (all 8x8) are convolutions
+    assert convs and set(convs) == {(8, 8, 1, 1)}, convs
+
+
+def _check_pointwise_model(monkeypatch, packs: list) -> None:
     reorders = _count_linear_packs(monkeypatch)
     rng = np.random.default_rng(5)
     w = _random_initializer(rng, 0.3)
@@ -923,7 +949,7 @@ def test_pointwise_convolutions_run_as_linear_layers_and_match_onnxruntime(monke
         x = rng.standard_normal((n, 5, 6, 7)).astype(np.float32)
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], ort_run(model, {"x": x})[0],
                                    rtol=1e-4, atol=1e-5)
-    assert reorders == [(12, 5), (12, 12), (8, 12)], reorders  # (Cout, Cin): once each
+    assert reorders == packs, reorders  # (Cout, Cin): once each
 
 
 @pytest.mark.parametrize("starts, ends, axes, steps", [

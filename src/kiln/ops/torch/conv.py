@@ -66,6 +66,10 @@ _PACKED_MACS = 1 << 21 if _AVX512 else 32_000_000
 # 1x1 convolutions up to this many multiply-adds run as linear layers (see conv_kernel;
 # measured on the AVX-512 CPU only).
 _ROWS_MACS = 24_000_000 if _AVX512 else 0
+# ... except under this many multiply-adds (and a weight under _PACKED_WEIGHT), where the
+# plain product wins, as it does for linear(): PaddleOCR's text-line classifier at batch 1
+# (docs/performance.md, issue 42).
+_ROWS_PLAIN_MACS = _PACKED_MACS
 
 
 def linear(site, weight, act: Callable | None = None, post: tuple | None = None):
@@ -234,6 +238,7 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     # over _ROWS_MACS, not measured, keep the convolution.
     rows_ok = packable and cl and low is None and group == 1 and wc.shape[2:] == (1, 1)
     rows_pack: list = []
+    w2d = torch.from_numpy(wc.reshape(wc.shape[0], -1)) if rows_ok else None
     # Reduced precision outside oneDNN: the constant weight and bias cast at the first such
     # call (layers that always take oneDNN's packed path never hold the copy); not while
     # tracing for torch.compile, where the cast is part of the program
@@ -252,13 +257,21 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
             and (attr != "none" or tuple(z.shape) != (n, cout, h, w_) or z.dtype != x.dtype)
         ):
             return None
+        rows = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, c)
+        if c * cout < _PACKED_WEIGHT and rows.shape[0] * c * cout < _ROWS_PLAIN_MACS:
+            # A small layer (a squeeze-excite block's, a text line's pointwise conv) is
+            # MKL's plain product, as linear() makes one under the same sizes: oneDNN's
+            # primitive costs more a call in fixed overhead than such a product takes.
+            y = F.linear(rows, w2d, b).view(n, h, w_, cout).permute(0, 3, 1, 2)
+            if z is not None:
+                y = y + z
+            return y if act is None else act(y)
         if not rows_pack:  # two threads may both pack: the same result, one kept
             rows_pack[:] = [
                 torch.ops.mkldnn._reorder_linear_weight(
                     torch.from_numpy(wc.reshape(cout, c).copy())
                 )
             ]
-        rows = x.contiguous(memory_format=torch.channels_last).permute(0, 2, 3, 1).reshape(-1, c)
         if z is None:
             y = torch.ops.mkldnn._linear_pointwise(rows, rows_pack[0], b, attr, scalars, algo)
         else:
