@@ -669,3 +669,23 @@ def test_an_ir_version_past_the_installed_onnxs_is_refused():
                 kiln.InferenceSession(m.SerializeToString())
         else:
             np.testing.assert_array_equal(_kiln(m, feed, "numpy")[0], _ort(m, feed)[0])
+
+
+@pytest.mark.parametrize("used", [False, True])
+def test_a_node_of_a_domain_the_model_does_not_import_is_refused(used):
+    """Fuzz case 13936825: an Expand whose domain a flipped byte made 'x', a domain the
+    model imports no opset of, ran when no output read it; onnxruntime refuses the model
+    used or not (and the used one was called a missing kernel "at opset 17")."""
+    m = _one(helper.make_node("Relu", ["x"], ["y"]), [2])
+    feed = {"x": np.array([-1, 1], np.float32)}
+    (want,) = _ort(m, feed)
+    m.graph.node.append(helper.make_node("Neg", ["x"], ["z"], domain="x"))
+    if used:
+        m.graph.output.append(helper.make_tensor_value_info("z", TP.FLOAT, None))
+    assert _ort_refuses(m, feed)
+    with pytest.raises(kiln.ModelLoadError, match="domain 'x' has no entry in the model's "
+                                                  "opset_import"):
+        kiln.InferenceSession(m.SerializeToString())
+    m.opset_import.append(helper.make_opsetid("x", 1))  # imported and unused: dropped
+    if not used:
+        np.testing.assert_array_equal(_kiln(m, feed, "numpy")[0], want)

@@ -678,10 +678,10 @@ def test_a_failing_kernel_names_its_layer_and_nothing_runs_twice(backend):
         calls["boom"] += 1
         raise ValueError("kaput")
 
-    kiln.register_op("test.once", "Before", before)
-    kiln.register_op("test.once", "Boom", boom)
-    nodes = [helper.make_node("Before", ["x"], ["a"], domain="test.once", name="first"),
-             helper.make_node("Boom", ["a"], ["b"], domain="test.once", name="the_culprit"),
+    kiln.register_op("test.torch", "Before", before)
+    kiln.register_op("test.torch", "Boom", boom)
+    nodes = [helper.make_node("Before", ["x"], ["a"], domain="test.torch", name="first"),
+             helper.make_node("Boom", ["a"], ["b"], domain="test.torch", name="the_culprit"),
              helper.make_node("Relu", ["b"], ["y"], name="after")]
     m = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
                    [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])], custom=True)

@@ -323,6 +323,11 @@ def check_node(np_: onnx.NodeProto, domain: str, opsets: dict[str, int],
     :mod:`kiln.onnxio.rules` once they are read."""
     # A model that imports no default-domain opset runs its ONNX ops at opset 1 (Model.opset)
     version = opsets.get(domain, 1 if domain == "" else None)
+    if version is None and (domain, np_.op_type) not in local_functions:
+        raise ModelLoadError(  # onnxruntime refuses it too, used or not
+            f"{where}: its domain {domain!r} has no entry in the model's opset_import; a "
+            f"model must import every domain its nodes use (add opset_import "
+            f"{{domain: {domain!r}, version: N}})")
     schema = None if version is None else _schema(np_.op_type, domain, version)
     if schema is None and version is not None and domain in _ONNX_DOMAINS and \
             (domain, np_.op_type) not in local_functions:
