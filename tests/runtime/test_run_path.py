@@ -80,6 +80,10 @@ def _typed_model(op: str, dtype: int, opset: int = 17):
     ("Floor", TensorProto.DOUBLE, "torch"),
     ("Abs", TensorProto.UINT8, "torch"),
     ("Abs", TensorProto.UINT32, "torch-generic"),
+    ("ReduceL1", TensorProto.INT32, "torch-generic"),  # a prepared kernel declines too
+    ("ReduceL1", TensorProto.FLOAT, "torch"),
+    ("ArgMax", TensorProto.INT64, "torch"),
+    ("LpNormalization", TensorProto.DOUBLE, "torch"),
 ])
 def test_a_kernel_declines_a_type_the_plan_knows_when_the_session_is_made(op, dtype, how):
     """A torch kernel that computes only some types declines a node of another known type

@@ -15,22 +15,26 @@ from kiln.ops import registry
 
 
 def kernel(
-    op_type: str, since: int = 1, *, dtypes: tuple | None = None, **options
+    op_type: str, since: int = 1, *, dtypes: tuple | None = None, same: bool = False,
+    when: Callable | None = None, **options
 ) -> Callable[[Callable], Callable]:
     """``@kernel("Conv", 1, prepare=True)``: a torch kernel for the op versions from that
     opset on (see :func:`kiln.ops.registry.kernel`). ``@kernel("Relu", 1, dtypes=SIGNED)``:
     a plain kernel for inputs of those torch dtypes only, declared rather than checked per
     call: the plan declines a node of another known type when the session is made
-    (:func:`kiln.ops.torch.arrays.typed`). The decorated function is returned as it is."""
-    prepare = options.pop("prepare", False) or dtypes is not None
+    (:func:`kiln.ops.torch.arrays.typed`); ``same=True``: and for inputs that all share
+    the first one's dtype; ``when=lambda site: ...``: and for the nodes it accepts (the
+    attributes the kernel covers). The decorated function is returned as it is."""
+    checked = dtypes is not None or same or when is not None
+    prepare = options.pop("prepare", False) or checked
     register = registry.kernel("torch", op_type, since, prepare=prepare, **options)
-    if dtypes is None:
+    if not checked:
         return register
 
     def typed_kernel(fn: Callable) -> Callable:
         from kiln.ops.torch.arrays import typed  # imports torch: only with the kernels
 
-        register(typed(dtypes, fn))
+        register(typed(dtypes, fn, same, when))
         return fn
 
     return typed_kernel

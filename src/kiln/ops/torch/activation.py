@@ -30,12 +30,10 @@ def leaky_relu(x, *, alpha=0.01):
 # faster than the generic kernel on a 1x32x112x112 NHWC activation with one slope per channel
 # (F.prelu is one pass; the generic max/min/multiply passes over an NHWC tensor broadcast
 # a (C, 1, 1) slope slowly); other slope shapes run the generic kernel
-@kernel("PRelu", 7)
+@kernel("PRelu", 7, dtypes=FLOATS, same=True)
 def prelu(x, slope):
-    if x.dtype not in FLOATS or slope.dtype != x.dtype:
-        return NI
     if slope.dim() > x.dim():
-        return NI
+        return NI  # ranks: the input's may be known only at run time
     if slope.numel() == 1:
         return F.prelu(x, slope.reshape(1))
     shape = list(slope.shape)
@@ -43,7 +41,7 @@ def prelu(x, slope):
         shape.pop(0)
     if x.dim() >= 2 and shape == [x.shape[1]] + [1] * (x.dim() - 2):
         return F.prelu(x, slope.reshape(-1))
-    return NI
+    return NI  # a slope shape F.prelu lacks, against the input's run-time shape
 
 
 @kernel("Elu", 6, dtypes=FLOATS)  # faster than the generic kernel (one fused op)

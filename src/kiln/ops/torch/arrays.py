@@ -25,6 +25,8 @@ TORCH_OF: dict[DType, torch.dtype] = {
     DType.COMPLEX128: torch.complex128,
 }
 """The element types torch has, by IR type: the one dtype map of the torch backend."""
+REAL = tuple(t for t in TORCH_OF.values() if t is not torch.bool and not t.is_complex)
+"""The numeric types without complex ones: what orderings and sums cover."""
 DTYPE_OF: dict[torch.dtype, DType] = {t: d for d, t in TORCH_OF.items()}
 _NP_TO_TORCH = {d.numpy: t for d, t in TORCH_OF.items() if d != DType.BFLOAT16}
 _BF16_NP = DType.BFLOAT16.numpy
@@ -184,27 +186,55 @@ def known_dtype(site, i: int = 0) -> DType | None:
     return t.dtype if isinstance(t, TensorType) and t.dtype != DType.UNDEFINED else None
 
 
-def typed(dtypes: tuple[torch.dtype, ...], fn):
+def known_ok(site, dtypes: tuple | None, same: bool = False) -> bool | None:
+    """What the plan knows before the run about a kernel that computes only when its first
+    input's dtype is one of ``dtypes`` (None: any) and, with ``same``, every other input
+    has that dtype too: None when a known type rules the node out (decline it in
+    ``prepare``), True when every type involved is known and allowed (no check per call),
+    False when some type is known only at run time (check each call)."""
+    known = known_dtype(site)
+    if known is not None and dtypes is not None and TORCH_OF.get(known) not in dtypes:
+        return None  # (a type torch lacks arrives as a NumPy array: declined too)
+    others = [known_dtype(site, i) for i in range(1, len(site.node.inputs))
+              if site.has_input(i)] if same else []
+    if known is not None and any(o is not None and o != known for o in others):
+        return None
+    return known is not None and all(o is not None for o in others)
+
+
+def gated(site, dtypes: tuple[torch.dtype, ...] | None, run, same: bool = False):
+    """``run`` for a node whose first input's dtype is one of ``dtypes`` (None: any) and,
+    with ``same``, whose other inputs share it: None (decline the node) when a type the
+    plan knows rules it out, ``run`` itself when every type is known and allowed, else
+    ``run`` behind a check of the types each call (NotImplemented for another)."""
+    ok = known_ok(site, dtypes, same)
+    if ok is None or ok:
+        return None if ok is None else run
+    allowed = None if dtypes is None else frozenset(dtypes)
+
+    def checked(x, *rest):
+        if (allowed is None or x.dtype in allowed) and \
+                (not same or all(t is None or t.dtype == x.dtype for t in rest)):
+            return run(x, *rest)
+        return NotImplemented  # a type the plan did not know (see known_ok)
+    return checked
+
+
+def typed(dtypes: tuple[torch.dtype, ...] | None, fn, same: bool = False, when=None):
     """The prepared kernel of plain kernel ``fn``, which computes only when its first
-    input's dtype is one of ``dtypes``. Where the plan knows that type, a node of another
-    is declined while the session is made (the plan picks the next kernel, and the
-    placement report says so) and ``fn`` runs unchecked; only where the type is unknown
-    before the run does each call check it and hand another type on (NotImplemented)."""
-    allowed = frozenset(dtypes)
+    input's dtype is one of ``dtypes`` (None: any) and, with ``same``, its other inputs
+    have that dtype too, and only for nodes ``when(site)`` accepts (attributes it
+    covers; None: all). Where the plan knows those types, a node of others is declined
+    while the session is made (the plan picks the next kernel, and the placement report
+    says so) and ``fn`` runs unchecked; only where a type is unknown before the run does
+    each call check it and hand another type on (:func:`gated`)."""
     # a builtin (torch.sigmoid) takes no attributes and has no signature to read
     plain = Kernel(fn) if isinstance(fn, types.FunctionType) else None
 
     def prepare(site):
-        known = known_dtype(site)
-        if known is not None and TORCH_OF.get(known) not in allowed:
-            return None  # (a type torch lacks arrives as a NumPy array: declined too)
-        run = fn if plain is None else plain.bind(site)[0]
-        if known is not None:
-            return run
-
-        def checked(x, *rest):
-            return run(x, *rest) if x.dtype in allowed else NotImplemented
-        return checked
+        if when is not None and not when(site):
+            return None
+        return gated(site, dtypes, fn if plain is None else plain.bind(site)[0], same)
 
     prepare.__name__ = prepare.__qualname__ = fn.__name__
     prepare.__module__ = fn.__module__

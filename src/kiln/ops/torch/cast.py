@@ -9,6 +9,7 @@ from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
     TORCH_OF,
+    known_dtype,
 )
 
 NI = NotImplemented
@@ -23,12 +24,15 @@ def cast(site):
     to = TORCH_OF.get(DType(to)) if to in DType._value2member_map_ else None
     if to is None:
         return None  # strings, uint16+, float8...: NumPy kernel
+    known = known_dtype(site)
+    if known in (DType.COMPLEX64, DType.COMPLEX128):
+        return None  # complex to real: the NumPy kernel's rule
 
     def run(x):
         if x.dtype == to:
             return x
-        if x.dtype.is_complex:
-            return NI
+        if known is None and x.dtype.is_complex:
+            return NI  # a type the plan did not know
         if (
             x.dtype in FLOATS
             and to not in FLOATS

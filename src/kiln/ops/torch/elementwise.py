@@ -33,8 +33,6 @@ def mod(a, b, *, fmod=0):
 
 def _variadic(fn):
     def run(*xs):
-        if len({x.dtype for x in xs}) != 1:
-            return NI
         r = xs[0]
         for x in xs[1:]:
             r = fn(r, x)
@@ -43,8 +41,8 @@ def _variadic(fn):
 
 
 # the Tensor op, not array_api_compat's wrapper (gain: benchmarks/results/torch_overrides.md)
-kernel("Max", 8)(_variadic(torch.maximum))
-kernel("Min", 8)(_variadic(torch.minimum))
+kernel("Max", 8, same=True)(_variadic(torch.maximum))
+kernel("Min", 8, same=True)(_variadic(torch.minimum))
 
 
 # -- unary --------------------------------------------------------------------------------
@@ -113,10 +111,8 @@ def clip(site):
     return run
 
 
-@kernel("Clip", 6, until=11)  # faster than the generic kernel (one clamp)
+@kernel("Clip", 6, until=11, dtypes=FLOATS)  # faster than the generic kernel (one clamp)
 def clip6(x, *, min=-3.4028234663852886e38, max=3.4028234663852886e38):  # noqa: A002
-    if x.dtype not in FLOATS:
-        return NI
     fixed = _bounds(min, max)  # hardtanh as torch.nn.ReLU6 (see Clip-11)
     return F.hardtanh(x, *fixed) if fixed is not None else torch.clamp(x, min, max)
 

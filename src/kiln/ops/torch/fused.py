@@ -21,7 +21,7 @@ from kiln.ops.torch.arrays import FLOATS
 from kiln.ops.torch.conv import conv_kernel, linear
 from kiln.ops.torch.linalg import gemm as _gemm_builder
 from kiln.ops.torch.linalg import matmul as _matmul_builder
-from kiln.ops.torch.norm import rms_norm
+from kiln.ops.torch.norm import RMS_TYPES, rms_norm
 
 NI = NotImplemented
 
@@ -161,10 +161,8 @@ def fused_matmul(site):
     return run
 
 
-@kernel("LayerNorm", 1, domain=KILN_DOMAIN)
+@kernel("LayerNorm", 1, domain=KILN_DOMAIN, dtypes=FLOATS, same=True)
 def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
-    if x.dtype not in FLOATS or any(t is not None and t.dtype != x.dtype for t in (scale, bias)):
-        return NI
     a = axis + x.dim() if axis < 0 else axis
     shape = tuple(x.shape[a:])
     w = None if scale is None else scale.expand(shape)
@@ -172,13 +170,14 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
     return F.layer_norm(x, shape, w, b, epsilon)
 
 
-kernel("RMSNorm", 1, domain=KILN_DOMAIN)(rms_norm)  # one F.rms_norm for six decomposed ops
+# one F.rms_norm for six decomposed ops
+kernel("RMSNorm", 1, domain=KILN_DOMAIN, **RMS_TYPES)(rms_norm)
 
 
-@kernel("RoPE", 1, domain=KILN_DOMAIN)  # the shared kernel is NumPy's (a CPU fallback here)
+@kernel("RoPE", 1, domain=KILN_DOMAIN, dtypes=FLOATS, same=True)  # the shared kernel is NumPy's
 def rope(x, cos, sin):
-    if x.dtype not in FLOATS or not (x.dtype == cos.dtype == sin.dtype) or x.shape[-1] % 2:
-        return NI
+    if x.shape[-1] % 2:
+        return NI  # an odd last dimension, known only at run time: the NumPy kernel's error
     x1, x2 = x.chunk(2, -1)
     return torch.addcmul(x * cos, torch.cat((-x2, x1), -1), sin)
 

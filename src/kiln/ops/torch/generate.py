@@ -10,8 +10,10 @@ import torch.nn.functional as F
 
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
+    TORCH_OF,
     floats,
     ints,
+    known_dtype,
     output_read,
     scalar,
     to_torch,
@@ -85,14 +87,18 @@ def range_(site):
     # Constant bounds arrive as Python numbers (host parameters): their dtype is the
     # constant's, known now.
     fixed = next((to_torch(c).dtype for c in consts if c is not None), None)
+    if fixed is None and known_dtype(site) is not None:
+        fixed = TORCH_OF.get(known_dtype(site))
+    if fixed is not None and fixed not in _INTS:
+        return None
 
     def run(start, limit, delta):
         dtype = fixed if fixed is not None else start.dtype
         if dtype not in _INTS:
-            return NI
+            return NI  # a type the plan did not know
         s, lim, d = scalar(start), scalar(limit), scalar(delta)
         if d == 0:
-            return NI
+            return NI  # a zero step read at run time: the NumPy kernel's error
         n = max(math.ceil((lim - s) / d), 0)
         return torch.arange(s, s + n * d, d, dtype=dtype, device=dev)  # integers: exact
 

@@ -74,8 +74,7 @@ def pad(site):
     return run
 
 
-@kernel("Pad", 2, until=11)
+@kernel("Pad", 2, until=11, when=lambda site: site.attr("mode", "constant") in _PAD_MODES
+        and site.attr("pads") is not None)
 def pad2(x, *, mode="constant", pads=None, value=0.0):
-    if mode not in _PAD_MODES or pads is None:
-        return NI
     return _pad(x, list(pads), value, mode)

@@ -107,10 +107,8 @@ def gather_nd(data, indices, *, batch_dims=0):
     return y.reshape(tuple(indices.shape[:-1]) + tuple(data.shape[b + k :]))
 
 
-@kernel("TopK", 11)
+@kernel("TopK", 11, dtypes=FLOATS + _INTS)
 def topk(x, k, *, axis=-1, largest=1, sorted=1):  # noqa: A002
-    if x.dtype not in FLOATS + _INTS:
-        return NI
     kk = ints(k)[0]
     a = norm_axis(axis, x.dim())
     # a stable sort keeps equal values in index order, as ONNX asks

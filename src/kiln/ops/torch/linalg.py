@@ -11,6 +11,7 @@ from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
     const_tensor,
+    gated,
 )
 from kiln.ops.torch.conv import linear
 
@@ -140,11 +141,12 @@ def gemm(site):
     return run
 
 
-@kernel("Einsum", 12)
-def einsum(*xs, equation=None):
-    if equation is None or len({x.dtype for x in xs}) != 1 or xs[0].dtype not in FLOATS:
-        return NI
-    return torch.einsum(equation, *xs)
+@kernel("Einsum", 12, prepare=True)
+def einsum(site):
+    equation = site.attr("equation")
+    if equation is None:
+        return None
+    return gated(site, FLOATS, lambda *xs: torch.einsum(equation, *xs), same=True)
 
 
 @kernel("MatMulInteger", 10, prepare=True)

@@ -4,26 +4,17 @@ from __future__ import annotations
 
 import torch
 
+from kiln.ir import DType
 from kiln.ops.torch import kernel
-
-NI = NotImplemented
-
+from kiln.ops.torch.arrays import known_dtype
 
 # -- comparisons and logic ----------------------------------------------------------------
 
-
-def _compare(fn):
-    def run(a, b):
-        return fn(a, b) if a.dtype == b.dtype else NI
-
-    return run
-
-
 # Tensor ops, not array_api_compat's wrappers; torch's comparisons gained nothing
 # and run the generic kernel
-kernel("And", 7)(_compare(torch.logical_and))
-kernel("Or", 7)(_compare(torch.logical_or))
-kernel("Xor", 7)(_compare(torch.logical_xor))
+kernel("And", 7, same=True)(torch.logical_and)
+kernel("Or", 7, same=True)(torch.logical_or)
+kernel("Xor", 7, same=True)(torch.logical_xor)
 
 
 @kernel("Not", 1)  # Tensor op, not array_api_compat's wrapper
@@ -31,8 +22,16 @@ def not_(x):
     return torch.logical_not(x)
 
 
-@kernel("Where", 9)  # Tensor op, not array_api_compat's wrapper
-def where(cond, x, y):
-    if x.dtype != y.dtype or cond.dtype != torch.bool:
-        return NI
-    return torch.where(cond, x, y)
+@kernel("Where", 9, prepare=True)  # Tensor op, not array_api_compat's wrapper
+def where(site):
+    cond, x, y = (known_dtype(site, i) for i in range(3))
+    if cond not in (None, DType.BOOL) or None not in (x, y) and x != y:
+        return None
+    if None not in (cond, x, y):
+        return torch.where
+
+    def run(cond, x, y):  # a type the plan did not know: checked each call
+        if x.dtype != y.dtype or cond.dtype != torch.bool:
+            return NotImplemented
+        return torch.where(cond, x, y)
+    return run

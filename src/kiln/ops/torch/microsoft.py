@@ -21,15 +21,13 @@ NI = NotImplemented
 kernel("Gelu", 1, domain=MS_DOMAIN, dtypes=FLOATS)(activation.gelu)
 
 
-@kernel("BiasGelu", 1, domain=MS_DOMAIN)
+@kernel("BiasGelu", 1, domain=MS_DOMAIN, dtypes=FLOATS)
 def bias_gelu(a, b):
-    return F.gelu(a + b) if a.dtype in FLOATS else NI
+    return F.gelu(a + b)
 
 
-@kernel("FastGelu", 1, domain=MS_DOMAIN)
+@kernel("FastGelu", 1, domain=MS_DOMAIN, dtypes=FLOATS)
 def fast_gelu(x, bias=None):
-    if x.dtype not in FLOATS:
-        return NI
     return F.gelu(x if bias is None else x + bias, approximate="tanh")
 
 
@@ -127,10 +125,8 @@ def multi_head_attention(query, key=None, value=None, bias=None, key_padding_mas
                    unidirectional, mask_filter_value)
 
 
-@kernel("FusedMatMul", 1, domain=MS_DOMAIN)
+@kernel("FusedMatMul", 1, domain=MS_DOMAIN, dtypes=FLOATS)
 def fused_matmul(a, b, *, alpha=1.0, transA=0, transB=0, transBatchA=0, transBatchB=0):
-    if a.dtype not in FLOATS:
-        return NI
     pa = fused_matmul_perm(a.dim(), transA, transBatchA)
     pb = fused_matmul_perm(b.dim(), transB, transBatchB)
     y = (a if pa is None else a.permute(pa)) @ (b if pb is None else b.permute(pb))

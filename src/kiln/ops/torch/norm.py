@@ -10,10 +10,15 @@ from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
     axis,
+    gated,
     output_read,
 )
 
 NI = NotImplemented
+_NOT_DOUBLE = tuple(t for t in FLOATS if t != torch.float64)
+RMS_TYPES = {"dtypes": (torch.float32, torch.float64), "same": True,
+             "when": lambda site: site.attr("stash_type", 1) == 1}
+"""What the torch RMS norm covers (ONNX's RMSNormalization and Kiln's fused RMSNorm)."""
 
 
 # -- normalization ------------------------------------------------------------------------
@@ -38,28 +43,26 @@ def batch_norm(site):
     n_out = site.num_outputs
 
     def run(x, scale, bias, mean, var):
-        if x.dtype not in FLOATS or x.dim() < 2:
-            return NI
-        if any(t.dim() != 1 for t in (scale, bias, mean, var)):
-            return NI
+        if x.dim() < 2 or any(t.dim() != 1 for t in (scale, bias, mean, var)):
+            return NI  # ranks known only at run time: the NumPy kernel's error
         if tg.mode.training:  # batch statistics; updates mean and var (module buffers) in place
             y = F.batch_norm(x, mean, var, scale, bias, True, momentum, eps)
         else:
             dt = x.dtype
-            if not all(t.dtype == dt for t in (scale, bias, mean, var)):
-                return NI
+            if tg.module and not all(t.dtype == dt for t in (scale, bias, mean, var)):
+                return NI  # a module's types are known only at run time (autocast)
             y = F.batch_norm(x, mean, var, scale, bias, False, 0.0, eps)
         if extra:
             return y, mean.detach().clone(), var.detach().clone()
         return y if n_out == 1 else (y,) + (None,) * (n_out - 1)
 
-    return run
+    return gated(site, FLOATS, run, same=not tg.module)
 
 
-@kernel("InstanceNormalization", 6)
+@kernel("InstanceNormalization", 6, dtypes=FLOATS, same=True)
 def instance_norm(x, scale, bias, *, epsilon=1e-5):
-    if x.dtype not in FLOATS or x.dim() < 3 or scale.dtype != x.dtype:
-        return NI
+    if x.dim() < 3:
+        return NI  # the input's rank may be known only at run time: the NumPy kernel's error
     return F.instance_norm(x, weight=scale, bias=bias, eps=epsilon)
 
 
@@ -72,8 +75,6 @@ def layer_norm(site):
         return None
 
     def run(x, scale, bias=None):
-        if x.dtype not in FLOATS or scale.dtype != x.dtype or (stats and x.dtype == torch.float64):
-            return NI
         a = axis(ax, x.dim())
         shape = tuple(x.shape[a:])
         w = scale if tuple(scale.shape) == shape else scale.expand(shape)
@@ -91,13 +92,12 @@ def layer_norm(site):
             y = y + b
         return y, mean, inv
 
-    return run
+    # (the statistics outputs in float64: the NumPy kernel)
+    return gated(site, _NOT_DOUBLE if stats else FLOATS, run, same=True)
 
 
-@kernel("LpNormalization", 1)
+@kernel("LpNormalization", 1, dtypes=FLOATS, when=lambda site: site.attr("p", 2) in (1, 2))
 def lp_norm(x, *, axis=-1, p=2):
-    if x.dtype not in FLOATS or p not in (1, 2):
-        return NI
     axis = norm_axis(axis, x.dim())  # torch sums dim -1 of a scalar; onnxruntime refuses it
     nrm = (
         x.abs().sum(dim=axis, keepdim=True)
@@ -122,21 +122,15 @@ def lrn(site):
     bias = float(site.attr("bias", 1.0))
 
     def run(x):
-        if x.dtype not in FLOATS or x.dim() < 3:
-            return NI
+        if x.dim() < 3:
+            return NI  # a rank known only at run time: the NumPy kernel's error
         return F.local_response_norm(x, size, alpha, beta, bias)
 
-    return run
+    return gated(site, FLOATS, run)
 
 
-@kernel("RMSNormalization", 23)  # the generic kernel is NumPy's: a CPU fallback on torch
+@kernel("RMSNormalization", 23, **RMS_TYPES)  # the generic kernel is NumPy's
 def rms_norm(x, scale=None, *, axis=-1, epsilon=1e-5, stash_type=1):
-    if (
-        x.dtype not in (torch.float32, torch.float64)
-        or stash_type != 1
-        or (scale is not None and scale.dtype != x.dtype)
-    ):
-        return NI
     a = axis + x.dim() if axis < 0 else axis
     shape = tuple(x.shape[a:])
     return F.rms_norm(x, shape, None if scale is None else scale.expand(shape), epsilon)

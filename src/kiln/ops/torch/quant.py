@@ -9,6 +9,7 @@ import torch
 
 from kiln.ops.registry import Kernel
 from kiln.ops.torch import kernel
+from kiln.ops.torch.arrays import gated
 
 NI = NotImplemented
 _EIGHT = (torch.uint8, torch.int8)
@@ -109,10 +110,8 @@ def quantize_linear(site):
     lo, hi = (0, 255) if out == torch.uint8 else (-128, 127)
 
     def run(x, *rest):
-        if x.dtype != torch.float32:
-            return NI
         return _to_grid(torch.div(x, scale), zp, lo, hi, out)
-    return run
+    return gated(site, (torch.float32,), run)
 
 
 @kernel("DequantizeLinear", 10, prepare=True)
@@ -123,11 +122,9 @@ def dequantize_linear(site):
     scale, zp, _ = grid
 
     def run(x, *rest):
-        if x.dtype not in _EIGHT:
-            return NI
         v = _as_float(x)
         return (v.sub_(zp) if zp else v).mul_(scale)
-    return run
+    return gated(site, _EIGHT, run)
 
 
 @kernel("DynamicQuantizeLinear", 11)

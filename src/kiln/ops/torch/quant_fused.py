@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from kiln.ops.quant_fused import activation_bounds
 from kiln.ops.registry import KILN_DOMAIN
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import PerShape, as_uint8, from_uint8, integers, quantized
+from kiln.ops.torch.arrays import PerShape, as_uint8, from_uint8, gated, integers, quantized
 from kiln.ops.torch.quant import const_grid, first_item
 
 NI = NotImplemented
@@ -517,9 +517,7 @@ def quantize_dequantize(site):
     z = int(zp)
 
     def run(x, *rest):
-        if x.dtype != torch.float32:
-            return NI
         # clamp(rint(x / s), lo - zp, hi - zp) is q - zp exactly, and DQ multiplies that
         return torch.div(x, scale).round_().clamp_(lo - z, hi - z).mul_(scale)
 
-    return run
+    return gated(site, (torch.float32,), run)

@@ -8,7 +8,9 @@ from kiln.ops._array import axis as norm_axis
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
+    REAL,
     axis,
+    gated,
     ints,
 )
 
@@ -19,20 +21,15 @@ NI = NotImplemented
 
 
 def _reduce_kernel(fn, floats_only: bool, empty_ok: bool):
+    allowed = FLOATS if floats_only else REAL
+
     def build(site):
         axes_attr = site.opset < (13 if site.node.op_type == "ReduceSum" else 18)
         keep = bool(int(site.attr("keepdims", 1)))
         noop = bool(int(site.attr("noop_with_empty_axes", 0)))
-
         def run(x, axes=None):
-            if (
-                x.dtype == torch.bool
-                or (floats_only and x.dtype not in FLOATS)
-                or x.dtype.is_complex
-            ):
-                return NI
             if not empty_ok and x.numel() == 0:
-                return NI
+                return NI  # an empty input: its shape is known only at run time
             ax = site.attr("axes") if axes_attr else (None if axes is None else ints(axes))
             if not ax:
                 if noop and not axes_attr:
@@ -43,7 +40,7 @@ def _reduce_kernel(fn, floats_only: bool, empty_ok: bool):
                 return x
             return fn(x, dims, keep)
 
-        return run
+        return gated(site, allowed, run)
 
     return build
 
@@ -106,8 +103,8 @@ kernel("ReduceLogSumExp", 1, prepare=True)(_reduce_kernel(_log_sum_exp, True, Fa
 
 def _arg_kernel(fn):
     def run(x, *, axis=0, keepdims=1, select_last_index=0):
-        if x.dtype == torch.bool or x.dtype.is_complex or x.numel() == 0:
-            return NI
+        if x.numel() == 0:
+            return NI  # an empty input: its shape is known only at run time
         a = norm_axis(axis, x.dim())
         if select_last_index:
             r = x.shape[a] - 1 - fn(torch.flip(x, (a,)), dim=a, keepdim=bool(keepdims))
@@ -118,5 +115,5 @@ def _arg_kernel(fn):
 
 
 # faster than the generic kernel (no int64 cast)
-kernel("ArgMax", 11)(_arg_kernel(torch.argmax))
-kernel("ArgMin", 11)(_arg_kernel(torch.argmin))
+kernel("ArgMax", 11, dtypes=REAL)(_arg_kernel(torch.argmax))
+kernel("ArgMin", 11, dtypes=REAL)(_arg_kernel(torch.argmin))

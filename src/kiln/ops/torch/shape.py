@@ -13,7 +13,7 @@ import torch
 
 from kiln.ops._array import axis as norm_axis
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import axis, ints
+from kiln.ops.torch.arrays import axis, gated, ints
 
 NI = NotImplemented
 
@@ -88,13 +88,18 @@ def unsqueeze1(x, *, axes=None):
     return _unsqueeze(x, list(axes or []))
 
 
-@kernel("Concat", 4)  # faster than the generic kernel (torch.cat, no None filtering)
-def concat(*xs, axis=None):
-    if axis is None or len({x.dtype for x in xs}) != 1:
-        return NI
-    if len({x.dim() for x in xs}) != 1:
-        return NI
-    return torch.cat(xs, axis)
+@kernel("Concat", 4, prepare=True)  # faster than the generic kernel (torch.cat, no None filtering)
+def concat(site):
+    ax = site.attr("axis")
+    if ax is None:
+        return None  # the NumPy kernel says what is wrong
+    ax = int(ax)
+
+    def run(*xs):
+        if len({x.dim() for x in xs}) != 1:
+            return NI  # ranks that differ, known only at run time: the NumPy kernel's error
+        return torch.cat(xs, ax)
+    return gated(site, None, run, same=True)
 
 
 @kernel("Split", 2, prepare=True)  # faster than the generic kernel (one split)
