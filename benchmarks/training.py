@@ -96,7 +96,7 @@ def main() -> None:
     print(
         f"{'model':<11} {'torch step s':>12} {'kiln step s':>11} {'ratio':>6} "
         f"{'torch saved MB':>14} {'kiln saved MB':>13} {'ratio':>6} "
-        f"{'torch peak MB':>13} {'kiln peak MB':>12} {'ratio':>6}"
+        f"{'torch peak MB':>13} {'kiln peak MB':>12} {'ratio':>6} {'load':>9}"
     )
     for name in a.models.split(","):
         entry = get_entry(name)
@@ -111,6 +111,7 @@ def main() -> None:
         args = tuple(torch.from_numpy(v) for v in feeds.values())
         net, blob = exported(name, args, entry)
         mods = {"torch": copy.deepcopy(net).train(), "kiln": kiln.to_torch(blob).train()}
+        load0 = os.getloadavg()[0]  # the figures move with the load: print it beside them
         opts = {k: torch.optim.SGD(m.parameters(), lr=1e-4) for k, m in mods.items()}
         times: dict[str, list[float]] = {k: [] for k in mods}
         for k in mods:
@@ -128,7 +129,8 @@ def main() -> None:
             f"{name:<11} {t0:>12.3f} {t1:>11.3f} {t1 / t0:>6.2f} {mem['torch'] / 2**20:>14.1f} "
             f"{mem['kiln'] / 2**20:>13.1f} {mem['kiln'] / mem['torch']:>6.2f} "
             f"{min(peak['torch']) / 2**20:>13.1f} {min(peak['kiln']) / 2**20:>12.1f} "
-            f"{min(peak['kiln']) / min(peak['torch']):>6.2f}",
+            f"{min(peak['kiln']) / min(peak['torch']):>6.2f} "
+            f"{load0:>4.1f}-{os.getloadavg()[0]:<4.1f}",
             flush=True,
         )
 
