@@ -216,6 +216,31 @@ def test_relu6_trains_with_the_gradient_of_torch_relu6():
     assert net[0].bias.grad.abs().min() < net[0].bias.grad.abs().max()
 
 
+def test_a_nan_through_max_pool_trains_as_the_original():
+    """A NaN reaching a MaxPool (a diverging run, a bad sample) spreads over its windows as
+    in the PyTorch module, and the step goes on with the original's gradients: a session
+    hands such a pool to its NumPy kernel (the reference skips the NaN), which in a training
+    module would cut the gradient, so the module raised there."""
+    torch.manual_seed(0)
+    net = nn.Sequential(
+        nn.Conv2d(1, 3, 3), nn.ReLU(), nn.MaxPool2d(2), nn.Flatten(), nn.Linear(3 * 3 * 3, 2)
+    ).eval()
+    m = kiln.to_torch(_export(net, (torch.randn(2, 1, 8, 8),)))
+    x = torch.randn(2, 1, 8, 8)
+    x[0, 0, 2, 2] = float("nan")
+    for mod in (net, m):
+        mod.train()
+    ref, got = net(x), m(x)
+    assert ref.isnan().any()
+    torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-6, equal_nan=True)
+    ref.nansum().backward()
+    got.nansum().backward()
+    for k, p in m.named_parameters():
+        torch.testing.assert_close(
+            p.grad, net.get_parameter(k).grad, rtol=1e-5, atol=1e-6, equal_nan=True
+        )
+
+
 def _digits_like():
     torch.manual_seed(0)
     net = nn.Sequential(
