@@ -493,3 +493,34 @@ def test_random_ops_shapes_dtypes_and_seeded_replay():
     assert m.dtype == np.int64 and (m == np.array([[0], [2]])).all()
     again = kiln.InferenceSession(model.SerializeToString()).run(["u"], feeds)[0]
     np.testing.assert_array_equal(u, again)
+
+
+@pytest.mark.parametrize("backend", ["numpy", "torch"])
+def test_plans_with_subgraphs_run_as_programs(backend):
+    """A plan holding If/Loop, and the branch and body plans reading values of enclosing
+    scopes (an input, an initializer, a value computed from the input's shape, a count two
+    scopes up), run as straight-line programs, and give onnxruntime's results for both
+    branches, input lengths that change, and runs that reuse the shape-only values."""
+    pytest.importorskip(backend)
+    body = h.make_graph([h.make_node("Identity", ["c_in"], ["c_out"]),
+                         h.make_node("Add", ["v_in", "n_f"], ["v_out"])],
+                        "body", [vi("i", T.INT64, []), vi("c_in", T.BOOL, []),
+                                 vi("v_in", F, ["n"])],
+                        [vi("c_out", T.BOOL, []), vi("v_out", F, ["n"])])
+    then_g = h.make_graph([h.make_node("Add", ["x", "n_f"], ["t0"]),
+                           h.make_node("Mul", ["t0", "w"], ["t"])], "then", [], [vi("t", F)])
+    else_g = h.make_graph([h.make_node("Loop", ["M", "", "x"], ["e"], body=body)],
+                          "else", [], [vi("e", F)])
+    nodes = [h.make_node("Shape", ["x"], ["s"]), h.make_node("Cast", ["s"], ["n_f"], to=F),
+             h.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)]
+    model = make_model(nodes, [vi("x", F, ["n"]), vi("c", T.BOOL, []), vi("M", T.INT64, [])],
+                       [vi("y", F)], [onnx.numpy_helper.from_array(np.float32(1.5), "w")])
+    sess = kiln.InferenceSession(model.SerializeToString(), backend=backend)
+    plans = [sess.plan] + [p for s in sess.plan.walk() for p in s.subplans]
+    assert len(plans) == 4 and all(p.program is not None for p in plans)
+    assert sess.plan.program.once  # Shape and Cast: once per input length
+    for n, c in ((3, True), (3, False), (3, True), (5, False), (5, True), (3, False)):
+        feeds = {"x": np.arange(n, dtype=np.float32) - 1, "c": np.array(c),
+                 "M": np.array(2, np.int64)}
+        np.testing.assert_allclose(sess.run(None, feeds)[0], ort_run(model, feeds)[0],
+                                   rtol=1e-6)

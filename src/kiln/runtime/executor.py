@@ -113,10 +113,16 @@ def layer_error(node, e: BaseException) -> KernelError:
 
 
 def can_run(plan) -> bool:
-    """Whether ``plan`` can run straight-line: every step has a kernel and none runs
-    subgraphs (If, Loop, Scan read the environment of values)."""
-    return all(s.fn is not None and not any(True for _ in s.node.subgraphs())
-               for s in plan.steps)
+    """Whether ``plan`` can run straight-line: every step has a kernel. Steps that run
+    subgraphs (If, Loop, Scan) get a context holding the values their subgraphs read from
+    this scope, and a plan that reads values of enclosing scopes (a branch, a loop body)
+    takes them as arguments after its inputs, in ``plan.captures`` order."""
+    return all(s.fn is not None for s in plan.steps)
+
+
+def subgraph_reads(step) -> list:
+    """The values of the enclosing scope that ``step``'s subgraphs read."""
+    return list(dict.fromkeys(v for g in step.node.subgraphs() for v in g.captures()))
 
 
 def _generate(plan, module: bool, filename: str, checked: bool = False,
@@ -138,11 +144,16 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
     line_step: dict[int, int] = {}
     for i, v in enumerate(plan.graph.inputs):
         names[v] = f"x{i}"
+    outer = [] if module else list(plan.captures)
+    for i, v in enumerate(outer):
+        names.setdefault(v, f"o{i}")
+    reads = {} if module else {j: subgraph_reads(s) for j, s in enumerate(plan.steps)}
     params = plan.param_constants()
     as_param = {(j, k) for j, s in enumerate(plan.steps) for k, v in enumerate(s.inputs)
                 if v in params and k in s.params}
     used = {v for j, s in enumerate(plan.steps) for k, v in enumerate(s.inputs)
-            if v is not None and (j, k) not in as_param} | set(plan.graph.outputs)
+            if v is not None and (j, k) not in as_param} | set(plan.graph.outputs) | {
+                v for vs in reads.values() for v in vs}
     pnames: dict = {}
     consts = {}
     for i, (v, t) in enumerate(plan.consts.items()):
@@ -171,7 +182,16 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
         glb[f"f{j}"] = s.fn
         args = ", ".join("None" if v is None else pnames[v] if (j, k) in as_param else names[v]
                          for k, v in enumerate(s.inputs))
-        if s.wants_ctx:  # facts only (no subgraphs here): one context per step, made now
+        if s.wants_ctx and reads.get(j):
+            # Subgraphs see this scope's values they read: a context per call holding them
+            glb["_KC"], glb[f"s{j}"], glb["_tg"] = KernelContext, s.node, plan.target
+            env = []
+            for i, v in enumerate(reads[j]):
+                glb[f"e{j}_{i}"] = v
+                env.append(f"e{j}_{i}: {names[v]}")
+            ctx = f"_KC({len(s.outputs)}, {s.opset}, {{{', '.join(env)}}}, s{j}, _tg)"
+            args = f"{ctx}, {args}" if args else ctx
+        elif s.wants_ctx:  # facts only: one context per step, made now
             glb[f"k{j}"] = KernelContext(len(s.outputs), s.opset, {}, s.node, plan.target)
             args = f"k{j}, {args}" if args else f"k{j}"
         outs = list(s.outputs)
@@ -223,7 +243,8 @@ def _generate(plan, module: bool, filename: str, checked: bool = False,
             lines.append(indent + text)
         if checked:
             lines.append("    _chk()")
-    ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs])
+    ins = ", ".join((["self"] if module else []) + [names[v] for v in plan.graph.inputs]
+                    + [f"o{i}" for i in range(len(outer))])
     outs = ", ".join(names[v] for v in plan.graph.outputs)
     head = "forward" if module else "run"
     result = f"[{outs}]"

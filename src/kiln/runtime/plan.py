@@ -103,7 +103,7 @@ class Plan:
         """Once every kernel is prepared: the backend's last word (constants placement),
         then the straight-line program when the plan allows one."""
         self.backend.finish(self)
-        if not self.captures and can_run(self):
+        if can_run(self):
             if len(self.steps) <= EAGER_PROGRAM_STEPS:
                 self.program = Program(self, memo=self.shape_memo)
             else:
@@ -194,7 +194,10 @@ class Plan:
             self.runs_before_program -= 1  # concurrent runs may both count: harmless
             if self.runs_before_program == 0:
                 self.program = Program(self, memo=self.shape_memo)
-        if self.program is not None and not overrides and observer is None:
+        if self.program is not None and not overrides and observer is None and (
+                outer is not None or not self.captures):
+            if self.captures:  # a subgraph: the enclosing scope's values it reads
+                inputs = [*inputs, *[outer[v] for v in self.captures]]
             if control is None:
                 return self.program(*inputs)
             if self.checked_program is None:

@@ -75,6 +75,7 @@ def shape_steps(plan) -> tuple[frozenset[int], tuple[Value, ...]]:
             known.update(v for v in s.outputs if v is not None)
     read = {v for j, s in enumerate(plan.steps) if j not in chosen
             for v in s.inputs if v is not None}
+    read |= {v for s in plan.steps for g in s.node.subgraphs() for v in g.captures()}
     frontier = tuple(dict.fromkeys(v for j in sorted(chosen) for v in plan.steps[j].outputs
                                    if v is not None and v in read))
     if not frontier:
