@@ -17,6 +17,7 @@ replicas of the same app on a local Ray cluster.
 
     python benchmarks/serving.py [--models digits,resnet18,bert] [--backend torch]
         [--rounds 5] [--runs 40] [--seconds 5] [--levels 1,4,16,64] [--seq 128] [--ray]
+        [--threads N]
 
 Needs the serve extra (it has tritonclient). Text models (BERT) get ``--seq`` tokens.
 """
@@ -48,7 +49,7 @@ def _model_path(name: str) -> Path:
 
 
 def _start(
-    repo: str, backend: str, max_batch: int, window_us: int = 0
+    repo: str, backend: str, max_batch: int, window_us: int = 0, threads: int | None = None
 ) -> tuple[subprocess.Popen, str, str]:
     env = dict(
         os.environ,
@@ -76,6 +77,7 @@ def _start(
             "1024",
             "--max-queue-delay-microseconds",
             str(window_us),
+            *(["--threads", str(threads)] if threads else []),
         ],
         stderr=subprocess.PIPE,
         text=True,
@@ -296,6 +298,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-batch-size", type=int, default=16)
     ap.add_argument("--max-queue-delay-microseconds", type=int, default=0)
     ap.add_argument("--no-latency", action="store_true", help="throughput only")
+    ap.add_argument(
+        "--threads",
+        type=int,
+        help="the torch backend's threads, server and in-process alike (default: each "
+        "picks its own, and on a busy machine the two can pick differently)",
+    )
     ap.add_argument("--ray", action="store_true", help="Ray Serve with 1 and 2 replicas")
     args = ap.parse_args(argv)
     import kiln
@@ -312,11 +320,16 @@ def main(argv: list[str] | None = None) -> int:
             (Path(repo) / n / "1").mkdir(parents=True)
             os.symlink(_model_path(n), Path(repo) / n / "1" / "model.onnx")
         proc, http_url, grpc_url = _start(
-            repo, args.backend, args.max_batch_size, args.max_queue_delay_microseconds
+            repo,
+            args.backend,
+            args.max_batch_size,
+            args.max_queue_delay_microseconds,
+            args.threads,
         )
         try:
             for n in names:
-                sess = kiln.InferenceSession(str(_model_path(n)), backend=args.backend)
+                opts = {"threads": args.threads} if args.threads else {}
+                sess = kiln.InferenceSession(str(_model_path(n)), backend=args.backend, **opts)
                 if not args.no_latency:
                     r = overhead(n, sess, http_url, grpc_url, args.rounds, args.runs, args.seq)
                     base = r["in-process"][0]
