@@ -28,6 +28,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 
 from kiln.cache import optional_location
 from kiln.runtime.specialize import CompileFailed, CompileWarning
@@ -110,16 +111,16 @@ def program(module: torch.nn.Module, plan, source: str, params: dict, constants:
 
 def _load_or_build(module, plan, source, params, constants, options, where: Path, inputs,
                    log: list[str]):
-    from torch._inductor import aoti_compile_and_package, aoti_load_package
-
     path = where / f"{key(plan, source, params, constants, inputs, options)}.pt2"
     if path.exists():
         try:
-            loaded = aoti_load_package(str(path))
+            loaded = _load(path)
             log.append(f"loaded {path}")
             return loaded
         except Exception:  # noqa: BLE001 - an unreadable package is rebuilt
             path.unlink(missing_ok=True)
+    from torch._inductor import aoti_compile_and_package
+
     tmp = where / f".{path.stem}-{os.getpid()}.pt2"
     try:
         with torch.no_grad():
@@ -127,7 +128,7 @@ def _load_or_build(module, plan, source, params, constants, options, where: Path
             aoti_compile_and_package(exported, package_path=str(tmp),
                                      inductor_configs={"freezing": True})
         os.replace(tmp, path)
-        loaded = aoti_load_package(str(path))
+        loaded = _load(path)
     except Exception as e:  # noqa: BLE001 - the plan then runs eagerly, with a note
         tmp.unlink(missing_ok=True)
         msg = str(e).strip().splitlines()
@@ -135,3 +136,18 @@ def _load_or_build(module, plan, source, params, constants, options, where: Path
                             f"{msg[0] if msg else ''})") from e
     log.append(f"compiled {path}")
     return loaded
+
+
+def _load(path: Path) -> Callable:
+    """The package at ``path`` as ``program(*inputs) -> outputs``, through torch's package
+    loader itself rather than ``torch._inductor.aoti_load_package``: that one imports
+    inductor and dynamo and compiles a probe program per vector ISA only to warn when the
+    CPU differs from the compiling one (seconds per process), none of which a package
+    built on this machine for this torch needs."""
+    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+    out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+
+    def run(*inputs):
+        flat = [x for x in inputs if isinstance(x, torch.Tensor)]  # as torch's own caller
+        return pytree.tree_unflatten(loader.boxed_run(flat), out_spec)
+    return run

@@ -483,8 +483,6 @@ class TorchBackend(Backend):
 
     def _compile_plan(self, plan) -> Callable[[list], list]:
         """``plan`` (traced by a tracer backend) as a torch.compile program."""
-        import torch._inductor.config as inductor_config
-
         why = _compile_blockers(plan)
         if why:
             raise CompileFailed(f"the model has {why}")
@@ -500,6 +498,8 @@ class TorchBackend(Backend):
             return _naming_layer(prog, compile_cache.program(
                 mod, plan, prog.source, params, prog.constants, options, cache,
                 self.compile_log))
+        import torch._inductor.config as inductor_config  # seconds: not for cached programs
+
         fn = torch.compile(mod.eval(), dynamic=False)
         options = {"freezing": True}
         if self.is_cuda:
