@@ -23,6 +23,7 @@ from kiln.ops.torch.arrays import (
     FLOATS,
     PerShape,
     const_tensor,
+    gated,
 )
 
 NI = NotImplemented
@@ -350,11 +351,9 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     one_thread_ok = tg.device.type == "cpu" and not tg.tracing
 
     def run(x, w, b=None, z=None):
-        if x.dtype not in FLOATS or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-            return NI
         n = x.dim() - 2
         if n not in _CONV or w.dim() != n + 2 or ks and list(w.shape[2:]) != list(ks):
-            return NI
+            return NI  # ranks or weights known only at run time: the NumPy kernel's error
         if one_thread_ok and x.numel() * w.shape[0] * math.prod(
             w.shape[2:]
         ) < _SINGLE_MACS * group * math.prod(site.attr("strides") or [1]):
@@ -407,4 +406,4 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
         site.notes.append(f"computes in {low}")
     elif depthwise_fp32:
         site.notes.append("depthwise: computes in float32 (faster than a reduced type here)")
-    return run
+    return gated(site, FLOATS, run, same=True)

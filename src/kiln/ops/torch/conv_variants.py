@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
+    gated,
 )
 from kiln.ops.torch.conv import torch_pad
 
@@ -24,11 +25,9 @@ def conv_transpose(site):
     ks = site.attr("kernel_shape")  # one other than the weights' is the NumPy kernel's error
 
     def run(x, w, b=None):
-        if x.dtype not in FLOATS or w.dtype != x.dtype or (b is not None and b.dtype != x.dtype):
-            return NI
         n = x.dim() - 2
         if n not in _CONVT or ks and list(w.shape[2:]) != list(ks):
-            return NI
+            return NI  # ranks or weights known only at run time: the NumPy kernel's error
         strides = list(site.attr("strides") or [1] * n)
         dil = list(site.attr("dilations") or [1] * n)
         outpad = list(site.attr("output_padding") or [0] * n)
@@ -62,4 +61,4 @@ def conv_transpose(site):
             y = y + b.reshape((1, -1) + (1,) * n)
         return y if y.dtype == dt else y.to(dt)
 
-    return run
+    return gated(site, FLOATS, run, same=True)

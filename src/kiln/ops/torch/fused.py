@@ -139,6 +139,8 @@ def fused_matmul(site):
         sub = _sub_site(site, 2)
         sub.node.op_type = "MatMul"
         plain = _matmul_builder(sub)
+        if plain is None:
+            return None
         site.notes.extend(sub.notes)
 
     def run(a, b, bias=None, z=None, *more):

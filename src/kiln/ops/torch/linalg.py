@@ -56,12 +56,8 @@ def matmul(site):
     )
 
     def run(a, b):
-        if a.dtype != b.dtype or a.dtype not in FLOATS + (torch.int32, torch.int64):
-            return NI
         if lin is not None and a.dtype == torch.float32 and a.dim() >= 2:
             return lin(a, None)
-        if a.dtype.is_floating_point is False and a.is_cuda:
-            return NI
         if low is not None and a.dtype == torch.float32:
             bb = wlow if wlow is not None else b.to(low)
             return torch.matmul(a.to(low), bb).to(torch.float32)
@@ -69,7 +65,10 @@ def matmul(site):
 
     if low is not None:
         site.notes.append(f"computes in {low}")
-    return run
+    # (integer products: torch has none on CUDA)
+    on_cuda = str(site.target.device).startswith("cuda")
+    return gated(site, FLOATS if on_cuda else FLOATS + (torch.int32, torch.int64), run,
+                 same=True)
 
 
 # faster than the generic kernel (F.linear with bias), computes in bf16/fp16 when asked
@@ -106,10 +105,8 @@ def gemm(site):
             w = w.to(low)
 
     def run(a, b, c=None):
-        if a.dtype != b.dtype or a.dtype not in FLOATS or (c is not None and c.dtype != a.dtype):
-            return NI
         if a.dim() != 2 or b.dim() != 2:
-            return NI
+            return NI  # ranks known only at run time: the NumPy kernel's error
         if lin is not None:
             bias = None if c is None or beta == 0.0 else c if beta == 1.0 else c * beta
             if bias is None or (bias.dim() == 1 and bias.shape[0] == wc.shape[0 if tb else 1]):
@@ -138,7 +135,7 @@ def gemm(site):
 
     if low is not None:
         site.notes.append(f"computes in {low}")
-    return run
+    return gated(site, FLOATS, run, same=True)
 
 
 @kernel("Einsum", 12, prepare=True)
