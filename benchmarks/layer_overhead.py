@@ -86,7 +86,8 @@ def main() -> None:
     engines = {
         "onnxruntime": ort.InferenceSession(model.SerializeToString(), so,
                                             providers=["CPUExecutionProvider"]),
-        "kiln numpy": kiln.InferenceSession(model),
+        # named: a session given no backend gets torch wherever torch imports
+        "kiln numpy": kiln.InferenceSession(model, backend="numpy"),
         "kiln torch": kiln.InferenceSession(model, backend="torch"),
         "numpy floor": _Floor(floor(args.nodes, "numpy"), False),
         "torch floor": _Floor(floor(args.nodes, "torch"), True),
