@@ -782,3 +782,105 @@ def test_statistics_extension_counts_the_requests_sent():
             assert max(sizes) > 3, sizes
     finally:
         assert s.stop() == 0
+
+
+def _regions(client, kind: str) -> dict:
+    """Registered region name -> (key, byte size), from either client's status call."""
+    if kind == "http":
+        return {
+            r["name"]: (r["key"], int(r["byte_size"]))
+            for r in client.get_system_shared_memory_status()
+        }
+    got = client.get_system_shared_memory_status(as_json=True).get("regions", {})
+    return {name: (r["key"], int(r["byte_size"])) for name, r in got.items()}
+
+
+@pytest.mark.parametrize("kind", ["http", "grpc"])
+def test_system_shared_memory_inputs_and_outputs(server, kind):
+    """tritonclient's own shared memory helpers: the input is read from a region and the
+    output written into one, and both match onnxruntime."""
+    import os
+
+    shm = pytest.importorskip("tritonclient.utils.shared_memory")
+    mod = CLIENTS[kind]
+    client = mod.InferenceServerClient(getattr(server, kind))
+    assert (
+        "system_shared_memory"
+        in client.get_server_metadata(**({"as_json": True} if kind == "grpc" else {}))["extensions"]
+    )
+    x = np.random.default_rng(10).random((3, 1, 8, 8), dtype=np.float32)
+    out_size = 3 * 10 * 4 + 16  # room to spare, as a client sizes a region
+    keys = {
+        f"in_{kind}": f"/kiln_in_{kind}_{os.getpid()}",
+        f"out_{kind}": f"/kiln_out_{kind}_{os.getpid()}",
+    }
+    handles = {
+        f"in_{kind}": shm.create_shared_memory_region(f"in_{kind}", keys[f"in_{kind}"], x.nbytes),
+        f"out_{kind}": shm.create_shared_memory_region(
+            f"out_{kind}", keys[f"out_{kind}"], out_size
+        ),
+    }
+    try:
+        client.register_system_shared_memory(f"in_{kind}", keys[f"in_{kind}"], x.nbytes)
+        client.register_system_shared_memory(f"out_{kind}", keys[f"out_{kind}"], out_size)
+        assert _regions(client, kind) == {
+            f"in_{kind}": (keys[f"in_{kind}"], x.nbytes),
+            f"out_{kind}": (keys[f"out_{kind}"], out_size),
+        }
+        inp = mod.InferInput("image", list(x.shape), "FP32")
+        inp.set_shared_memory(f"in_{kind}", x.nbytes)
+        out = mod.InferRequestedOutput("logits")
+        out.set_shared_memory(f"out_{kind}", out_size)
+        for scale in (1.0, 0.5):  # the region is read at each request, not at registration
+            shm.set_shared_memory_region(handles[f"in_{kind}"], [x * scale])
+            client.infer("digits_cnn", [inp], outputs=[out])
+            got = shm.get_contents_as_numpy(handles[f"out_{kind}"], np.float32, [3, 10])
+            np.testing.assert_allclose(got, _reference(x * scale), rtol=1e-4, atol=1e-5)
+        # a region too small for the output, and one no longer registered: errors
+        small = mod.InferRequestedOutput("logits")
+        small.set_shared_memory(f"out_{kind}", 8)
+        with pytest.raises(mod.InferenceServerException) as e:
+            client.infer("digits_cnn", [inp], outputs=[small])
+        assert e.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+        assert "shared memory holds 8" in e.value.message()
+        client.unregister_system_shared_memory(f"in_{kind}")
+        assert list(_regions(client, kind)) == [f"out_{kind}"]
+        with pytest.raises(mod.InferenceServerException) as e:
+            client.infer("digits_cnn", [inp], outputs=[out])
+        assert e.value.status() in ("400", "StatusCode.INVALID_ARGUMENT")
+        assert f"no shared memory region 'in_{kind}'" in e.value.message()
+        with pytest.raises(mod.InferenceServerException):
+            client.register_system_shared_memory("ghost", "/kiln_no_such_key", 64)
+        client.unregister_system_shared_memory()
+        assert _regions(client, kind) == {}
+    finally:
+        for h in handles.values():
+            shm.destroy_shared_memory_region(h)
+
+
+def test_grpc_outputs_in_and_out_of_shared_memory(repository_server):
+    """One output to a region, the others in the response: tritonclient pairs the
+    response's raw contents with outputs by position, so each must still read right."""
+    import os
+
+    shm = pytest.importorskip("tritonclient.utils.shared_memory")
+    client = tg.InferenceServerClient(repository_server.grpc)
+    words = np.array(["kïln", "ab", "kïln"], dtype=object)
+    key = f"/kiln_hit_{os.getpid()}"
+    handle = shm.create_shared_memory_region("hit", key, 64)
+    try:
+        client.register_system_shared_memory("hit", key, 64, headers=dict(AUTH))
+        inp = tg.InferInput("s", [3], "BYTES")
+        inp.set_data_from_numpy(words)
+        hit = tg.InferRequestedOutput("hit")
+        hit.set_shared_memory("hit", 64)
+        outs = [hit, tg.InferRequestedOutput("same"), tg.InferRequestedOutput("twice")]
+        got = client.infer("strings", [inp], outputs=outs, headers=dict(AUTH))
+        path = repository_server.root / "strings" / "1" / "model.onnx"
+        same, want_hit, twice = ort.InferenceSession(str(path)).run(None, {"s": words})
+        assert [b.decode() for b in got.as_numpy("same").flat] == list(same)
+        assert [b.decode() for b in got.as_numpy("twice").flat] == list(twice)
+        np.testing.assert_array_equal(shm.get_contents_as_numpy(handle, np.bool_, [3]), want_hit)
+    finally:
+        client.unregister_system_shared_memory(headers=dict(AUTH))
+        shm.destroy_shared_memory_region(handle)

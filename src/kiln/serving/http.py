@@ -25,6 +25,7 @@ from kiln.serving.service import (
     message_of,
     status_of,
 )
+from kiln.serving.shm import SharedMemory
 
 HEADER_LENGTH = "inference-header-content-length"
 
@@ -90,7 +91,22 @@ def _parse(body: bytes, header_length: str | None) -> tuple[dict, memoryview]:
     return req, raw
 
 
-def _decode(req: dict, raw: memoryview) -> dict[str, Any]:
+def _shm_of(name: str, params: Any) -> tuple[str, int, int] | None:
+    """(region, offset, byte size) when ``params`` place tensor ``name`` in shared memory."""
+    if not isinstance(params, dict) or "shared_memory_region" not in params:
+        return None
+    region = params["shared_memory_region"]
+    size = params.get("shared_memory_byte_size")
+    offset = params.get("shared_memory_offset", 0)
+    if not isinstance(region, str) or not isinstance(size, int) or not isinstance(offset, int):
+        raise BadRequest(
+            f"tensor {name!r}: shared_memory_region is a name, shared_memory_byte_size "
+            "and shared_memory_offset are integers"
+        )
+    return region, offset, size
+
+
+def _decode(req: dict, raw: memoryview, shm: SharedMemory) -> dict[str, Any]:
     feed, pos = {}, 0
     for i, t in enumerate(req["inputs"]):
         if not isinstance(t, dict) or not isinstance(t.get("name"), str):
@@ -99,7 +115,11 @@ def _decode(req: dict, raw: memoryview) -> dict[str, Any]:
         shape = tensors.check_shape(name, t.get("shape"))
         params = t.get("parameters") or {}
         size = params.get("binary_data_size") if isinstance(params, dict) else None
-        if size is not None:
+        place = _shm_of(name, params)
+        if place is not None:
+            data = shm.read(place[0], name, place[1], place[2])
+            feed[name] = tensors.from_bytes(name, t.get("datatype"), shape, data)
+        elif size is not None:
             if not isinstance(size, int) or size < 0 or pos + size > len(raw):
                 raise BadRequest(
                     f"input {name!r}: binary_data_size {size!r} runs past the "
@@ -116,17 +136,20 @@ def _decode(req: dict, raw: memoryview) -> dict[str, Any]:
     return feed
 
 
-def _wanted(req: dict) -> tuple[list[str] | None, dict[str, bool]]:
+def _wanted(req: dict) -> tuple[list[str] | None, dict[str, bool], dict[str, tuple]]:
+    """The outputs asked for (None: all), which travel as binary data, and which go to
+    shared memory (name -> region, offset, byte size)."""
     default = bool((req.get("parameters") or {}).get("binary_data_output", False))
     outs = req.get("outputs")
     if outs is None:
-        return None, {"*": default}
+        return None, {"*": default}, {}
     if not isinstance(outs, list) or not all(isinstance(o, dict) and "name" in o for o in outs):
         raise BadRequest("'outputs' must be a list of objects with a 'name'")
     binary = {
         o["name"]: bool((o.get("parameters") or {}).get("binary_data", default)) for o in outs
     }
-    return [o["name"] for o in outs], binary
+    places = {o["name"]: _shm_of(o["name"], o.get("parameters")) for o in outs}
+    return [o["name"] for o in outs], binary, {n: p for n, p in places.items() if p}
 
 
 def _compressed(body: bytes, accept: str) -> tuple[bytes, dict[str, str]]:
@@ -149,7 +172,13 @@ def _compressed(body: bytes, accept: str) -> tuple[bytes, dict[str, str]]:
 
 
 def _encode(
-    served: Any, rid: Any, results: dict, binary: dict[str, bool], accept: str | None = None
+    served: Any,
+    rid: Any,
+    results: dict,
+    binary: dict[str, bool],
+    accept: str | None = None,
+    shm: SharedMemory | None = None,
+    places: dict[str, tuple] | None = None,
 ) -> Response:
     outputs, blobs = [], []
     for name, arr in results.items():
@@ -158,7 +187,17 @@ def _encode(
             "datatype": tensors.datatype_of(arr),
             "shape": list(arr.shape),
         }
-        if binary.get(name, binary.get("*", False)):
+        if places and name in places:
+            region, offset, size = places[name]
+            blob = tensors.to_bytes(arr)
+            shm.write(region, name, offset, size, blob)
+            out["parameters"] = {
+                "shared_memory_region": region,
+                "shared_memory_byte_size": len(blob),
+            }
+            if offset:
+                out["parameters"]["shared_memory_offset"] = offset
+        elif binary.get(name, binary.get("*", False)):
             blob = tensors.to_bytes(arr)
             out["parameters"] = {"binary_data_size": len(blob)}
             blobs.append(blob)
@@ -231,11 +270,17 @@ def build_app(service: Service) -> Starlette:
         served = model_of(request)
         body = await _body(request, service.max_request_bytes)
         req, raw = _parse(body, request.headers.get(HEADER_LENGTH))
-        feed = _decode(req, raw)
-        wanted, binary = _wanted(req)
+        feed = _decode(req, raw, service.shm)
+        wanted, binary, places = _wanted(req)
         results = await service.infer(served, feed, wanted, "http")
         return _encode(
-            served, req.get("id"), results, binary, request.headers.get("accept-encoding")
+            served,
+            req.get("id"),
+            results,
+            binary,
+            request.headers.get("accept-encoding"),
+            service.shm,
+            places,
         )
 
     async def index(request: Request) -> Response:
@@ -247,6 +292,29 @@ def build_app(service: Service) -> Starlette:
 
     async def unload(request: Request) -> Response:
         service.unload(request.path_params["name"])
+        return JSONResponse({})
+
+    async def shm_status(request: Request) -> Response:
+        return JSONResponse(service.shm.status(request.path_params.get("region", "")))
+
+    async def shm_register(request: Request) -> Response:
+        body = await _body(request, 1 << 16)
+        try:
+            spec = json.loads(body)
+        except ValueError as e:
+            raise BadRequest(f"the request is not valid JSON: {e}") from None
+        if not isinstance(spec, dict) or not isinstance(spec.get("key"), str):
+            raise BadRequest("a registration is a JSON object with 'key', 'offset', 'byte_size'")
+        service.shm.register(
+            request.path_params["region"],
+            spec["key"],
+            spec.get("offset", 0),
+            spec.get("byte_size"),
+        )
+        return JSONResponse({})
+
+    async def shm_unregister(request: Request) -> Response:
+        service.shm.unregister(request.path_params.get("region", ""))
         return JSONResponse({})
 
     async def metrics(request: Request) -> Response:
@@ -265,6 +333,19 @@ def build_app(service: Service) -> Starlette:
         # before /v2/models/{name}: "stats" here is the route, not a model's name
         Route("/v2/models/stats", guarded(statistics)),
         Route("/v2/repository/index", guarded(index), methods=["POST"]),
+        Route("/v2/systemsharedmemory/status", guarded(shm_status)),
+        Route("/v2/systemsharedmemory/region/{region}/status", guarded(shm_status)),
+        Route(
+            "/v2/systemsharedmemory/region/{region}/register",
+            guarded(shm_register),
+            methods=["POST"],
+        ),
+        Route("/v2/systemsharedmemory/unregister", guarded(shm_unregister), methods=["POST"]),
+        Route(
+            "/v2/systemsharedmemory/region/{region}/unregister",
+            guarded(shm_unregister),
+            methods=["POST"],
+        ),
         Route("/v2/repository/models/{name}/load", guarded(load), methods=["POST"]),
         Route("/v2/repository/models/{name}/unload", guarded(unload), methods=["POST"]),
     ]

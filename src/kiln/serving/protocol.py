@@ -186,6 +186,25 @@ def _statistics(fd, p: str) -> None:
     _message(fd, "ModelStatisticsResponse", [("model_stats", 1, MSG, REP, f"{p}ModelStatistics")])
 
 
+def _shared_memory(fd, p: str) -> None:
+    """The system shared memory extension's messages (Triton's grpc_service.proto)."""
+    region = [("name", 1, STR), ("key", 2, STR), ("offset", 3, U64), ("byte_size", 4, U64)]
+    _message(fd, "SystemSharedMemoryStatusRequest", [("name", 1, STR)])
+    status = _message(fd, "SystemSharedMemoryStatusResponse", [])
+    _message(status, "RegionStatus", region)
+    _map(
+        status,
+        "SystemSharedMemoryStatusResponse",
+        "regions",
+        1,
+        f"{p}SystemSharedMemoryStatusResponse.RegionStatus",
+    )
+    _message(fd, "SystemSharedMemoryRegisterRequest", region)
+    _message(fd, "SystemSharedMemoryRegisterResponse", [])
+    _message(fd, "SystemSharedMemoryUnregisterRequest", [("name", 1, STR)])
+    _message(fd, "SystemSharedMemoryUnregisterResponse", [])
+
+
 def _file() -> descriptor_pb2.FileDescriptorProto:
     fd = descriptor_pb2.FileDescriptorProto(
         name="kiln_inference.proto", package=PACKAGE, syntax="proto3"
@@ -327,6 +346,7 @@ def _file() -> descriptor_pb2.FileDescriptorProto:
         _message(fd, f"RepositoryModel{call}Response", [])
     _model_config(fd, p)
     _statistics(fd, p)
+    _shared_memory(fd, p)
     return fd
 
 

@@ -16,6 +16,7 @@ from kiln.serving.metrics import SERVE_INSTALL
 from kiln.serving.models import ModelNotFound
 from kiln.serving.protocol import MESSAGES, SERVICE
 from kiln.serving.service import EXTENSIONS, VERSION, BadRequest, Service, message_of, status_of
+from kiln.serving.shm import SharedMemory
 
 # KServe datatype -> the typed ``contents`` field that carries it
 CONTENTS = {
@@ -42,18 +43,34 @@ def _grpc():
     return grpc
 
 
-def _decode(req: Any) -> dict[str, np.ndarray]:
+def _shm_of(params: Any) -> tuple[str, int, int] | None:
+    """(region, offset, byte size) when ``params`` place a tensor in shared memory."""
+    if "shared_memory_region" not in params:
+        return None
+    return (
+        params["shared_memory_region"].string_param,
+        params["shared_memory_offset"].int64_param if "shared_memory_offset" in params else 0,
+        params["shared_memory_byte_size"].int64_param,
+    )
+
+
+def _decode(req: Any, shm: SharedMemory) -> dict[str, np.ndarray]:
     raw = list(req.raw_input_contents)
-    if raw and len(raw) != len(req.inputs):
+    places = [_shm_of(t.parameters) for t in req.inputs]
+    in_raw = sum(p is None for p in places)  # raw contents are those of the other inputs
+    if raw and len(raw) != in_raw:
         raise BadRequest(
-            f"{len(raw)} raw_input_contents for {len(req.inputs)} inputs; send "
-            "one per input or none"
+            f"{len(raw)} raw_input_contents for {in_raw} inputs not in shared memory; "
+            "send one per input or none"
         )
-    feed = {}
-    for i, t in enumerate(req.inputs):
+    feed, next_raw = {}, iter(raw)
+    for t, place in zip(req.inputs, places):
         shape = tensors.check_shape(t.name, list(t.shape))
-        if raw:
-            feed[t.name] = tensors.from_bytes(t.name, t.datatype, shape, raw[i])
+        if place is not None:
+            data = shm.read(place[0], t.name, place[1], place[2])
+            feed[t.name] = tensors.from_bytes(t.name, t.datatype, shape, data)
+        elif raw:
+            feed[t.name] = tensors.from_bytes(t.name, t.datatype, shape, next(next_raw))
         elif t.datatype in CONTENTS:
             feed[t.name] = tensors.from_json(
                 t.name, t.datatype, shape, list(getattr(t.contents, CONTENTS[t.datatype]))
@@ -99,14 +116,44 @@ def _handlers(service: Service) -> dict[str, tuple[Any, str, str]]:
     async def infer(req, ctx):
         served = service.repository.get(req.model_name, req.model_version)
         wanted = [o.name for o in req.outputs] or None
-        results = await service.infer(served, _decode(req), wanted, "grpc")
+        places = {o.name: _shm_of(o.parameters) for o in req.outputs}
+        results = await service.infer(served, _decode(req, service.shm), wanted, "grpc")
         resp = M["ModelInferResponse"](
             model_name=served.name, model_version=served.version, id=req.id
         )
-        for name, arr in results.items():
-            resp.outputs.add(name=name, datatype=tensors.datatype_of(arr), shape=list(arr.shape))
-            resp.raw_output_contents.append(tensors.to_bytes(arr))
+        # outputs in shared memory last: tritonclient pairs raw_output_contents with
+        # outputs by position, and those have none
+        order = sorted(results, key=lambda n: places.get(n) is not None)
+        for name in order:
+            arr = results[name]
+            out = resp.outputs.add(
+                name=name, datatype=tensors.datatype_of(arr), shape=list(arr.shape)
+            )
+            blob = tensors.to_bytes(arr)
+            place = places.get(name)
+            if place is None:
+                resp.raw_output_contents.append(blob)
+                continue
+            service.shm.write(place[0], name, place[1], place[2], blob)
+            out.parameters["shared_memory_region"].string_param = place[0]
+            out.parameters["shared_memory_byte_size"].int64_param = len(blob)
         return resp
+
+    async def shm_status(req, ctx):
+        resp = M["SystemSharedMemoryStatusResponse"]()
+        for region in service.shm.status(req.name):
+            resp.regions[region["name"]].CopyFrom(
+                M["SystemSharedMemoryStatusResponse"].RegionStatus(**region)
+            )
+        return resp
+
+    async def shm_register(req, ctx):
+        service.shm.register(req.name, req.key, req.offset, req.byte_size)
+        return M["SystemSharedMemoryRegisterResponse"]()
+
+    async def shm_unregister(req, ctx):
+        service.shm.unregister(req.name)
+        return M["SystemSharedMemoryUnregisterResponse"]()
 
     async def index(req, ctx):
         resp = M["RepositoryIndexResponse"]()
@@ -131,6 +178,21 @@ def _handlers(service: Service) -> dict[str, tuple[Any, str, str]]:
         "ModelConfig": (model_config, "ModelConfigRequest", "ModelConfigResponse"),
         "ModelStatistics": (statistics, "ModelStatisticsRequest", "ModelStatisticsResponse"),
         "ModelInfer": (infer, "ModelInferRequest", "ModelInferResponse"),
+        "SystemSharedMemoryStatus": (
+            shm_status,
+            "SystemSharedMemoryStatusRequest",
+            "SystemSharedMemoryStatusResponse",
+        ),
+        "SystemSharedMemoryRegister": (
+            shm_register,
+            "SystemSharedMemoryRegisterRequest",
+            "SystemSharedMemoryRegisterResponse",
+        ),
+        "SystemSharedMemoryUnregister": (
+            shm_unregister,
+            "SystemSharedMemoryUnregisterRequest",
+            "SystemSharedMemoryUnregisterResponse",
+        ),
         "RepositoryIndex": (index, "RepositoryIndexRequest", "RepositoryIndexResponse"),
         "RepositoryModelLoad": (load, "RepositoryModelLoadRequest", "RepositoryModelLoadResponse"),
         "RepositoryModelUnload": (

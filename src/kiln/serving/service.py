@@ -15,11 +15,18 @@ from kiln.errors import InputError, KilnError, ModelLoadError, ShapeError, Unsup
 from kiln.serving.batching import Overloaded
 from kiln.serving.metrics import Metrics
 from kiln.serving.models import ModelNotFound, Repository, ServedModel
+from kiln.serving.shm import RegionError, SharedMemory
 
 log = logging.getLogger("kiln.serving")
 
 VERSION = "0.1.0"
-EXTENSIONS = ["binary_tensor_data", "model_repository", "model_configuration", "statistics"]
+EXTENSIONS = [
+    "binary_tensor_data",
+    "model_repository",
+    "model_configuration",
+    "statistics",
+    "system_shared_memory",
+]
 
 
 class Unauthorized(KilnError):
@@ -44,6 +51,7 @@ STATUS: list[tuple[type, int, str]] = [
     (InputError, 400, "INVALID_ARGUMENT"),
     (ShapeError, 400, "INVALID_ARGUMENT"),
     (ModelLoadError, 400, "INVALID_ARGUMENT"),
+    (RegionError, 400, "INVALID_ARGUMENT"),
     (UnsupportedOpError, 400, "INVALID_ARGUMENT"),
     (KilnError, 500, "INTERNAL"),
 ]
@@ -73,6 +81,7 @@ class Service:
     max_request_bytes: int = 64 << 20
     metrics: Metrics = field(default_factory=Metrics)
     ports: dict[str, int | None] = field(default_factory=dict)  # set once listening
+    shm: SharedMemory = field(default_factory=SharedMemory)  # registered regions
 
     def __post_init__(self) -> None:
         for m in self.repository.loaded():
