@@ -13,22 +13,25 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import FLOATS, SIGNED
+from kiln.ops.torch.arrays import FLOATS, SIGNED, gated
+
+_INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
 
 NI = NotImplemented
 
 
 # -- arithmetic ---------------------------------------------------------------------------
 
-@kernel("Mod", 10)  # faster than the generic kernel on floats (one torch.fmod, no abs/where)
-def mod(a, b, *, fmod=0):
-    if a.dtype != b.dtype or a.dtype == torch.bool:
-        return NI
-    if a.dtype in FLOATS:
-        return torch.fmod(a, b) if fmod else NI
-    if (b == 0).any():
-        return NI
-    return torch.fmod(a, b) if fmod else torch.remainder(a, b)
+@kernel("Mod", 10, prepare=True)  # faster than the generic kernel on floats (one torch.fmod)
+def mod(site):
+    fmod = int(site.attr("fmod", 0))
+
+    def run(a, b):
+        if not a.dtype.is_floating_point and (b == 0).any():
+            return NI  # a zero divisor, read at run time: the NumPy kernel's result
+        return torch.fmod(a, b) if fmod else torch.remainder(a, b)
+    # floats without fmod: Python's sign rule, which torch.remainder rounds differently
+    return gated(site, SIGNED + (torch.uint8,) if fmod else _INTS, run, same=True)
 
 
 def _variadic(fn):

@@ -10,7 +10,9 @@ import torch.nn.functional as F
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
+    TORCH_OF,
     axis,
+    gated,
     ints,
     scalar,
 )
@@ -18,6 +20,7 @@ from kiln.ops.torch.arrays import (
 NI = NotImplemented
 
 
+_NOT_BOOL = tuple(t for t in TORCH_OF.values() if t is not torch.bool)
 _PAD_MODES = {"constant": "constant", "edge": "replicate", "reflect": "reflect", "wrap": "circular"}
 
 
@@ -71,7 +74,8 @@ def pad(site):
         v = 0 if value is None or not value.numel() else scalar(value)
         return _pad(x, ints(pads), v, mode, None if axes is None else ints(axes))
 
-    return run
+    # (a type _pad lacks in this mode, where the plan knows it: the next kernel)
+    return gated(site, _NOT_BOOL if mode == "constant" else FLOATS, run)
 
 
 @kernel("Pad", 2, until=11, when=lambda site: site.attr("mode", "constant") in _PAD_MODES

@@ -6,12 +6,14 @@ import math
 
 import torch
 
+from kiln.ir import DType
 from kiln.ops._array import axis as norm_axis
 from kiln.ops.indexing import in_range
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
     ints,
+    known_dtype,
 )
 
 NI = NotImplemented
@@ -60,10 +62,17 @@ def _gather(x, indices, axis: int):
     return y.reshape(tuple(x.shape[:a]) + tuple(indices.shape) + tuple(x.shape[a + 1 :]))
 
 
-@kernel("GatherElements", 11)  # traceable: the generic kernel's range check reads a value
-def gather_elements(data, indices, *, axis=0):  # on the host, which stops torch.compile
+# traceable: the generic kernel's range check reads a value on the host, which stops
+# torch.compile
+def _int_indices(site) -> bool:
+    """Whether the indices (input 1) may be int32/int64: unknown, or known to be."""
+    return known_dtype(site, 1) in (None, DType.INT32, DType.INT64)
+
+
+@kernel("GatherElements", 11, when=lambda site: _int_indices(site))
+def gather_elements(data, indices, *, axis=0):
     if indices.dtype not in (torch.int32, torch.int64) or indices.device != data.device:
-        return NI
+        return NI  # a type the plan did not know, or indices fed on another device
     a = norm_axis(axis, data.dim())
     # torch.gather raises on an index outside [0, n): so does ONNX after the wrap
     idx = torch.where(indices < 0, indices + data.shape[a], indices)
@@ -83,14 +92,14 @@ def _in_range(idx, n: int):
     return in_range(torch, idx, n)
 
 
-@kernel("GatherND", 11)
+@kernel("GatherND", 11, when=lambda site: _int_indices(site))
 def gather_nd(data, indices, *, batch_dims=0):
     if indices.dtype not in (torch.int32, torch.int64):
-        return NI
+        return NI  # a type the plan did not know
     b = batch_dims
     k = indices.shape[-1]
     if b + k > data.dim():
-        return NI
+        return NI  # ranks and the index depth, read at run time: the NumPy kernel's error
     bshape = tuple(data.shape[:b])
     nb = math.prod(bshape)
     d = data.reshape((nb,) + tuple(data.shape[b:]))

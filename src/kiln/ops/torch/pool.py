@@ -13,6 +13,7 @@ from kiln.ops.torch.arrays import (
     FLOATS,
     as_uint8,
     from_uint8,
+    gated,
     integers,
     quantized,
 )
@@ -162,14 +163,14 @@ def average_pool(site):
     ks = list(site.attr("kernel_shape"))
     if ceil and include:
         return None  # torch divides hanging-off windows differently
+    if any(d != 1 for d in site.attr("dilations") or ()):
+        return None  # torch's average pool has no dilation
 
     def run(x):
         n = x.dim() - 2
-        if x.dtype not in FLOATS or n not in _AVGPOOL:
-            return NI
+        if n not in _AVGPOOL:
+            return NI  # a rank known only at run time: the NumPy kernel's error
         strides, dil, begins, ends = window(site, x, ks)
-        if any(d != 1 for d in dil):
-            return NI
         if begins != ends or any(b > k // 2 for b, k in zip(begins, ks)):
             # padding torch's pooling cannot take (uneven, or over half the window), as
             # Inception v1's last pool has: pad first, and without count_include_pad
@@ -186,7 +187,7 @@ def average_pool(site):
         y = _AVGPOOL[n](x, ks, strides, begins, ceil_mode=ceil, count_include_pad=include)
         return y if list(y.shape[2:]) == want else NI
 
-    return run
+    return gated(site, FLOATS, run)
 
 
 @kernel("GlobalAveragePool", 1, dtypes=FLOATS)

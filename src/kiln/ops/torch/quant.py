@@ -127,10 +127,8 @@ def dequantize_linear(site):
     return gated(site, _EIGHT, run)
 
 
-@kernel("DynamicQuantizeLinear", 11)
+@kernel("DynamicQuantizeLinear", 11, dtypes=(torch.float32,))
 def dynamic_quantize_linear(x):
-    if x.dtype != torch.float32:
-        return NI
     # The scale and zero point computed as the reference kernel does (in float32), so
     # both backends pick the same grid.
     lo = hi = 0.0

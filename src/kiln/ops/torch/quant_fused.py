@@ -157,8 +157,6 @@ def _float_layer(site, weight_axis: int, compute):
     clamp = (None if lo == -np.inf else lo, None if hi == np.inf else hi)
 
     def run(x, x_scale, x_zero_point=None, *rest):
-        if x.dtype not in _EIGHT:
-            return NI
         v = x.to(wf.dtype)
         if x_zero_point is not None:
             v -= x_zero_point.to(wf.dtype)
@@ -179,7 +177,7 @@ def _float_layer(site, weight_axis: int, compute):
         if integer
         else "float output: float32 on the dequantized input, weight dequantized once"
     )
-    return run
+    return gated(site, _EIGHT, run)
 
 
 def _cpu(site) -> bool:

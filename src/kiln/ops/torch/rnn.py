@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import FLOATS
+from kiln.ops.torch.arrays import FLOATS, TORCH_OF, known_dtype
 from kiln.ops.torch.conv import _SINGLE_MACS, _single_threaded
 
 NI = NotImplemented
@@ -93,10 +93,16 @@ def _recurrent(site, op: str):
                         order)
 
     one_thread_ok = site.target.device.type == "cpu" and not site.target.tracing
+    kx, kw = known_dtype(site, 0), known_dtype(site, 1)
+    if kx is not None and (TORCH_OF.get(kx) not in FLOATS or kw not in (None, kx)):
+        return None  # types the plan knows and torch's RNNs lack: the NumPy kernel
+    typed = kx is not None and kw is not None
 
     def run(x, w, r, b=None, seq=None, h0=None, c0=None, p=None):
-        if x.dtype not in FLOATS or w.dtype != x.dtype or x.dim() != 3:
-            return NI
+        if not typed and (x.dtype not in FLOATS or w.dtype != x.dtype):
+            return NI  # a type the plan did not know
+        if x.dim() != 3:
+            return NI  # a rank known only at run time: the NumPy kernel's error
         dirs, hidden = w.shape[0], r.shape[-1]
         if (direction == "bidirectional") != (dirs == 2):
             return NI
