@@ -12,6 +12,7 @@ from kiln.ops.torch.arrays import (
     FLOATS,
     SIGNED,
     axis,
+    gated,
 )
 
 NI = NotImplemented
@@ -83,28 +84,26 @@ kernel("Softsign", 1, dtypes=FLOATS)(F.softsign)  # one op, no dtype check
 # -- softmax ------------------------------------------------------------------------------
 
 
+_SOFTMAX_TYPES = (torch.bfloat16, torch.float32, torch.float64)
+
+
 def _softmax_kernel(fn):
     def build(site):
         legacy = site.opset < 13
         ax = int(site.attr("axis", 1 if legacy else -1))
 
         def run(x):
-            if x.dtype not in FLOATS:
-                return NI
-            if x.dtype == torch.float16:
-                # The shared kernel's steps, each rounded to fp16, are ONNX's reference:
-                # torch's fused softmax rounds once, from fp32, 1-2 fp16 ulps away from it
-                # (on the CPU, and on CUDA in test_attention_4d_causal_fp16_expanded).
-                # Same results on both devices; fp16 files only (precision="fp16" keeps
-                # softmax in fp32).
-                return NI
             if not legacy:
                 return fn(x, axis(ax, x.dim()))  # torch takes dim -1 of a scalar
             a = axis(ax, x.dim())
             lead = math.prod(x.shape[:a])
             return fn(x.reshape(lead, -1) if x.numel() else x.reshape(lead, 0), 1).reshape(x.shape)
 
-        return run
+        # Not float16: the shared kernel's steps, each rounded to fp16, are ONNX's
+        # reference; torch's fused softmax rounds once, from fp32, 1-2 fp16 ulps away from
+        # it (on the CPU, and on CUDA in test_attention_4d_causal_fp16_expanded). Same
+        # results on both devices; fp16 files only (precision="fp16" keeps softmax in fp32).
+        return gated(site, _SOFTMAX_TYPES, run)
 
     return build
 

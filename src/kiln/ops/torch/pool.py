@@ -106,10 +106,10 @@ def _max_pool_8bit(site, x, ks, ceil: bool):
     there) as torch's quantized NHWC pool, faster than its uint8 NCHW pool and than the
     float32 one it replaces."""
     if x.device.type != "cpu":
-        return NI
+        return NI  # torch's quantized pool runs on the CPU only
     strides, dil, begins, ends = window(site, x, ks)
     if begins != ends:
-        return NI
+        return NI  # uneven padding (auto_pad SAME_* resolves against the run-time shape)
     q = quantized(as_uint8(x).contiguous(memory_format=torch.channels_last), 1.0, 0)
     y = integers(F.max_pool2d(q, ks, strides, begins, dil, ceil_mode=ceil))
     want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
@@ -176,7 +176,7 @@ def average_pool(site):
             # Inception v1's last pool has: pad first, and without count_include_pad
             # divide by how much of each window lies inside the input
             if ceil or any(p >= k for p, k in zip(begins + ends, ks * 2)):
-                return NI
+                return NI  # padding resolved against the run-time shape that torch lacks
             pad = torch_pad(begins, ends)
             y = _AVGPOOL[n](F.pad(x, pad), ks, strides)
             if not include:

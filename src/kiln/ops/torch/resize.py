@@ -10,6 +10,7 @@ from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
     floats,
+    gated,
     ints,
 )
 
@@ -50,9 +51,8 @@ def resize(site):
     else:
         return None
 
+    # the checks left below read the rank, sizes and scales, known only at run time
     def run(x, roi=None, scales=None, sizes=None):
-        if x.dtype not in FLOATS:
-            return NI
         n = x.dim() - 2
         if n < 1:
             return NI
@@ -88,4 +88,4 @@ def resize(site):
         )
         return y if list(y.shape[2:]) == out else NI
 
-    return run
+    return gated(site, FLOATS, run)

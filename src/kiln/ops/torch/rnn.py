@@ -105,7 +105,7 @@ def _recurrent(site, op: str):
             return NI  # a rank known only at run time: the NumPy kernel's error
         dirs, hidden = w.shape[0], r.shape[-1]
         if (direction == "bidirectional") != (dirs == 2):
-            return NI
+            return NI  # weights (fed at run time) for another direction: the NumPy kernel's error
         if layout:
             x = x.transpose(0, 1)
             h0 = None if h0 is None else h0.transpose(0, 1)

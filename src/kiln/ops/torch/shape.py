@@ -57,7 +57,7 @@ def _squeeze(x, axes):
         return x.squeeze()
     dims = tuple(axis(a, x.dim()) for a in axes)
     if any(x.shape[d] != 1 for d in dims):
-        return NI
+        return NI  # a dim that is not 1, read at run time: the NumPy kernel's error
     return x.squeeze(dims) if dims else x
 
 
@@ -119,10 +119,10 @@ def split(site):
                 len(sizes) == n else NI  # the NumPy kernel says what is wrong
         d = x.shape[a]
         if site.opset < 18 and d % n:
-            return NI
+            return NI  # an uneven split of a run-time dim: the NumPy kernel's error
         chunk = -(-d // n)
         parts = tuple(torch.split(x, chunk, a)) if chunk else ()
-        return parts if len(parts) == n else NI
+        return parts if len(parts) == n else NI  # fewer parts than outputs at this size
     return run
 
 
@@ -143,7 +143,7 @@ def _slice(x, starts, ends, axes, steps):
         a = axis(axes[i], x.dim()) if axes is not None else i
         st = steps[i] if steps is not None else 1
         if st == 0:
-            return NI
+            return NI  # a zero step, read at run time: the NumPy kernel's error
         if st > 0:
             idx[a] = _forward(s, e, st)
         else:
