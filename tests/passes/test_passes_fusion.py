@@ -78,12 +78,20 @@ def _act_nodes(act: str, x: str, y: str) -> tuple[list, list]:
     if act == "HardSwishMul":
         return [helper.make_node("HardSigmoid", [x], ["hs"], alpha=1 / 6, beta=0.5),
                 helper.make_node("Mul", ["hs", x], [y])], []
+    if act.startswith("HardSwishClip"):  # paddle2onnx's x * Clip(x + 3, 0, 6) / 6
+        six = 5.0 if act.endswith("5") else 6.0  # by 5: not HardSwish
+        return [helper.make_node("Add", [x, "three"], ["x3"]),
+                helper.make_node("Clip", ["x3", "lo", "hi"], ["r6"]),
+                helper.make_node("Mul", [x, "r6"], ["xr"]),
+                helper.make_node("Div", ["xr", "six"], [y])], \
+            [init("three", np.float32(3)), init("lo", np.float32(0)), init("hi", np.float32(6)),
+             init("six", np.float32(six))]
     attrs = {"LeakyRelu": {"alpha": 0.2}, "HardSigmoid": {"alpha": 0.3, "beta": 0.4}}
     return [helper.make_node(act, [x], [y], **attrs.get(act, {}))], []
 
 
 ACTS = ["Relu", "LeakyRelu", "Relu6", "Sigmoid", "HardSigmoid", "HardSwish", "HardSwishMul",
-        "SiLU", "Tanh"]
+        "HardSwishClip", "SiLU", "Tanh"]
 
 
 @pytest.mark.parametrize("act", ACTS)
@@ -96,6 +104,15 @@ def test_conv_bias_activation_fuse(act):
                        opset=14)
     om, _ = optimized(proto, {"x": rand(2, 3, 8, 8)}, rtol=1e-4, atol=1e-5)
     assert ops(om) == {"ai.kiln.FusedConv": 1}
+
+
+def test_conv_then_clip_form_divided_by_another_number_is_not_hard_swish():
+    an, ai = _act_nodes("HardSwishClip5", "c", "y")
+    proto = make_model([helper.make_node("Conv", ["x", "w"], ["c"])] + an,
+                       [vi("x", ["n", 3, 8, 8])], [vi("y", None)],
+                       [init("w", rand(4, 3, 3, 3))] + ai, opset=14)
+    om, _ = optimized(proto, {"x": rand(2, 3, 8, 8)}, rtol=1e-4, atol=1e-5)
+    assert ops(om).get("Div") == 1 and "ai.kiln.FusedConv" not in ops(om)
 
 
 def test_conv_residual_add_relu_fuse():
