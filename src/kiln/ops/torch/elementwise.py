@@ -104,14 +104,11 @@ def clip(site):
     fixed = _bounds(lo, hi) if NotImplemented not in (lo, hi) else None
 
     def run(x, lo=None, hi=None):
-        if x.dtype not in SIGNED or any(t is not None and t.dtype != x.dtype
-                                         for t in (lo, hi)):
-            return NI
         if fixed is not None and x.dtype in FLOATS:
             return F.hardtanh(x, *fixed)
         # clamp sets everything to max when min > max, as Clip does
         return x if lo is None and hi is None else torch.clamp(x, lo, hi)
-    return run
+    return gated(site, SIGNED, run, same=True)
 
 
 @kernel("Clip", 6, until=11, dtypes=FLOATS)  # faster than the generic kernel (one clamp)

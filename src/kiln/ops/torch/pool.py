@@ -20,6 +20,7 @@ from kiln.ops.torch.arrays import (
 from kiln.ops.torch.conv import torch_pad, window
 
 NI = NotImplemented
+_EIGHT = (torch.uint8, torch.int8)
 _AVGPOOL = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}
 _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 
@@ -41,10 +42,10 @@ def max_pool(site):
 
     def run(x):
         n = x.dim() - 2
-        if x.dtype in (torch.uint8, torch.int8) and n == 2 and not want_idx:
-            return _max_pool_8bit(site, x, ks, ceil)
-        if x.dtype not in FLOATS or n not in _MAXPOOL:
-            return NI
+        if x.dtype in _EIGHT:  # (declined where indices are asked for)
+            return _max_pool_8bit(site, x, ks, ceil) if n == 2 else NI  # rank: run time
+        if n not in _MAXPOOL:
+            return NI  # a rank known only at run time: the NumPy kernel's error
         if cl and n == 2 and not want_idx:
             # torch's NCHW max-pool is much slower than its NHWC one on the CPU: the
             # copy costs far less (indices, when asked for, are NCHW positions)
@@ -61,13 +62,13 @@ def max_pool(site):
             # PyTorch's own modules do)
             y = _max_pool_separable(x, ks, strides, dil, begins, want)
             if y is not None:
-                return NI if nan_check and _nan_in(y) else y
+                return NI if nan_check and _nan_in(y) else y  # a NaN: see below
         sym = begins == ends and all(
             b <= ((k - 1) * d + 1) // 2 for b, k, d in zip(begins, ks, dil)
         )
         if not sym:
             if want_idx:
-                return NI
+                return NI  # indices of a padded copy: padding resolved at run time
             x = F.pad(x, torch_pad(begins, ends), value=-math.inf)
             begins = [0] * n
         r = _MAXPOOL[n](x, ks, strides, begins, dil, ceil_mode=ceil, return_indices=want_idx)
@@ -86,7 +87,7 @@ def max_pool(site):
         )
         return y, r[1] + nc * plane
 
-    return run
+    return gated(site, FLOATS if want_idx else FLOATS + _EIGHT, run)
 
 
 def _nan_in(y) -> bool:
@@ -114,7 +115,7 @@ def _max_pool_8bit(site, x, ks, ceil: bool):
     y = integers(F.max_pool2d(q, ks, strides, begins, dil, ceil_mode=ceil))
     want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
     if list(y.shape[2:]) != want:
-        return NI
+        return NI  # torch's ceil-mode size differs at this run-time shape
     return from_uint8(y, x.dtype == torch.int8)
 
 
@@ -185,7 +186,7 @@ def average_pool(site):
             return y
         want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
         y = _AVGPOOL[n](x, ks, strides, begins, ceil_mode=ceil, count_include_pad=include)
-        return y if list(y.shape[2:]) == want else NI
+        return y if list(y.shape[2:]) == want else NI  # torch's ceil-mode size differs here
 
     return gated(site, FLOATS, run)
 
