@@ -441,3 +441,27 @@ def test_fx_symbolic_trace_of_a_kiln_module_itself_says_what_to_use():
     program = torch.export.export(m, (x,))
     with torch.no_grad():
         torch.testing.assert_close(program.module()(x), net(x), rtol=1e-5, atol=1e-6)
+
+
+def test_linear_layers_run_as_the_originals_addmm():
+    """torch.nn.Linear on a 3-D input is exported as Transpose(W), MatMul, Add(b); the
+    module runs it as F.linear, as the layer did: the same addmm calls (the bias inside
+    the GEMM) in forward and backward, and the original's gradients."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4)).eval()
+    x = torch.randn(2, 5, 8)
+    proto = _export(net, (x,), do_constant_folding=False)
+    assert {"Transpose", "MatMul", "Add"} <= {n.op_type for n in proto.graph.node}
+    m = kiln.to_torch(proto)
+
+    def addmm_calls(mod):
+        with profile(activities=[ProfilerActivity.CPU]) as p:
+            _loss(mod(x)).backward()
+        return sum(e.count for e in p.key_averages() if e.key == "aten::addmm")
+
+    want, got = addmm_calls(net), addmm_calls(m)
+    assert want == got == 2
+    _same_gradients(net, m, rel=1e-6)
+    torch.testing.assert_close(m(x), net(x), rtol=1e-6, atol=1e-6)

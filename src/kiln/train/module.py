@@ -343,9 +343,11 @@ def fused(model: Model, input_shapes: dict | None = None) -> Model:
     """A copy of ``model`` with the fusions that mean the same in training: Gelu,
     LayerNormalization and attention (one differentiable torch kernel each: F.gelu,
     F.layer_norm, scaled_dot_product_attention, which save fewer tensors for backward than
-    their decomposed ops), after folding the constants they match on. Initializers marked
-    overridable (the module's parameters and buffers) are never folded, so each keeps its
-    name and value; nothing else (BatchNorm, Dropout, activations into MatMul/Conv) changes.
+    their decomposed ops), after folding the constants they match on, and linear layers
+    (MatMul + bias Add on initializers: F.linear, see :func:`graph.linear_layers`).
+    Initializers marked overridable (the module's parameters and buffers) are never folded,
+    so each keeps its name and value; nothing else (BatchNorm, Dropout, activations into
+    MatMul/Conv) changes.
     ``input_shapes`` (name -> shape) fixes the inputs' shapes first, so that the shape
     arithmetic folds to constants (the per-shape program torch.compile traces)."""
     keep = {
@@ -357,12 +359,14 @@ def fused(model: Model, input_shapes: dict | None = None) -> Model:
         "fuse_layernorm",
         "fuse_attention",
     }
-    return optimize(
+    out = optimize(
         model,
         disable=[p for p in PASS_NAMES if p not in keep],
         backend="torch",
         input_shapes=input_shapes,
     )
+    graph_ops.linear_layers(out)
+    return out
 
 
 def _why_not_differentiable(s: Step, opsets: dict[str, int]) -> str:

@@ -27,12 +27,16 @@ NI = NotImplemented
 
 
 for _name, _fn in {
-    "Relu": lambda y, p: torch.relu(y), "LeakyRelu": lambda y, p: F.leaky_relu(y, p[0]),
-    "Clip": lambda y, p: torch.clamp(y, p[0], p[1]), "Sigmoid": lambda y, p: torch.sigmoid(y),
+    "Relu": lambda y, p: torch.relu(y),
+    "LeakyRelu": lambda y, p: F.leaky_relu(y, p[0]),
+    "Clip": lambda y, p: torch.clamp(y, p[0], p[1]),
+    "Sigmoid": lambda y, p: torch.sigmoid(y),
     "HardSigmoid": lambda y, p: torch.clamp(y * p[0] + p[1], 0, 1),
     "HardSwish": lambda y, p: y * torch.clamp(y * (1 / 6) + 0.5, 0, 1),
-    "Silu": lambda y, p: F.silu(y), "Gelu": lambda y, p: F.gelu(y),
-    "GeluTanh": lambda y, p: F.gelu(y, approximate="tanh"), "Tanh": lambda y, p: torch.tanh(y),
+    "Silu": lambda y, p: F.silu(y),
+    "Gelu": lambda y, p: F.gelu(y),
+    "GeluTanh": lambda y, p: F.gelu(y, approximate="tanh"),
+    "Tanh": lambda y, p: torch.tanh(y),
 }.items():
     activation(_name, "torch")(_fn)
 
@@ -52,12 +56,16 @@ def activation_fn(name: str, params):
 
 # oneDNN's convolution post-op (attr, scalars, algorithm) for an activation and its params.
 _ONEDNN: dict[str, Callable] = {
-    "": lambda p: ("none", [], ""), "Relu": lambda p: ("relu", [], ""),
-    "Sigmoid": lambda p: ("sigmoid", [], ""), "Tanh": lambda p: ("tanh", [], ""),
-    "HardSwish": lambda p: ("hardswish", [], ""), "Silu": lambda p: ("swish", [], ""),
+    "": lambda p: ("none", [], ""),
+    "Relu": lambda p: ("relu", [], ""),
+    "Sigmoid": lambda p: ("sigmoid", [], ""),
+    "Tanh": lambda p: ("tanh", [], ""),
+    "HardSwish": lambda p: ("hardswish", [], ""),
+    "Silu": lambda p: ("swish", [], ""),
     "LeakyRelu": lambda p: ("leaky_relu", [p[0]], ""),
     "Clip": lambda p: ("hardtanh", [float(p[0]), float(p[1])], ""),
-    "Gelu": lambda p: ("gelu", [], "none"), "GeluTanh": lambda p: ("gelu", [], "tanh"),
+    "Gelu": lambda p: ("gelu", [], "none"),
+    "GeluTanh": lambda p: ("gelu", [], "tanh"),
 }
 
 
@@ -70,8 +78,12 @@ def _onednn_unary(name: str, params):
 def _sub_site(site: Site, n_inputs: int, drop=("activation", "activation_params")) -> Site:
     """The site as the standard op (Conv, Gemm, MatMul) sees it."""
     attrs = {k: v for k, v in site.attrs.items() if k not in drop}
-    node = SimpleNamespace(op_type="", name=site.node.name, inputs=site.node.inputs[:n_inputs],
-                           outputs=site.node.outputs[:1])
+    node = SimpleNamespace(
+        op_type="",
+        name=site.node.name,
+        inputs=site.node.inputs[:n_inputs],
+        outputs=site.node.outputs[:1],
+    )
     return Site(node, 21, attrs, site.target)
 
 
@@ -111,6 +123,7 @@ def fused_gemm(site):
         if y is NI or act is None:
             return y
         return act(y)
+
     return run
 
 
@@ -129,11 +142,18 @@ def fused_matmul(site):
     # A constant 2-D weight with a 1-D bias is exactly F.linear: one BLAS call with the
     # bias folded in.
     lin = None
-    if low is None and wc is not None and wc.ndim == 2 and wc.dtype.name == "float32" and (
-            bc is None or (bc.ndim == 1 and bc.shape[0] == wc.shape[1])):
+    if (
+        low is None
+        and wc is not None
+        and wc.ndim == 2
+        and wc.dtype.name == "float32"
+        and (bc is None or (bc.ndim == 1 and bc.shape[0] == wc.shape[1]))
+    ):
         post = _onednn_unary(name, site.attr("activation_params")) if inner else None
-        lin = (linear(site, site.target.put(wc), inner, post),
-               None if bc is None else site.target.put(bc))
+        lin = (
+            linear(site, site.target.put(wc), inner, post),
+            None if bc is None else site.target.put(bc),
+        )
         plain = torch.matmul  # for a 1-D ``a``; not MatMul's kernel, which would pack again
     else:
         sub = _sub_site(site, 2)
@@ -146,11 +166,28 @@ def fused_matmul(site):
     def run(a, b, bias=None, z=None, *more):
         if more:
             return NI
-        if lin is not None and a.dtype == torch.float32 and a.dim() >= 2 \
-                and (bias is None) == (lin[1] is None):
+        if (
+            lin is not None
+            and a.dtype == torch.float32
+            and a.dim() >= 2
+            and (bias is None) == (lin[1] is None)
+        ):
             y = lin[0](a, lin[1])
             if inner is not None:
                 return y
+        elif (
+            low is None
+            and bias is not None
+            and a.dim() >= 2
+            and b.dim() == 2
+            and bias.dim() == 1
+            and a.dtype == b.dtype == bias.dtype
+            and a.dtype in (torch.float32, torch.float64)
+        ):
+            # weights fed at run time (a kiln.to_torch module's parameters): the layer's
+            # own F.linear, one addmm with the bias inside (and its backward), as the
+            # torch.nn.Linear the pattern came from runs
+            y = F.linear(a, b.t(), bias)
         else:
             y = plain(a, b)
             if y is NI:
@@ -160,6 +197,7 @@ def fused_matmul(site):
         if z is not None:
             y = y + z
         return act(y) if act is not None else y
+
     return run
 
 
@@ -204,8 +242,12 @@ def attention(site):
             mask = None if mask is None else mask.to(low)
         # SDPA gives a row the mask hides entirely zeros, but NaN for NaN scores, where
         # zero_nan's graph gives zeros: those take the three ops
-        if q.dim() >= 3 and q.shape[:-2] == k.shape[:-2] == v.shape[:-2] \
-                and (mask is None or mask.dim() >= 2) and not zero_nan:
+        if (
+            q.dim() >= 3
+            and q.shape[:-2] == k.shape[:-2] == v.shape[:-2]
+            and (mask is None or mask.dim() >= 2)
+            and not zero_nan
+        ):
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
         else:
             s = torch.matmul(q, k.transpose(-1, -2)) * scale
@@ -226,7 +268,7 @@ def attention(site):
             q, k, v = (t.unflatten(-1, (heads, -1)).transpose(-3, -2) for t in (q, k, v))
             return attend(q, k, v, mask).transpose(-3, -2).flatten(-2)
         return attend(q, k.transpose(-1, -2) if kt else k, v, mask)
+
     if low is not None:
         site.notes.append(f"computes in {low}")
     return run
-
