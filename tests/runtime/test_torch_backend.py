@@ -829,19 +829,21 @@ def _random_initializer(rng, scale: float):
     return w
 
 
-def _count_linear_packs(monkeypatch) -> list[tuple[int, ...]]:
-    """The (N, K) shape of every weight packed for oneDNN's linear primitive from now on."""
+def _count_packs(monkeypatch, reorder: str = "_reorder_linear_weight"
+                 ) -> list[tuple[int, ...]]:
+    """The shape of every weight packed from now on by oneDNN's ``reorder`` (the linear
+    primitive's by default, (N, K))."""
     from kiln.ops.torch import conv
 
     if not conv.PREPACK:
         pytest.skip("oneDNN weight packing is used on x86 CPUs only")
     reorders: list[tuple[int, ...]] = []
-    real = torch.ops.mkldnn._reorder_linear_weight
+    real = getattr(torch.ops.mkldnn, reorder)
 
     def counted(w, *args):
         reorders.append(tuple(w.shape))
         return real(w, *args)
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_linear_weight", counted)
+    monkeypatch.setattr(torch.ops.mkldnn, reorder, counted)
     return reorders
 
 
@@ -857,7 +859,7 @@ def test_packed_linear_layers_match_onnxruntime_and_pack_once_for_every_row_coun
 
     monkeypatch.setattr(conv, "_PACKED_WEIGHT", 300)  # w1 (16x24) is big; w2, wg are not
     monkeypatch.setattr(conv, "_PACKED_MACS", 2 * 6 * 24 * 8)
-    reorders = _count_linear_packs(monkeypatch)
+    reorders = _count_packs(monkeypatch)
     rng = np.random.default_rng(11)
     w = _random_initializer(rng, 0.2)
     N = helper.make_node
@@ -910,20 +912,14 @@ def test_small_pointwise_convolutions_are_plain_products_and_match_onnxruntime(m
 
     monkeypatch.setattr(conv, "_ROWS_MACS", 24_000_000)
     monkeypatch.setattr(conv, "_ROWS_PLAIN_MACS", 1 << 21)
-    convs: list[tuple[int, ...]] = []
-    real = torch.ops.mkldnn._reorder_convolution_weight
-
-    def counted(w, *args):
-        convs.append(tuple(w.shape))
-        return real(w, *args)
-    monkeypatch.setattr(torch.ops.mkldnn, "_reorder_convolution_weight", counted)
+    convs = _count_packs(monkeypatch, "_reorder_convolution_weight")
     _check_pointwise_model(monkeypatch, [])
     # only the padded, strided and residual-then-Relu layers (all 8x8) are convolutions
     assert convs and set(convs) == {(8, 8, 1, 1)}, convs
 
 
 def _check_pointwise_model(monkeypatch, packs: list) -> None:
-    reorders = _count_linear_packs(monkeypatch)
+    reorders = _count_packs(monkeypatch)
     rng = np.random.default_rng(5)
     w = _random_initializer(rng, 0.3)
     N = helper.make_node
