@@ -247,7 +247,6 @@ class _Fuser:
         ch.absorbed.append(gate)
         self._take(ch, mul)
 
-
     def _hard_swish_decomposed(self, ch: _Chain, readers: list[Node]) -> bool:
         """``y * Clip(y + 3, 0, 6) / 6`` (paddle2onnx's HardSwish, 18 times in PaddleOCR's
         text-line classifier) taken as HardSwish: four layers fewer per activation."""
