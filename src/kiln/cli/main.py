@@ -18,7 +18,7 @@ from typing import Any
 
 from kiln.errors import InputError, KilnError, OptionError
 from kiln.quantize.engines import engines, integer_engines
-from kiln.runtime.backends import backend_entry, backend_names, reference_backend_name
+from kiln.runtime.backends import backend_names, reference_backend_name
 from kiln.runtime.run_settings import default_backend_name
 
 USAGE_ERROR = 2
@@ -107,9 +107,8 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 def _default_words() -> str:
     """The default backend in words, from the registry (without importing a backend's
     dependency, which would slow every command's start)."""
-    top = max((backend_entry(n) for n in backend_names()), key=lambda e: e.preference)
-    ref = reference_backend_name()
-    return ref if top.name == ref else f"{top.name} when installed, else {ref}"
+    top, ref = default_backend_name(usable_only=False), reference_backend_name()
+    return ref if top == ref else f"{top} when installed, else {ref}"
 
 
 def _add_backend(p: argparse.ArgumentParser, runs: bool = True, tuned: bool = False) -> None:

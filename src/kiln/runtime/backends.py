@@ -109,10 +109,12 @@ def backends_where(test: Callable[[BackendEntry], bool]) -> list[str]:
     return [n for n, e in _BACKENDS.items() if test(e)]
 
 
-def default_backend_name() -> str:
-    """The backend of a session given none: the usable one with the highest preference."""
-    usable = [e for e in _BACKENDS.values() if e.usable()]
-    return max(usable, key=lambda e: e.preference).name
+def default_backend_name(usable_only: bool = True) -> str:
+    """The backend of a session given none: the usable one with the highest preference
+    (without ``usable_only``, whatever is installed: what the default is where every
+    dependency is, said without importing any)."""
+    entries = [e for e in _BACKENDS.values() if not usable_only or e.usable()]
+    return max(entries, key=lambda e: e.preference).name
 
 
 def reference_backend_name() -> str:
