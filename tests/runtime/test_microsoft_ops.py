@@ -429,3 +429,25 @@ def test_small_fusions(tmp_path):
                    [_vi(o, 1, None) for o in outs], inits)
     m.opset_import.append(helper.make_opsetid(ms, 1))
     _run_both(m, feeds, tmp_path, atol=1e-5)
+
+
+def test_skip_layer_norm_in_a_torch_module(tmp_path):
+    """In a kiln.to_torch module the plan knows no input types (autocast may change them),
+    so the torch kernel checks them per call and keeps its kernel context: all four
+    outputs as onnxruntime gives them."""
+    torch = pytest.importorskip("torch")
+    rng = np.random.default_rng(4)
+    x, skip = (rng.standard_normal((2, 3, 8)).astype(np.float32) for _ in range(2))
+    inits = [helper.make_tensor(n, 1, [8], rng.standard_normal(8).tolist())
+             for n in ("g", "be", "bi")]
+    node = helper.make_node("SkipLayerNormalization", ["x", "s", "g", "be", "bi"],
+                            ["y", "mean", "inv", "sum"], domain="com.microsoft", epsilon=1e-5)
+    model = _one_op(node, [_vi("x", 1, x.shape), _vi("s", 1, skip.shape)],
+                    [_vi(n, 1, None) for n in ("y", "mean", "inv", "sum")], inits)
+    expect = ort.InferenceSession(model.SerializeToString(),
+                                  providers=["CPUExecutionProvider"]).run(None, {"x": x, "s": skip})
+    module = kiln.to_torch(model)
+    got = module(torch.from_numpy(x), torch.from_numpy(skip))
+    assert len(got) == 4
+    for g, e in zip(got, expect):
+        np.testing.assert_allclose(g.detach().numpy().reshape(e.shape), e, atol=1e-5, rtol=1e-5)

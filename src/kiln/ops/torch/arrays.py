@@ -206,18 +206,21 @@ def gated(site, dtypes: tuple[torch.dtype, ...] | None, run, same: bool = False)
     """``run`` for a node whose first input's dtype is one of ``dtypes`` (None: any) and,
     with ``same``, whose other inputs share it: None (decline the node) when a type the
     plan knows rules it out, ``run`` itself when every type is known and allowed, else
-    ``run`` behind a check of the types each call (NotImplemented for another)."""
+    ``run`` behind a check of the types each call (NotImplemented for another). A ``run``
+    that takes the kernel context first (``site.wants_ctx``) keeps it first."""
     ok = known_ok(site, dtypes, same)
     if ok is None or ok:
         return None if ok is None else run
     allowed = None if dtypes is None else frozenset(dtypes)
 
-    def checked(x, *rest):
-        if (allowed is None or x.dtype in allowed) and \
-                (not same or all(t is None or t.dtype == x.dtype for t in rest)):
-            return run(x, *rest)
-        return NotImplemented  # a type the plan did not know (see known_ok)
-    return checked
+    def allows(x, rest) -> bool:
+        return (allowed is None or x.dtype in allowed) and \
+            (not same or all(t is None or t.dtype == x.dtype for t in rest))
+
+    # a type the plan did not know (see known_ok) is handed on as NotImplemented
+    if site.wants_ctx:
+        return lambda ctx, x, *rest: run(ctx, x, *rest) if allows(x, rest) else NotImplemented
+    return lambda x, *rest: run(x, *rest) if allows(x, rest) else NotImplemented
 
 
 def typed(dtypes: tuple[torch.dtype, ...] | None, fn, same: bool = False, when=None):
@@ -234,7 +237,8 @@ def typed(dtypes: tuple[torch.dtype, ...] | None, fn, same: bool = False, when=N
     def prepare(site):
         if when is not None and not when(site):
             return None
-        return gated(site, dtypes, fn if plain is None else plain.bind(site)[0], same)
+        run, site.wants_ctx = (fn, False) if plain is None else plain.bind(site)
+        return gated(site, dtypes, run, same)
 
     prepare.__name__ = prepare.__qualname__ = fn.__name__
     prepare.__module__ = fn.__module__

@@ -17,7 +17,7 @@ from kiln.ops.fused import ACTIVATIONS, activation
 from kiln.ops.registry import KILN_DOMAIN, Site
 from kiln.ops.torch import kernel
 from kiln.ops.torch.activation import gelu
-from kiln.ops.torch.arrays import FLOATS
+from kiln.ops.torch.arrays import FLOATS, gated
 from kiln.ops.torch.conv import conv_kernel, linear
 from kiln.ops.torch.linalg import gemm as _gemm_builder
 from kiln.ops.torch.linalg import matmul as _matmul_builder
@@ -107,7 +107,7 @@ kernel("FusedConv", 1, domain="com.microsoft", prepare=True)(fused_conv)
 @kernel("FusedGemm", 1, domain=KILN_DOMAIN, prepare=True)
 def fused_gemm(site):
     act = activation_fn(site.attr("activation", "") or "", site.attr("activation_params"))
-    if act is False:
+    if act is False or len(site.node.inputs) > 3:
         return None
     sub = _sub_site(site, 3)
     sub.node.op_type = "Gemm"
@@ -116,9 +116,7 @@ def fused_gemm(site):
         return None
     site.notes.extend(sub.notes)
 
-    def run(a, b, c=None, *more):
-        if more:
-            return NI
+    def run(a, b, c=None):
         y = plain(a, b, c)
         if y is NI or act is None:
             return y
@@ -131,7 +129,7 @@ def fused_gemm(site):
 def fused_matmul(site):
     name = site.attr("activation", "") or ""
     act = activation_fn(name, site.attr("activation_params"))
-    if act is False:
+    if act is False or len(site.node.inputs) > 4:
         return None
     low = site.target.compute_dtype
     wc = site.const(1)
@@ -163,9 +161,7 @@ def fused_matmul(site):
             return None
         site.notes.extend(sub.notes)
 
-    def run(a, b, bias=None, z=None, *more):
-        if more:
-            return NI
+    def run(a, b, bias=None, z=None):
         if (
             lin is not None
             and a.dtype == torch.float32
@@ -260,10 +256,6 @@ def attention(site):
         return y if y.dtype == dt else y.to(dt)
 
     def run(q, k, v, mask=None):
-        if q.dtype not in FLOATS or not (q.dtype == k.dtype == v.dtype):
-            return NI
-        if mask is not None and mask.dtype != q.dtype:
-            return NI
         if heads:  # views: [..., s, h * d] -> [..., h, s, d]
             q, k, v = (t.unflatten(-1, (heads, -1)).transpose(-3, -2) for t in (q, k, v))
             return attend(q, k, v, mask).transpose(-3, -2).flatten(-2)
@@ -271,4 +263,4 @@ def attention(site):
 
     if low is not None:
         site.notes.append(f"computes in {low}")
-    return run
+    return gated(site, FLOATS, run, same=True)

@@ -39,10 +39,8 @@ def _layer_norm(s, gamma, beta, epsilon):
     return y.to(s.dtype)
 
 
-@kernel("SkipLayerNormalization", 1, domain=MS_DOMAIN)
+@kernel("SkipLayerNormalization", 1, domain=MS_DOMAIN, dtypes=FLOATS)
 def skip_layer_norm(ctx, x, skip, gamma, beta=None, bias=None, *, epsilon=1e-12):
-    if x.dtype not in FLOATS:
-        return NI
     s = x + skip if bias is None else x + skip + bias
     y = _layer_norm(s, gamma, beta, epsilon)
     if ctx.num_outputs == 1:
@@ -92,13 +90,13 @@ def _attend(q, k, v, num_heads, mask, attention_bias, scale, unidirectional, fil
     return out.transpose(1, 2).reshape(b, s, -1)
 
 
-@kernel("Attention", 1, domain=MS_DOMAIN)
+# rotary embeddings are left to the reference kernel, which says they are unsupported
+@kernel("Attention", 1, domain=MS_DOMAIN, dtypes=FLOATS,
+        when=lambda site: not site.attr("do_rotary", 0))
 def attention(x, weights, bias=None, mask_index=None, past=None, attention_bias=None,
               past_sequence_length=None, *, num_heads=None, qkv_hidden_sizes=None,
               scale=None, unidirectional=0, mask_filter_value=-10000.0,
               past_present_share_buffer=0, do_rotary=0, rotary_embedding_dim=0):
-    if x.dtype not in FLOATS or do_rotary:
-        return NI
     no_past("Attention", past)
     qkv = x @ weights if bias is None else torch.addmm(
         bias, x.reshape(-1, x.shape[-1]), weights).reshape(x.shape[:-1] + (-1,))
