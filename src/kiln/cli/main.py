@@ -765,12 +765,13 @@ def cmd_bench(args) -> int:
         _emit_json(r.to_dict())
     else:
         print(bench_text(r))
-    if r.backend == "numpy" and not args.quiet:
+    fastest = default_backend_name()
+    if r.backend != fastest and not args.quiet:
         measured = (f"took {r.ratio:.2f}x {r.other.engine}'s time here" if r.ratio is not None
                     else f"ran in {r.kiln.p50:.3f} ms (p50) here")
-        _hint(f"this measured Kiln's NumPy backend, which {measured}. The torch backend "
-              "(--backend torch) is faster on CPU: 0.56-2.4x onnxruntime's time on the zoo "
-              "models where NumPy took 1.3-6.9x (docs/performance.md)")
+        _hint(f"this measured Kiln's {r.backend} backend, which {measured}. The default "
+              f"backend here, {fastest} (--backend {fastest}), is the one Kiln prefers for "
+              "speed (docs/performance.md compares them)")
     return 0
 
 
@@ -894,14 +895,15 @@ def cmd_quantize(args) -> int:
     print(f"{args.model} -> {args.output}")
     print(q.report)
     r = q.report
-    if r.backend not in integer_engines() and r.latency_before_ms and r.latency_after_ms:
+    kilns = [e for e in integer_engines() if e in backend_names(usable_only=True)]
+    if r.backend not in integer_engines() and r.latency_before_ms and r.latency_after_ms \
+            and kilns:
         _hint(f"on the {r.backend} backend the quantized model ran "
               f"{r.latency_before_ms / r.latency_after_ms:.2f}x as fast as the original "
               f"({r.latency_after_ms:.2f} against {r.latency_before_ms:.2f} ms): it has "
-              "no int8 kernels. The torch backend runs int8 layers on oneDNN's and "
-              "fbgemm's (2.2-3.4x faster than fp32 on conv nets at batch 8, "
-              "docs/quantization.md): measure with --backend torch, run with "
-              'backend="torch"')
+              f"no int8 kernels. The {kilns[0]} backend runs int8 layers on integer "
+              f"kernels (docs/quantization.md): measure with --backend {kilns[0]}, run with "
+              f'backend="{kilns[0]}"')
     return 0
 
 
