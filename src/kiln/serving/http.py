@@ -51,8 +51,10 @@ async def _body(request: Request, limit: int) -> bytes:
             raise TooLarge(
                 f"the request is over {limit} bytes, this server's limit (--max-request-size)"
             )
-        chunks.append(chunk)
-    body = b"".join(chunks)
+        if chunk:
+            chunks.append(chunk)
+    # one piece (the whole body, as kiln serve's connection hands it over) is not copied
+    body = chunks[0] if len(chunks) == 1 else b"".join(chunks)
     encoding = request.headers.get("content-encoding", "identity")
     if encoding in ("gzip", "deflate"):
         d = zlib.decompressobj(zlib.MAX_WBITS | 16 if encoding == "gzip" else zlib.MAX_WBITS)

@@ -40,6 +40,7 @@ async def serve_async(
     requests in flight for up to ``grace_s`` seconds. ``grpc_port`` None: HTTP only."""
     uvicorn = _uvicorn()
     # here, not at the top: ``import kiln`` names this function without the serve extra
+    from kiln.serving.connection import connection_class
     from kiln.serving.http import build_app
     from kiln.serving.rpc import build_server
 
@@ -57,6 +58,7 @@ async def serve_async(
         log_level="warning",
         timeout_graceful_shutdown=int(grace_s),
         lifespan="off",
+        http=connection_class(service.max_request_bytes),
     )
     http = _Server(config)
     rpc = build_server(service, f"{host}:{grpc_port}") if grpc_port is not None else None
