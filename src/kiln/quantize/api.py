@@ -136,7 +136,24 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     # quantized layers again); those without a standard body are counted as kept.
     original, opaque = standard_ops(as_model(model))
     infer_model(original)
-    base = at_opset(original, 21) if mode == "weight-only" else as_model(original)
+    notes: list[str] = []
+    if mode == "weight-only":
+        base = at_opset(original, 21)
+    elif per_channel and original.opset < 13:
+        # A scale per channel is DequantizeLinear's axis, which opset 13 added: below it
+        # every weight got one scale, silently (PaddleOCR's v4 recognizer, opset 12: 0%
+        # of lines read like fp32; converted first, per-channel, 12.5%).
+        try:
+            base = at_opset(original, 13)
+            notes.append(f"per-channel weights need opset 13 (DequantizeLinear's axis): "
+                         f"the model (opset {original.opset}) was converted to opset 13")
+        except Exception as e:  # ONNX's converter lacks some adapters (it raises its own)
+            base = as_model(original)
+            notes.append(f"per-tensor weights: per-channel needs opset 13 and converting "
+                         f"this opset-{original.opset} model failed "
+                         f"({type(e).__name__}: {str(e)[:80]})")
+    else:
+        base = as_model(original)
     # Constant nodes (Clip's bounds, exporters' scalars) become initializers: a layer
     # reading one is then quantized like one reading a constant, not left in float as if
     # it read a computed tensor.
@@ -329,7 +346,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                             budget_log=search.log if budget is not None else [],
                             smoothed=smooth_notes if setting.base is None else
                             setting.notes,
-                            advice=_advice(base, mode) + speed_note)
+                            notes=notes, advice=_advice(base, mode) + speed_note)
     if check:
         stage(f"measuring the error on {backend}")
         report.outputs = compare(original, m, check, backend)

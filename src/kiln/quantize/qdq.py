@@ -118,7 +118,9 @@ def quantize_weight(w: np.ndarray, axis: int | None, bits: int = 8
         return q.astype(np.int8), np.array(scale, np.float32)
     other = tuple(i for i in range(w.ndim) if i != axis)
     amax = np.abs(w).max(axis=other)
-    scale = np.where(amax > 0, amax / qmax, 1.0).astype(np.float32)
+    # A channel of subnormal weights (PaddleOCR's SE blocks hold some at 1e-40) is a zero
+    # channel: its scale would underflow and its int32 bias at x_scale * w_scale overflow.
+    scale = np.where(amax >= np.finfo(np.float32).tiny, amax / qmax, 1.0).astype(np.float32)
     shape = [1] * w.ndim
     shape[axis] = -1
     q = np.clip(np.rint(w / scale.reshape(shape)), -qmax, qmax)
@@ -200,7 +202,8 @@ class _Editor:
 
     def bias(self, b: Value, scale: np.ndarray) -> Value:
         """DQ(int32 ``b`` at ``scale``), the bias precision integer kernels accumulate in."""
-        q = np.rint(b.const.astype(np.float64) / scale).astype(np.int32)
+        lim = np.iinfo(np.int32).max
+        q = np.clip(np.rint(b.const.astype(np.float64) / scale), -lim, lim).astype(np.int32)
         attrs = {"axis": 0} if scale.ndim else {}
         return self._dq(b, q, scale.astype(np.float32), np.zeros(scale.shape, np.int32),
                         attrs, self._first_reader(b))

@@ -50,6 +50,9 @@ class QuantizeReport:
     weight_bits_reason: str = ""
     budget_log: list[str] = field(default_factory=list)
     """Accuracy-aware mode: each setting tried, its shortfall and the time so far."""
+    notes: list[str] = field(default_factory=list)
+    """What was changed to carry out the request (e.g. the opset raised for per-channel
+    weights)."""
     advice: list[str] = field(default_factory=list)
     smoothed: dict[str, str] = field(default_factory=dict)
     """Layers whose input range was migrated into their weights (SmoothQuant), and how."""
@@ -73,6 +76,7 @@ class QuantizeReport:
             span = 2 ** (self.weight_bits - 1) - 1
             lines.insert(1, f"weights: {self.weight_bits}-bit (-{span}..{span}): "
                             f"{self.weight_bits_reason}")
+        lines += self.notes
         for name, why in list(self.kept.items())[:20]:
             lines.append(f"  kept {name}: {why}")
         if len(self.kept) > 20:
