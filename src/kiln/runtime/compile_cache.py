@@ -31,7 +31,7 @@ import torch
 import torch.utils._pytree as pytree
 
 from kiln.cache import optional_location
-from kiln.runtime.specialize import CompileFailed, CompileWarning
+from kiln.runtime.specialize import CompileFailed, CompileWarning, log
 
 
 def folder() -> Path | None:
@@ -143,11 +143,25 @@ def _load(path: Path) -> Callable:
     loader itself rather than ``torch._inductor.aoti_load_package``: that one imports
     inductor and dynamo and compiles a probe program per vector ISA only to warn when the
     CPU differs from the compiling one (seconds per process), none of which a package
-    built on this machine for this torch needs."""
-    loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
-    out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+    built on this machine for this torch needs. That loader is private: where its
+    signature differs (another torch version), the public loader takes over."""
+    try:
+        loader = _private_loader(path)
+        out_spec = pytree.treespec_loads(loader.get_call_spec()[1])
+        boxed_run = loader.boxed_run
+    except (TypeError, AttributeError) as e:
+        log.debug("torch's package loader did not take the call (%s: %s); loading %s "
+                  "through torch._inductor.aoti_load_package", type(e).__name__, e, path)
+        from torch._inductor import aoti_load_package
+
+        return aoti_load_package(str(path))
 
     def run(*inputs):
         flat = [x for x in inputs if isinstance(x, torch.Tensor)]  # as torch's own caller
-        return pytree.tree_unflatten(loader.boxed_run(flat), out_spec)
+        return pytree.tree_unflatten(boxed_run(flat), out_spec)
     return run
+
+
+def _private_loader(path: Path):
+    """torch's package loader, called as torch 2.13 takes it."""
+    return torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
