@@ -273,6 +273,11 @@ class Backend:
         return measured_threads(self.thread_trial(plan, inputs, n), (BLAS_THREADS,),
                                 contextlib.nullcontext())
 
+    def compiled_context(self, programs: Any, inputs: list):
+        """The context a main plan's compiled ``programs`` (its specializer) run in on
+        ``inputs`` (torch: the thread count measured fastest for them)."""
+        return contextlib.nullcontext()
+
     def thread_trial(self, plan: Any, inputs: list, threads: int) -> ThreadTrial:
         """The thread-count trial of ``plan`` at the shapes of ``inputs``."""
         trials = self.__dict__.get("_thread_trials")

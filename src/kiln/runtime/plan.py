@@ -160,7 +160,8 @@ class Plan:
         st = be.start_run()
         try:
             if self.specializer is not None and not overrides:
-                out = self.specializer(inputs)
+                with be.compiled_context(self.specializer, inputs):
+                    out = self.specializer(inputs)
                 if out is not None:
                     be.stats().compiled = True
                     return out

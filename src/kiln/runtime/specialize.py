@@ -56,10 +56,30 @@ class Specializer:
                     warnings.warn(f"compile=True: {why}; running eagerly for these inputs",
                                   CompileWarning, stacklevel=5)
                 self._pending.clear()
+                report = getattr(prog, "report", None)
+                if out is not None and report is not None:
+                    self._in_parts(report)
                 return out
         if prog is None:
             return None
         return prog(inputs)
+
+    def _in_parts(self, report) -> None:
+        """A program built in parts: the status says what runs compiled and what eagerly,
+        a warning names the layers that cannot be compiled (its own line per later run
+        whose compile fails: ``report.notify``)."""
+        plan = self.plan
+
+        def status() -> None:
+            plan.compile_status = "yes, in parts: " + report.summary()
+        status()
+        blocked = report.blocked()
+        if blocked:
+            warnings.warn(f"compile=True: running eagerly between compiled programs: {blocked}",
+                          CompileWarning, stacklevel=6)
+        for why in report.failed:
+            warnings.warn(f"compile=True: {why}", CompileWarning, stacklevel=6)
+        report.notify = status
 
     def _first(self, key: tuple, prog: Callable, inputs: list) -> list | None:
         try:
@@ -93,7 +113,11 @@ class Specializer:
             return None
         pos = {v.name: i for i, v in enumerate(graph.inputs)}
         order = [pos[v.name] for v in plan.graph.inputs]
-        return lambda xs: prog([xs[i] for i in order])
+
+        def run(xs: list) -> list:
+            return prog([xs[i] for i in order])
+        run.report = getattr(prog, "report", None)  # type: ignore[attr-defined]
+        return run
 
     def _note(self, why: str) -> None:
         self.plan.compile_status = f"partly: {why}; running eagerly for these inputs"

@@ -45,6 +45,7 @@ from kiln.runtime.backend import (
 )
 from kiln.runtime.executor import Program
 from kiln.runtime.placement import LayerPlacement, RunStats
+from kiln.runtime.segments import MIN_SEGMENT, Report, split, worth_compiling
 from kiln.runtime.specialize import CompileFailed, CompileWarning, Specializer
 from kiln.runtime.threads import default_threads
 
@@ -76,8 +77,10 @@ class TorchBackend(Backend):
     runs, many times slower, with a ``PrecisionWarning``; on CUDA, "fp32"
     keeps cuDNN and cuBLAS off TF32 during runs (torch's default convolutions use it) and
     "tf32" puts both on it (10-bit products, fp32 values). ``compile``:
-    run the main graph as ``torch.compile`` programs, one per input shape (CUDA graphs on
-    GPU) when every op allows it, else eagerly with a warning. ``threads``:
+    run the main graph as compiled programs, one per input shape (AOTInductor,
+    cached on disk; torch.compile with CUDA graphs on GPU); layers that cannot be
+    compiled (If, Loop, NumPy fallbacks) run eagerly between programs compiled for the
+    runs of layers around them, and a warning names them. ``threads``:
     ``torch.set_num_threads`` (process-wide; default: at most the usable cores).
     ``channels_last``: run 2-D convolutions in NHWC (default on CPU).
     """
@@ -429,6 +432,16 @@ class TorchBackend(Backend):
         return measured_threads(self.thread_trial(plan, inputs, torch.get_num_threads()),
                                 (_TORCH_THREADS, BLAS_THREADS), torch.inference_mode())
 
+    def compiled_context(self, programs, inputs: list):
+        """Compiled programs get their own thread trial: a small model's programs and the
+        eager layers between them (silero VAD, the wake-word models) ran faster on one
+        thread than on two, as its eager plan does (docs/performance.md)."""
+        n = torch.get_num_threads()
+        if self.is_cuda or n == 1:
+            return contextlib.nullcontext()
+        return measured_threads(self.thread_trial(programs, inputs, n),
+                                (_TORCH_THREADS, BLAS_THREADS), contextlib.nullcontext())
+
     def start_run(self) -> RunStats:
         st = self._tls.stats = RunStats()
         return st
@@ -467,9 +480,11 @@ class TorchBackend(Backend):
         if not self.compile:
             return
         why = _compile_blockers(plan)
-        if why:
-            plan.compile_status = f"no: running eagerly because of {why}"
-            warnings.warn(f"compile=True: the model cannot run as one torch program ({why}); "
+        if why and not worth_compiling(plan, _blocker):
+            plan.compile_status = f"no: running eagerly because of {why}, with no run of " \
+                f"{MIN_SEGMENT} layers or more between to compile"
+            warnings.warn(f"compile=True: the model cannot run as one torch program ({why}) "
+                          f"and has no run of {MIN_SEGMENT} layers or more to compile; "
                           "running eagerly instead", CompileWarning, stacklevel=5)
             return
         plan.specializer = Specializer(plan, opsets, functions, self._compile_plan,
@@ -480,12 +495,33 @@ class TorchBackend(Backend):
             f"yes: AOTInductor programs per input shape (frozen weights), kept in {cache}"
             if cache else "yes: torch.compile programs per input shape (inductor, frozen "
             "weights" + (", CUDA graphs" if self.is_cuda else "") + ")")
+        if why:
+            plan.compile_status = (
+                "yes, in parts: " + plan.compile_status.removeprefix("yes: ")
+                + f"; the layers that cannot be compiled ({why}) run eagerly between "
+                "them (the first run says which)")
 
     def _compile_plan(self, plan) -> Callable[[list], list]:
-        """``plan`` (traced by a tracer backend) as a torch.compile program."""
-        why = _compile_blockers(plan)
-        if why:
-            raise CompileFailed(f"the model has {why}")
+        """``plan`` (traced by a tracer backend) as one compiled program or, when some
+        layers cannot be compiled, as compiled runs with those layers eager between them
+        (:mod:`kiln.runtime.segments`; the result's ``report`` says which)."""
+        if not _compile_blockers(plan):
+            return self._program(plan)
+        report = Report()
+        prog = split(plan, _blocker, self._program, report)
+        if not report.programs:
+            raise CompileFailed(f"no run of {MIN_SEGMENT} layers or more between the layers "
+                                f"that cannot be compiled ({_compile_blockers(plan)})")
+
+        def run(inputs: list) -> list:
+            with torch.no_grad():
+                return prog(*inputs)
+        run.report = report  # type: ignore[attr-defined]
+        return run
+
+    def _program(self, plan) -> Callable[[list], list]:
+        """``plan`` (or a run of its layers) as one AOTInductor program (torch.compile
+        where the disk cache is off, and on CUDA)."""
         prog = Program(plan, module=True)
         mod = type("KilnProgram", (torch.nn.Module,), {"forward": prog.fn})()
         for k, t in prog.constants.items():
@@ -698,6 +734,26 @@ def _signature(inputs: list) -> tuple | None:
     if not all(isinstance(x, _TENSOR) for x in inputs):
         return None
     return tuple((tuple(x.shape), x.dtype, x.device) for x in inputs)
+
+
+_CONTROL = "control flow, decided on the host; its subgraphs are compiled in parts"
+
+
+def _blocker(step, consts: dict) -> str:
+    """Why ``step`` cannot be part of a compiled program ("" when it can)."""
+    if step.subplans:
+        return _CONTROL if step.node.op_type in ("If", "Loop", "Scan") else \
+            f"{step.placement} (its body is compiled in parts)"
+    if step.placement not in ("torch", "torch-generic") or step.transfers is not None:
+        return f"no torch kernel ({step.placement})"
+    for v in (*step.inputs, *step.outputs):
+        if v is None:
+            continue
+        if v in consts and not isinstance(consts[v], _TENSOR):
+            return "a constant of a type torch lacks"
+        if not isinstance(v.type, TensorType) or v.type.dtype not in TORCH_OF:
+            return "values of a type torch lacks (sequences, strings)"
+    return ""
 
 
 def _compile_blockers(plan) -> str:
