@@ -16,6 +16,12 @@ median latency per engine and its ratio to onnxruntime's (< 1: faster than onnxr
 With ``--doc`` (or for a full run) writes the table between the ``real-models`` markers of
 docs/performance.md and ``benchmarks/results/real_models.json``.
 
+    python benchmarks/real_models.py --engines torch,compiled --batches 1 [--doc]
+
+adds the ``compiled`` engine (torch with ``compile=True``): its first run, which compiles
+the programs (or loads them from the compile cache, ``KILN_COMPILE_CACHE``), is timed
+apart, and the table (``compiled-models`` markers) says how each model ran.
+
     python benchmarks/real_models.py --recurrent [--doc]
 
 instead times one LSTM, GRU and RNN layer (hidden 128, input 64, 50 steps, batch 1, random
@@ -30,6 +36,7 @@ import json
 import os
 import statistics
 import sys
+import time
 import warnings
 
 import numpy as np
@@ -44,18 +51,28 @@ import trained_models as tm  # noqa: E402
 
 BEGIN, END = "<!-- real-models:begin -->", "<!-- real-models:end -->"
 RNN_BEGIN, RNN_END = "<!-- recurrent:begin -->", "<!-- recurrent:end -->"
+COMPILED_BEGIN, COMPILED_END = "<!-- compiled-models:begin -->", "<!-- compiled-models:end -->"
 ENGINES = ("default", "torch", "numpy", "openvino")
 
 
 def make_runner(engine: str, path: str, threads: int, feeds: dict):
-    """zoo_suite's runners, plus ``default``: a Kiln session given no backend."""
-    if engine != "default":
+    """zoo_suite's runners, plus ``default``: a Kiln session given no backend, and
+    ``compiled``: the torch backend with ``compile=True`` (its programs are built, or
+    loaded from the compile cache, at the first run: :func:`bench_one` times that run
+    apart)."""
+    if engine not in ("default", "compiled"):
         return zs.make_runner(engine, path, threads, feeds)
     import kiln
+    opts = {"backend": "torch", "compile": True, "threads": threads} \
+        if engine == "compiled" else {}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        sess = kiln.InferenceSession(path)
-    return lambda f: sess.run(None, f)
+        sess = kiln.InferenceSession(path, **opts)
+
+    def run(f):
+        return sess.run(None, f)
+    run.session = sess  # type: ignore[attr-defined]
+    return run
 
 
 def default_backend() -> str:
@@ -75,8 +92,10 @@ def bench_one(name: str, batch: int, args, engines: list[str]) -> dict | None:
     runners, want = {}, None
     for e in engines:
         try:
+            t0 = time.perf_counter()
             fn = make_runner(e, m.path, args.threads, feeds)
             got = fn(feeds)
+            first_s = time.perf_counter() - t0
         except Exception as exc:  # an engine that cannot run the model is a cell, not a crash
             rec["engines"][e] = {"error": f"{type(exc).__name__}: {str(exc)[:300]}"}
             print(f"  {name} b{batch} on {e}: {rec['engines'][e]['error']}", file=sys.stderr)
@@ -89,6 +108,15 @@ def bench_one(name: str, batch: int, args, engines: list[str]) -> dict | None:
                                         if np.asarray(w).size else 0.0)
                                        for g, w in zip(got, want)),
             "task_agreement": m.agreement([want], [got])}
+        if e == "compiled":  # the session and its first run: compiling or loading programs
+            sess = fn.session
+            log = sess.backend.compile_log
+            rec["engines"][e].update(
+                first_run_s=round(first_s, 2), compiled_now=sum(x.startswith("compiled")
+                                                                for x in log),
+                loaded=sum(x.startswith("loaded") for x in log),
+                status=sess.placement().compiled,
+                ran_compiled=bool(sess.backend.last_run_stats().compiled))
     times = zs.measure(runners, feeds, args.budget, args.min_runs, args.max_runs, args.rest)
     base = statistics.median(times["onnxruntime"])
     for e, ts in times.items():
@@ -179,6 +207,32 @@ def markdown(env: dict, records: list[dict], engines: list[str]) -> str:
     return "\n".join(lines)
 
 
+def compiled_markdown(env: dict, records: list[dict]) -> str:
+    """``--engines torch,compiled``'s table: eager and compiled torch against onnxruntime,
+    each model's first run (compiling its programs, or loading them from the cache) and
+    how it ran (one program, or in parts)."""
+    lines = [f"Run {env['date']} on {env['cpu']} ({env['machine']}), load {env['load']}, "
+             f"{env['threads']} threads per engine; " +
+             ", ".join(f"{k} {env[k]}" for k in ("python", "numpy", "onnxruntime", "torch")
+                       if k in env) + ".", "",
+             "| model | batch | onnxruntime ms | torch ms | torch ×ort | compiled ms | "
+             "compiled ×ort | first run s | programs compiled / loaded | how |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in records:
+        ort_ms = r["engines"]["onnxruntime"]["p50_ms"]
+        t, c = r["engines"].get("torch", {}), r["engines"].get("compiled", {})
+        cells = [f"{x['p50_ms']:.3g} | **{x['ratio_vs_ort']:.2f}**" if "p50_ms" in x
+                 else "— | —" for x in (t, c)]
+        status = c.get("status", "")
+        how = "eager (not compiled)" if not c.get("ran_compiled") else \
+            status.split(";")[0].removeprefix("yes, in parts: ") \
+            if status.startswith("yes, in parts") else "one program"
+        lines.append(f"| {r['model']} | {r['batch']} | {ort_ms:.3g} | {cells[0]} | {cells[1]} "
+                     f"| {c.get('first_run_s', '—')} | {c.get('compiled_now', '—')} / "
+                     f"{c.get('loaded', '—')} | {how} |")
+    return "\n".join(lines)
+
+
 def write_docs(md: str, doc: str, begin: str = BEGIN, end: str = END) -> None:
     with open(doc) as f:
         text = f.read()
@@ -238,12 +292,15 @@ def main(argv: list[str] | None = None) -> int:
                                 rec["engines"].items() if "ratio_vs_ort" in x)
                 print(f"{name} b{b}: onnxruntime {rec['engines']['onnxruntime']['p50_ms']:.3f}"
                       f" ms  {row}", flush=True)
-    md = markdown(env, records, engines)
+    compiled = "compiled" in engines
+    md = compiled_markdown(env, records) if compiled else markdown(env, records, engines)
     print(md)
     full = set(models) == set(tm.available())
-    if args.doc or full:
-        write_docs(md, os.path.join(ROOT, "docs", "performance.md"))
-    path = args.json or (os.path.join(HERE, "results", "real_models.json") if args.doc or full
+    if args.doc or (full and not compiled):
+        write_docs(md, os.path.join(ROOT, "docs", "performance.md"),
+                   *((COMPILED_BEGIN, COMPILED_END) if compiled else (BEGIN, END)))
+    name = "real_models_compiled.json" if compiled else "real_models.json"
+    path = args.json or (os.path.join(HERE, "results", name) if args.doc or (full and not compiled)
                          else None)
     if path:
         with open(path, "w") as f:
