@@ -104,6 +104,10 @@ def _rnn_model(
         b = rng.standard_normal((dirs, 2 * gates * hidden)).astype(np.float32) * 0.5
         inits.append(helper.make_tensor("b", TensorProto.FLOAT, b.shape, b.ravel()))
         ins[3] = "b"
+    lens = attrs.pop("sequence_lens", None)
+    if lens is not None:
+        inits.append(helper.make_tensor("lens", TensorProto.INT32, [len(lens)], lens))
+        ins[4] = "lens"
     state = (batch, dirs, hidden) if layout else (dirs, batch, hidden)
     graph_ins = [helper.make_tensor_value_info("x", TensorProto.FLOAT, x_shape)]
     if with_init:
@@ -142,6 +146,19 @@ RNN_CASES = [  # (op, gates, x shape, hidden, dirs, bias, initial state, layout,
     ("RNN", 1, (7, 2, 5), 6, 1, True, True, 0, {}),
     ("RNN", 1, (7, 2, 5), 6, 2, False, True, 0, {"activations": ["Relu", "Relu"]}),
     ("LSTM", 4, (4, 2, 3), 5, 1, True, True, 0, {"clip": 0.5}),  # NumPy kernel
+    # batch 1, each direction, both GRU cells, full and ragged sequence_lens: the NumPy
+    # kernel's in-place step loops (and the general loop for clip and ragged lengths)
+    ("GRU", 3, (9, 1, 8), 16, 2, True, True, 0, {}),
+    ("GRU", 3, (9, 1, 8), 16, 1, False, False, 0, {"direction": "reverse"}),
+    ("GRU", 3, (9, 1, 8), 16, 1, True, True, 0, {"linear_before_reset": 1, "direction": "reverse"}),
+    ("GRU", 3, (4, 2, 3), 5, 1, True, True, 0, {"clip": 0.5}),
+    ("GRU", 3, (6, 3, 4), 5, 1, True, True, 0, {"sequence_lens": [6, 6, 6]}),
+    ("GRU", 3, (6, 3, 4), 5, 2, True, True, 0, {"sequence_lens": [6, 2, 4]}),
+    ("RNN", 1, (9, 1, 8), 16, 1, True, False, 0, {"direction": "reverse"}),
+    ("RNN", 1, (9, 1, 8), 16, 2, True, True, 0, {"activations": ["Relu", "Relu"]}),
+    ("LSTM", 4, (9, 1, 8), 16, 2, False, True, 0, {}),
+    ("LSTM", 4, (6, 3, 4), 5, 1, True, True, 0, {"sequence_lens": [6, 3, 5]}),
+    ("LSTM", 4, (40, 1, 16), 24, 1, True, False, 0, {"direction": "reverse"}),
 ]
 
 
