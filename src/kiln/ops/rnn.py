@@ -3,7 +3,7 @@ activations). The input projection of all time steps is one matmul up front; the
 over time does only the recurrent matmul and the gates.
 
 At batch 1 a step's arrays hold a few hundred values, so a step costs its number of NumPy
-calls (about half a microsecond each) plus the recurrent product. Layers with the default
+calls (each a fixed dispatch cost) plus the recurrent product. Layers with the default
 activations, no clip and no ragged sequences therefore run a tighter loop (``_*_steps``):
 every buffer allocated once, each call writing in place with ``out=``, and the sigmoid
 gates computed as ``0.5 + 0.5 * tanh(x / 2)`` with the halving folded into the weights, so

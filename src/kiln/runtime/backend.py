@@ -102,7 +102,7 @@ def usable_cores() -> int:
 def limit_blas_threads(threads: int | None) -> None:
     """Set NumPy's BLAS thread pool to ``threads`` (process-wide, as torch's
     set_num_threads); None only lowers it to the usable cores."""
-    blas = [lib for lib in _thread_pools().lib_controllers if lib.user_api == "blas"]
+    blas = _blas_pools()
     cap = usable_cores()
     if threads is None:
         if all(lib.num_threads <= cap for lib in blas):
@@ -134,6 +134,8 @@ class ThreadTrial:
         self.chosen: int | None = None
         self.seen = 0
         self.times: dict[int, list[float]] = {threads: [], 1: []}
+        self.pools: tuple[OneThread, ...] | None = None
+        """The thread pools its one-thread runs hold at one (the backend sets them)."""
 
     def next_threads(self) -> int:
         """The thread count of the next run."""
@@ -180,38 +182,62 @@ class OneThread:
                 self.set(self.saved)
 
 
-@contextlib.contextmanager
-def measured_threads(trial: ThreadTrial, pools: tuple[OneThread, ...], inner):
+class measured_threads:
     """Run the body inside ``inner`` on the thread count ``trial`` picks (every pool of
-    ``pools`` at one thread, or as they are), timed for it."""
-    n = trial.next_threads()
-    if n == 1:
-        for pool in pools:
-            pool.enter()
-    t0 = time.perf_counter()
-    try:
-        with inner:
-            yield
-    finally:
-        trial.record(n, time.perf_counter() - t0)
+    ``pools`` at one thread, or as they are), timed for it. A class rather than a
+    generator context: a tiny model's whole run takes tens of microseconds, and
+    contextlib's generator machinery cost several of them per run."""
+
+    __slots__ = ("trial", "pools", "inner", "n", "t0")
+
+    def __init__(self, trial: ThreadTrial, pools: tuple[OneThread, ...], inner):
+        self.trial, self.pools, self.inner = trial, pools, inner
+
+    def __enter__(self) -> None:
+        self.n = n = self.trial.next_threads()
         if n == 1:
-            for pool in pools:
+            for pool in self.pools:
+                pool.enter()
+        try:
+            self.inner.__enter__()
+        except BaseException:
+            self._release()
+            raise
+        self.t0 = time.perf_counter()
+
+    def __exit__(self, *exc) -> Any:
+        try:
+            return self.inner.__exit__(*exc)
+        finally:
+            self.trial.record(self.n, time.perf_counter() - self.t0)
+            self._release()
+
+    def _release(self) -> None:
+        if self.n == 1:
+            for pool in self.pools:
                 pool.exit()
 
 
+@functools.cache
+def _blas_pools() -> tuple:
+    """NumPy's BLAS libraries' thread controllers (the scan is cached: see _thread_pools)."""
+    return tuple(lib for lib in _thread_pools().lib_controllers if lib.user_api == "blas")
+
+
 def _blas_threads() -> int:
-    blas = [lib for lib in _thread_pools().lib_controllers if lib.user_api == "blas"]
-    return max((lib.num_threads for lib in blas), default=1)
+    return max((lib.num_threads for lib in _blas_pools()), default=1)
 
 
 def _set_blas_threads(n: int) -> None:
-    for lib in _thread_pools().lib_controllers:
-        if lib.user_api == "blas":
-            lib.set_num_threads(int(n))
+    for lib in _blas_pools():
+        lib.set_num_threads(int(n))
 
 
 BLAS_THREADS = OneThread(_blas_threads, _set_blas_threads)
 """NumPy's BLAS threads, process-wide."""
+
+_NO_CONTEXT = contextlib.nullcontext()
+"""A reusable, reentrant empty context (runs from several threads share it)."""
 
 
 @functools.cache
@@ -269,9 +295,11 @@ class Backend:
         fastest for these input shapes (:class:`ThreadTrial`; torch: also inference mode)."""
         n = BLAS_THREADS.get() if plan is not None and inputs is not None else 1
         if n <= 1:
-            return contextlib.nullcontext()
-        return measured_threads(self.thread_trial(plan, inputs, n), (BLAS_THREADS,),
-                                contextlib.nullcontext())
+            return _NO_CONTEXT
+        trial = self.thread_trial(plan, inputs, n)
+        if trial.chosen == n:  # settled on the threads as they are: nothing to set or time
+            return _NO_CONTEXT
+        return measured_threads(trial, (BLAS_THREADS,), _NO_CONTEXT)
 
     def compiled_context(self, programs: Any, inputs: list):
         """The context a main plan's compiled ``programs`` (its specializer) run in on

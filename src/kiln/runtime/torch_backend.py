@@ -427,10 +427,18 @@ class TorchBackend(Backend):
             return _cuda_run("tf32" if self.precision == "tf32" else "ieee")
         if plan is None or inputs is None or torch.get_num_threads() == 1:
             return torch.inference_mode()
-        # BLAS too: layers torch's kernels leave to the NumPy ones (GRU without
-        # linear_before_reset, ragged sequences) run their products on it
-        return measured_threads(self.thread_trial(plan, inputs, torch.get_num_threads()),
-                                (_TORCH_THREADS, BLAS_THREADS), torch.inference_mode())
+        n = torch.get_num_threads()
+        trial = self.thread_trial(plan, inputs, n)
+        if trial.chosen == n:  # settled on the threads as they are: nothing to set or time
+            return torch.inference_mode()
+        if trial.pools is None:
+            # BLAS too when layers run on the NumPy kernels (GRU without
+            # linear_before_reset): their products run on it. Only then: setting BLAS's
+            # count and back (through threadpoolctl, for each OpenBLAS loaded) costs about
+            # as much as a wake-word head's layers
+            fallback = any(s.placement == "cpu-fallback" for s in plan.walk())
+            trial.pools = (_TORCH_THREADS, BLAS_THREADS) if fallback else (_TORCH_THREADS,)
+        return measured_threads(trial, trial.pools, torch.inference_mode())
 
     def compiled_context(self, programs, inputs: list):
         """Compiled programs get their own thread trial: a small model's programs and the
