@@ -30,9 +30,11 @@ def test_missing_file(tmp_path):
 
 
 def test_dangling_reference():
-    m = make_model([helper.make_node("Relu", ["ghost"], ["y"])],
-                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])])
+    m = make_model(
+        [helper.make_node("Relu", ["ghost"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1])],
+    )
     with pytest.raises(kiln.ModelLoadError, match="ghost"):
         kiln.load(m)
 
@@ -43,9 +45,12 @@ def _external_model(location: str) -> onnx.ModelProto:
     w.ClearField("float_data")
     for k, v in (("location", location), ("offset", "0"), ("length", "16")):
         w.external_data.add(key=k, value=v)
-    return make_model([helper.make_node("Add", ["x", "w"], ["y"])],
-                      [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
-                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])], [w])
+    return make_model(
+        [helper.make_node("Add", ["x", "w"], ["y"])],
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])],
+        [w],
+    )
 
 
 @pytest.mark.parametrize("location", ["../secret.bin", "/etc/passwd", "a/../../secret.bin"])
@@ -84,11 +89,16 @@ def test_external_data_from_bytes_needs_base_dir(tmp_path):
 
 
 def test_unsupported_ops_all_named_at_load():
-    nodes = [helper.make_node("Relu", ["x"], ["a"]),
-             helper.make_node("FancyOp", ["a"], ["b"], domain="com.example"),
-             helper.make_node("OtherOp", ["b"], ["y"], domain="com.example")]
-    m = make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
-                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])])
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"]),
+        helper.make_node("FancyOp", ["a"], ["b"], domain="com.example"),
+        helper.make_node("OtherOp", ["b"], ["y"], domain="com.example"),
+    ]
+    m = make_model(
+        nodes,
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])],
+    )
     m.opset_import.append(helper.make_opsetid("com.example", 1))
     with pytest.raises(kiln.UnsupportedOpError) as e:
         kiln.InferenceSession(m)
@@ -142,8 +152,9 @@ def test_feeds_that_passed_before_do_not_let_bad_ones_through(mlp_model, backend
         pytest.importorskip("torch")
     sess = kiln.InferenceSession(mlp_model, backend=backend)
     x = np.random.default_rng(3).standard_normal((2, 4)).astype(np.float32)
-    want = ort.InferenceSession(mlp_model.SerializeToString(),
-                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    want = ort.InferenceSession(
+        mlp_model.SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run(None, {"x": x})[0]
     for _ in range(3):
         np.testing.assert_allclose(sess.run(None, {"x": x})[0], want, rtol=1e-5, atol=1e-6)
     with pytest.raises(kiln.InputError, match=r"tensor\(float\).*astype"):
