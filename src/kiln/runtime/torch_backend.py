@@ -32,6 +32,7 @@ from kiln.ops import registry
 from kiln.ops.registry import KernelContext, Mode, OpDef, Target
 from kiln.ops.torch.arrays import DTYPE_OF, TORCH_OF, to_numpy, to_torch
 from kiln.ops.torch.conv import native_on_cpu
+from kiln.ops.torch.rnn import NUMPY_LOOPS
 from kiln.runtime import compile_cache
 from kiln.runtime.backend import (
     BLAS_THREADS,
@@ -432,11 +433,12 @@ class TorchBackend(Backend):
         if trial.chosen == n:  # settled on the threads as they are: nothing to set or time
             return torch.inference_mode()
         if trial.pools is None:
-            # BLAS too when layers run on the NumPy kernels (GRU without
-            # linear_before_reset): their products run on it. Only then: setting BLAS's
+            # BLAS too when layers run on the NumPy kernels (NumPy fallbacks, the GRU
+            # and RNN step loops): their products run on it. Only then: setting BLAS's
             # count and back (through threadpoolctl, for each OpenBLAS loaded) costs about
             # as much as a wake-word head's layers
-            fallback = any(s.placement == "cpu-fallback" for s in plan.walk())
+            fallback = any(s.placement == "cpu-fallback" or s.node.op_type in NUMPY_LOOPS
+                           and s.node.domain == "" for s in plan.walk())
             trial.pools = (_TORCH_THREADS, BLAS_THREADS) if fallback else (_TORCH_THREADS,)
         return measured_threads(trial, trial.pools, torch.inference_mode())
 

@@ -5,19 +5,58 @@ inputs to NumPy and back, which dominated silero VAD's one-step LSTM.
 
 torch's cells are ONNX's default ones with the gates in another order; the weights are
 reordered once when they are constants. What torch's cells do not compute (other
-activations, ``clip``, peepholes, ``input_forget``, GRU's reset applied before the linear
-map, ragged ``sequence_lens``) runs on the NumPy kernel.
+activations, ``clip``, peepholes, ``input_forget``, ragged ``sequence_lens``) runs on the
+NumPy kernel. GRU and RNN inference on the CPU runs the NumPy kernel's step loop on the
+tensors' memory instead (``NUMPY_LOOPS``).
 """
 
 from __future__ import annotations
 
 import torch
 
+from kiln.ops import rnn as numpy_rnn
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import FLOATS, TORCH_OF, known_dtype
+from kiln.ops.torch.arrays import FLOATS, TORCH_OF, known_dtype, to_numpy, to_torch
 from kiln.ops.torch.conv import _SINGLE_MACS, _single_threaded
 
 NI = NotImplemented
+
+NUMPY_LOOPS = frozenset({"GRU", "RNN"})
+"""Ops whose CPU inference runs the NumPy kernel's step loop on the tensors' memory: at
+batch 1 its in-place loop took half of ``torch.gru``'s/``torch.rnn_tanh``'s time (the ATen
+loop dispatches a dozen ops a step), and it computes ONNX's GRU without
+``linear_before_reset`` as well, which torch's cell does not. (LSTM stays on
+``torch.lstm``: oneDNN's whole-sequence kernel beats any Python loop.) The backend holds
+BLAS at one thread with torch's for plans holding them."""
+_ATTRS = {"GRU": ("activation_alpha", "activation_beta", "activations", "clip", "direction",
+                  "hidden_size", "layout", "linear_before_reset"),
+          "RNN": ("activation_alpha", "activation_beta", "activations", "clip", "direction",
+                  "hidden_size", "layout")}
+
+
+def _numpy_loop(site, op: str):
+    """The NumPy kernel of ``op`` on zero-copy views of CPU tensors."""
+    fn = {"GRU": numpy_rnn.gru, "RNN": numpy_rnn.rnn}[op]
+    attrs = {k: site.attr(k) for k in _ATTRS[op] if site.attr(k) is not None}
+    ctx = _Outputs(site.num_outputs)
+
+    def run(*args):
+        if any(a is not None and a.dtype not in FLOATS for a in args[:3]):
+            return NI
+        got = fn(ctx, *(None if a is None else to_numpy(a) for a in args), **attrs)
+        outs = [to_torch(y) for y in (got if isinstance(got, tuple) else (got,))]
+        return tuple(outs) if isinstance(got, tuple) else outs[0]
+    site.notes.append("the NumPy kernel's step loop on the tensors' memory")
+    return run
+
+
+class _Outputs:
+    """The one thing the NumPy kernels read from their context."""
+
+    __slots__ = ("num_outputs",)
+
+    def __init__(self, n: int):
+        self.num_outputs = n
 
 # ONNX gate blocks in torch's order: LSTM iofc -> ifco (torch's i, f, g, o); GRU zrh -> rzn.
 _ORDER = {"LSTM": [0, 2, 3, 1], "GRU": [1, 0, 2], "RNN": [0]}
@@ -78,6 +117,9 @@ def _params(w, r, b, order: list[int]) -> list:
 
 
 def _recurrent(site, op: str):
+    if op in NUMPY_LOOPS and site.target.device.type == "cpu" and not site.target.module \
+            and not site.target.tracing:
+        return _numpy_loop(site, op)
     planned = _plan(site, op)
     if planned is None:
         return None
