@@ -2,8 +2,14 @@
 
 Overhead: the latency of one tritonclient request (HTTP with binary tensors, and gRPC) at
 concurrency 1 against ``InferenceSession.run`` of the same model, backend and input in this
-process; the three alternate in blocks, so load on the machine hits all of them. Prints
-p50/p99 of each and the server's overhead (p50 minus in-process p50).
+process; the paths alternate in blocks, so load on the machine hits all of them. Prints
+p50/p99 of each and the server's overhead (p50 minus in-process p50). For a model with one
+input and one ``[batch, K]`` output (the digits CNN, ResNet-18) it splits the overhead:
+the same request to a twin model served beside it that only slices its input down to the
+output's size (the request path: client, sockets, server; its run is microseconds), and
+to a bare socket server that answers every request with a canned response without parsing
+it (what tritonclient and the kernel cost, which no server can remove); and the server's
+own mean run time (its statistics extension) against the in-process mean.
 
 Throughput: C client threads (each its own tritonclient HTTP client, batch-1 requests with
 binary tensors) for ``--seconds`` per level, alternating round by round with in-process
@@ -25,6 +31,7 @@ Needs the serve extra (it has tritonclient). Text models (BERT) get ``--seq`` to
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import subprocess
@@ -91,6 +98,102 @@ def _start(
     raise RuntimeError("kiln serve did not start")
 
 
+def _twin(sess, path: Path) -> bool:
+    """Write to ``path`` a model with ``sess``'s one input and one ``[batch, K]`` output
+    whose run only flattens and slices the input; False when ``sess`` has another shape."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    ins, outs = sess.get_inputs(), sess.get_outputs()
+    if len(ins) != 1 or len(outs) != 1:
+        return False
+    (i,), (o,) = ins, outs
+    if i.type != "tensor(float)" or len(o.shape) != 2 or not isinstance(o.shape[1], int):
+        return False
+    k = o.shape[1]
+    graph = helper.make_graph(
+        [
+            helper.make_node("Flatten", [i.name], ["flat"], axis=1),
+            helper.make_node("Slice", ["flat", "zero", "k", "one"], [o.name]),
+        ],
+        "request_path_twin",
+        [helper.make_tensor_value_info(i.name, TensorProto.FLOAT, ["batch", *i.shape[1:]])],
+        [helper.make_tensor_value_info(o.name, TensorProto.FLOAT, ["batch", k])],
+        [
+            helper.make_tensor("zero", TensorProto.INT64, [1], [0]),
+            helper.make_tensor("k", TensorProto.INT64, [1], [k]),
+            helper.make_tensor("one", TensorProto.INT64, [1], [1]),
+        ],
+    )
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return True
+
+
+# A bare HTTP/1.1 server (its own process): reads each request by its Content-Length and
+# answers with one canned binary-tensor response, argv[1]: the output's JSON header.
+BARE = r"""
+import json, socket, sys
+head = sys.argv[1].encode()
+size = json.loads(head)["outputs"][0]["parameters"]["binary_data_size"]
+body = head + bytes(size)
+reply = (b"HTTP/1.1 200 OK\r\ncontent-type: application/octet-stream\r\n"
+         b"inference-header-content-length: %d\r\ncontent-length: %d\r\n\r\n"
+         % (len(head), len(body))) + body
+s = socket.socket()
+s.bind(("127.0.0.1", 0))
+s.listen(8)
+print(s.getsockname()[1], flush=True)
+while True:
+    c, _ = s.accept()
+    c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    buf = b""
+    while True:
+        while b"\r\n\r\n" not in buf and (more := c.recv(1 << 22)):
+            buf += more
+        if b"\r\n\r\n" not in buf:
+            break
+        top, _, buf = buf.partition(b"\r\n\r\n")
+        n = next(int(h.split(b":")[1]) for h in top.split(b"\r\n")
+                 if h.lower().startswith(b"content-length:"))
+        while len(buf) < n and (more := c.recv(1 << 22)):
+            buf += more
+        buf = buf[n:]
+        c.sendall(reply)
+    c.close()
+"""
+
+
+def _bare(name: str, out) -> tuple[subprocess.Popen, str]:
+    """The bare server for ``name``'s one ``[1, K]`` float output; (process, address)."""
+    k = out.shape[1]
+    head = {
+        "model_name": name,
+        "model_version": "1",
+        "outputs": [
+            {
+                "name": out.name,
+                "datatype": "FP32",
+                "shape": [1, k],
+                "parameters": {"binary_data_size": 4 * k},
+            }
+        ],
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-c", BARE, json.dumps(head)], stdout=subprocess.PIPE, text=True
+    )
+    return proc, f"127.0.0.1:{int(proc.stdout.readline())}"
+
+
+def _mean_run_ms(http_url: str, name: str) -> tuple[int, float]:
+    """(runs, total ms of their compute_infer) the server has counted for ``name``."""
+    import urllib.request
+
+    url = f"http://{http_url}/v2/models/{name}/stats"
+    stats = json.loads(urllib.request.urlopen(url, timeout=60).read())
+    infer = stats["model_stats"][0]["inference_stats"]["compute_infer"]
+    return int(infer["count"]), int(infer["ns"]) / 1e6
+
+
 def _pct(xs: list[float], q: float) -> float:
     return float(np.percentile(np.array(xs) * 1e3, q))
 
@@ -137,9 +240,18 @@ def _cpu(pid: int) -> float:
 
 
 def overhead(
-    name: str, sess, http_url: str, grpc_url: str, rounds: int, runs: int, seq: int
+    name: str,
+    sess,
+    http_url: str,
+    grpc_url: str,
+    rounds: int,
+    runs: int,
+    seq: int,
+    twin: str | None = None,
 ) -> dict:
-    """p50/p99 milliseconds of in-process, HTTP and gRPC, alternating blocks."""
+    """p50/p99 milliseconds of in-process, HTTP and gRPC (and, given the ``twin`` model's
+    name, the twin over both and the bare server over HTTP), alternating blocks; under
+    "means", the in-process and the server's mean run in ms."""
     import tritonclient.grpc as tg
     import tritonclient.http as th
 
@@ -151,17 +263,38 @@ def overhead(
         "http": lambda: hc.infer(name, hin),
         "grpc": lambda: gc.infer(name, gin),
     }
-    for f in calls.values():  # warm up every path and shape
-        for _ in range(3):
-            f()
-    times: dict[str, list[float]] = {k: [] for k in calls}
-    for _ in range(rounds):
-        for k, f in calls.items():
-            for _ in range(runs):
-                t = time.perf_counter()
+    bare = None
+    if twin is not None:
+        bare, bare_url = _bare(twin, sess.get_outputs()[0])
+        bc = th.InferenceServerClient(bare_url)
+        calls |= {
+            "http path": lambda: hc.infer(twin, hin),
+            "grpc path": lambda: gc.infer(twin, gin),
+            "http bare": lambda: bc.infer(twin, hin),
+        }
+    try:
+        for f in calls.values():  # warm up every path and shape
+            for _ in range(3):
                 f()
-                times[k].append(time.perf_counter() - t)
-    return {k: (_pct(v, 50), _pct(v, 99)) for k, v in times.items()}
+        runs0, ms0 = _mean_run_ms(http_url, name)
+        times: dict[str, list[float]] = {k: [] for k in calls}
+        for _ in range(rounds):
+            for k, f in calls.items():
+                for _ in range(runs):
+                    t = time.perf_counter()
+                    f()
+                    times[k].append(time.perf_counter() - t)
+        runs1, ms1 = _mean_run_ms(http_url, name)
+    finally:
+        if bare is not None:
+            bare.kill()
+            bare.wait()
+    out: dict = {k: (_pct(v, 50), _pct(v, 99)) for k, v in times.items()}
+    out["means"] = (
+        float(np.mean(times["in-process"])) * 1e3,
+        (ms1 - ms0) / max(runs1 - runs0, 1),
+    )
+    return out
 
 
 def throughput(
@@ -315,10 +448,18 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     names = args.models.split(",")
+    twins = {}
     with tempfile.TemporaryDirectory() as repo:
         for n in names:
             (Path(repo) / n / "1").mkdir(parents=True)
             os.symlink(_model_path(n), Path(repo) / n / "1" / "model.onnx")
+            (Path(repo) / f"{n}_path" / "1").mkdir(parents=True)
+            sess = kiln.InferenceSession(str(_model_path(n)), backend="numpy")
+            if _twin(sess, Path(repo) / f"{n}_path" / "1" / "model.onnx"):
+                twins[n] = f"{n}_path"
+            else:
+                (Path(repo) / f"{n}_path" / "1").rmdir()
+                (Path(repo) / f"{n}_path").rmdir()
         proc, http_url, grpc_url = _start(
             repo,
             args.backend,
@@ -331,8 +472,18 @@ def main(argv: list[str] | None = None) -> int:
                 opts = {"threads": args.threads} if args.threads else {}
                 sess = kiln.InferenceSession(str(_model_path(n)), backend=args.backend, **opts)
                 if not args.no_latency:
-                    r = overhead(n, sess, http_url, grpc_url, args.rounds, args.runs, args.seq)
+                    r = overhead(
+                        n,
+                        sess,
+                        http_url,
+                        grpc_url,
+                        args.rounds,
+                        args.runs,
+                        args.seq,
+                        twins.get(n),
+                    )
                     base = r["in-process"][0]
+                    local, served = r.pop("means")
                     print(
                         f"{n} ({args.backend}) latency at concurrency 1, ms p50/p99: "
                         + ", ".join(f"{k} {p50:.2f}/{p99:.2f}" for k, (p50, p99) in r.items())
@@ -340,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
                     )
                     print(
                         f"  server overhead p50: http {r['http'][0] - base:.2f} ms, "
-                        f"grpc {r['grpc'][0] - base:.2f} ms",
+                        f"grpc {r['grpc'][0] - base:.2f} ms; mean run: in-process "
+                        f"{local:.2f} ms, in the server {served:.2f} ms",
                         flush=True,
                     )
                 one, batch = _feed(sess, 1, args.seq), _feed(sess, args.max_batch_size, args.seq)
