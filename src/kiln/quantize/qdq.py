@@ -99,7 +99,37 @@ def plan_layers(m: Model, mode: str, op_types: tuple[str, ...], exclude: set[str
             continue
         plan.quantized.append(n)
         done.update(o for o in n.outputs if o is not None)
+    if mode == "static":
+        _drop_dead_ends(m.graph, plan)
     return plan
+
+
+def _drop_dead_ends(g: Graph, plan: Plan) -> None:
+    """Leave in float the elementwise layers whose results only float ops read, unless
+    they share a compute layer's grid (a bias Add, a Relu/Clip after it). They exist to
+    keep a chain of integer layers unbroken between compute layers; one that leads only
+    to float adds a rounding and an integer kernel runs none of it (PaddleOCR's v4
+    recognizer rounded each Conv's output up to six times more, through a scalar affine
+    and a hard-swish, on the way to a float Div)."""
+    inner = _activation_inputs(g, plan)
+
+    def fused(n: Node) -> bool:
+        computed = [v for v in n.inputs if v is not None and v.const is None]
+        v = computed[0] if len(computed) == 1 else None
+        if v is None or v.producer is None:
+            return False
+        if v.producer.op_type in COMPUTE_OPS and n.op_type == "Add" and len(v.uses) == 1:
+            return True  # a bias Add, of any shape: the layer's output as the model has it
+        return v in inner and (v.producer.op_type in COMPUTE_OPS or fused(v.producer))
+
+    keep = set(plan.quantized)
+    for n in reversed(plan.quantized):
+        # MaxPool picks values already on its input's grid: it adds no rounding.
+        if n.op_type not in ELEMENTWISE_OPS or n.op_type == "MaxPool" or fused(n):
+            continue
+        if not any(u.node in keep for o in n.outputs if o is not None for u in o.uses):
+            keep.discard(n)
+    plan.quantized = [n for n in plan.quantized if n in keep]
 
 
 def _is_table(v: Value | None) -> bool:
