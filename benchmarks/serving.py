@@ -1,8 +1,9 @@
 """What `kiln serve` costs and what its batching gains, against in-process runs.
 
-Overhead: the latency of one tritonclient request (HTTP with binary tensors, and gRPC) at
-concurrency 1 against ``InferenceSession.run`` of the same model, backend and input in this
-process; the paths alternate in blocks, so load on the machine hits all of them. Prints
+Overhead: the latency of one tritonclient request (HTTP with binary tensors, HTTP with JSON
+tensors for inputs up to 64 kB, and gRPC) at concurrency 1 against ``InferenceSession.run``
+of the same model, backend and input in this process; the paths alternate in blocks, so
+load on the machine hits all of them. Prints
 p50/p99 of each and the server's overhead (p50 minus in-process p50). For a model with one
 input and one ``[batch, K]`` output (the digits CNN, ResNet-18) it splits the overhead:
 the same request to a twin model served beside it that only slices its input down to the
@@ -224,13 +225,21 @@ def _feed(sess, rows: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
     return feed
 
 
-def _inputs(client_module, feed: dict[str, np.ndarray]) -> list:
+def _inputs(client_module, feed: dict[str, np.ndarray], binary: bool = True) -> list:
     ins = []
     for name, arr in feed.items():
         t = client_module.InferInput(name, list(arr.shape), TRITON_TYPES[arr.dtype])
-        t.set_data_from_numpy(arr)
+        if binary:
+            t.set_data_from_numpy(arr)
+        else:  # JSON "data" (HTTP only)
+            t.set_data_from_numpy(arr, binary_data=False)
         ins.append(t)
     return ins
+
+
+# inputs up to this many bytes are also timed as JSON over HTTP (a 600 kB image as JSON
+# text measures the client's float formatting, not the server)
+JSON_BYTES = 1 << 16
 
 
 def _cpu(pid: int) -> float:
@@ -263,6 +272,10 @@ def overhead(
         "http": lambda: hc.infer(name, hin),
         "grpc": lambda: gc.infer(name, gin),
     }
+    if sum(a.nbytes for a in feed.values()) <= JSON_BYTES:
+        jin = _inputs(th, feed, binary=False)
+        jout = [th.InferRequestedOutput(o.name, binary_data=False) for o in sess.get_outputs()]
+        calls["http json"] = lambda: hc.infer(name, jin, outputs=jout)
     bare = None
     if twin is not None:
         bare, bare_url = _bare(twin, sess.get_outputs()[0])
@@ -489,9 +502,12 @@ def main(argv: list[str] | None = None) -> int:
                         + ", ".join(f"{k} {p50:.2f}/{p99:.2f}" for k, (p50, p99) in r.items())
                         + f"  (load {_load()})"
                     )
+                    json_p50 = (
+                        f", http json {r['http json'][0] - base:.2f} ms" if "http json" in r else ""
+                    )
                     print(
                         f"  server overhead p50: http {r['http'][0] - base:.2f} ms, "
-                        f"grpc {r['grpc'][0] - base:.2f} ms; mean run: in-process "
+                        f"grpc {r['grpc'][0] - base:.2f} ms{json_p50}; mean run: in-process "
                         f"{local:.2f} ms, in the server {served:.2f} ms",
                         flush=True,
                     )
