@@ -81,8 +81,11 @@ def run(name: str, use_budget: bool) -> list[str]:
                 f"{len(q.report.kept)} kept"
         if q.report.budget_log:
             chose += "; " + q.report.budget_log[-1]
-        rows.append((label, m.agreement(ref, _ort_runs(blob, ev)), len(blob), chose,
-                     f"{secs:.0f} s"))
+        try:
+            agree = m.agreement(ref, _ort_runs(blob, ev))
+        except Exception as e:  # onnxruntime refusing Kiln's file is a finding: say it
+            agree, chose = float("nan"), f"onnxruntime refused it: {str(e)[:90]}"
+        rows.append((label, agree, len(blob), chose, f"{secs:.0f} s"))
 
     kiln_row("Kiln static", mode="static")
     kiln_row("Kiln dynamic", mode="dynamic")
