@@ -227,6 +227,35 @@ def test_if_with_constant_condition_is_inlined():
     assert ops(om) == {"Neg": 1}
 
 
+def test_inlined_if_of_two_outputs_names_each_identity_once():
+    """FoldConstants alone (as kiln.quantize runs it) inlines an If of two outputs with
+    an Identity per output: both were named '<If>_out', and onnxruntime refused the file
+    ('two nodes with same node name', silero's VAD quantized); now it loads and gives the
+    original's outputs."""
+    from kiln.onnxio import to_proto
+    from kiln.passes import FoldConstants
+
+    then = helper.make_graph([helper.make_node("Relu", ["x"], ["a"]),
+                              helper.make_node("Neg", ["x"], ["b"])], "then", [],
+                             [vi("a", None), vi("b", None)])
+    other = helper.make_graph([helper.make_node("Abs", ["x"], ["c"]),
+                               helper.make_node("Sigmoid", ["x"], ["d"])], "else", [],
+                              [vi("c", None), vi("d", None)])
+    nodes = [helper.make_node("Constant", [], ["k"], value=init("k", np.array(True))),
+             helper.make_node("If", ["k"], ["y", "z"], then_branch=then, else_branch=other,
+                              name="choose")]
+    proto = make_model(nodes, [vi("x", [3])], [vi("y", [3]), vi("z", [3])])
+    m = kiln.load(proto)
+    FoldConstants()(m)
+    out = to_proto(m)
+    named = [n.name for n in out.graph.node if n.name]
+    assert "If" not in {n.op_type for n in out.graph.node}
+    assert len(named) == len(set(named))
+    x = {"x": rand(3)}
+    for got, want in zip(ort_run(out, x), ort_run(proto, x)):
+        np.testing.assert_array_equal(got, want)
+
+
 # ---------------------------------------------------------------- DCE and CSE
 
 

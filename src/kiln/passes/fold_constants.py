@@ -224,9 +224,11 @@ def _inline_if(rw: Rewriter, m) -> str:
     nodes = list(branch.nodes)
     for x in nodes:
         branch.remove_node(x)
-    for out, src in zip(n.outputs, branch.outputs):
+    for i, (out, src) in enumerate(zip(n.outputs, branch.outputs)):
         if out is not None:
-            nodes.append(Node("Identity", [src], [out], name=f"{n.name}_out"))
+            # one name per node: onnxruntime refuses a graph where two share one (silero's
+            # VAD, an If of two outputs inside an If)
+            nodes.append(Node("Identity", [src], [out], name=f"{n.name}_out{i or ''}"))
             if out.type is None and isinstance(src.type, TensorType):
                 out.type = src.type
     rw.replace([n], nodes)
