@@ -176,7 +176,12 @@ class Batcher:
         finally:
             took = time.perf_counter() - start
             self._recent_s = took
-            self._observe(Execution(_key(feed)[1], [0.0], 0.0, took, 0.0, failed))
+            # counted once the response has left: call_soon runs before the loop reads the
+            # next request, so a client asking for the statistics next still sees this run
+            self._loop.call_soon(self._observe_inline, feed, took, failed)
+
+    def _observe_inline(self, feed: dict[str, np.ndarray], took: float, failed: int) -> None:
+        self._observe(Execution(_key(feed)[1], [0.0], 0.0, took, 0.0, failed))
 
     async def _execute(self, batch: list[_Request]) -> None:
         self._worker_idle = False

@@ -3,6 +3,7 @@ limit, and how a decoded request becomes outputs and an error becomes a status."
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import logging
@@ -116,6 +117,10 @@ class Service:
         self.repository.unload(name)
         log.info(json.dumps({"event": "unload", "model": name}))
 
+    def _answered(self, served: ServedModel, protocol: str, feed: dict, took: float) -> None:
+        self.metrics.count(served.name, protocol, 200, took)
+        served.stats.answered(served.rows_of(feed), took, ok=True)
+
     async def infer(
         self,
         served: ServedModel,
@@ -150,8 +155,9 @@ class Service:
                 )
             )
             raise
-        took = time.perf_counter() - start
-        self.metrics.count(served.name, protocol, 200, took)
-        served.stats.answered(served.rows_of(feed), took, ok=True)
+        # counted once the response has left (see Batcher._run_inline)
+        asyncio.get_running_loop().call_soon(
+            self._answered, served, protocol, feed, time.perf_counter() - start
+        )
         result = dict(zip(names, outs))
         return {n: result[n] for n in (wanted or names)}
