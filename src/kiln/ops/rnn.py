@@ -5,10 +5,9 @@ over time does only the recurrent matmul and the gates.
 At batch 1 a step's arrays hold a few hundred values, so a step costs its number of NumPy
 calls (each a fixed dispatch cost) plus the recurrent product. Layers with the default
 activations, no clip and no ragged sequences therefore run a tighter loop (``_*_steps``):
-every buffer allocated once, each call writing in place with ``out=``, the recurrent
-weights transposed into C order (OpenBLAS multiplies a row by a Fortran-ordered matrix
-more slowly), and the sigmoid gates computed as ``0.5 + 0.5 * tanh(x / 2)`` with the
-halving folded into the weights, so one ``tanh`` covers all of a step's gates."""
+every buffer allocated once, each call writing in place with ``out=``, at batch 1 the
+recurrent product as R @ h on R as stored (``_product``), and the sigmoid gates computed
+as ``0.5 + 0.5 * tanh(x / 2)``, so one ``tanh`` covers all of a step's gates."""
 
 from __future__ import annotations
 
@@ -136,7 +135,8 @@ def _masked_out(mask, h):
 def _plain(activations, activation_alpha, activation_beta, clip, defaults, s) -> bool:
     """Whether the layer takes the tight loop: ``defaults`` activations (for each
     direction), no clip, no ragged sequences."""
-    if clip is not None or activation_alpha or activation_beta or s.lens is not None:
+    if clip is not None or activation_alpha or activation_beta or s.lens is not None \
+            or s.t_len == 0:
         return False
     if not activations:
         return True
@@ -150,55 +150,70 @@ def _order(s, d, *seqs):
     return zip(*(q[::-1] for q in lists)) if s.reverse[d] else zip(*lists)
 
 
-def _halve(wd, n: int, size: int):
-    """Scales that halve the first ``n`` of ``size`` gate columns (the sigmoid gates)."""
-    k = np.ones(size, wd)
-    k[:n] = 0.5
-    return k
+def _product(s, r, d):
+    """(step views of an array over time, ``mv(h, out)``: out = h @ R^T for R = ``r``'s
+    rows of direction ``d``). At batch 1 the state is a vector and the product R @ h reads
+    R as stored: no transposed copy of R a call, and OpenBLAS's matrix-vector product of a
+    C-ordered matrix is its fast one; a batch multiplies by R's transposed view."""
+    rd = r[d] if r.dtype == s.wd else r[d].astype(s.wd)
+    if s.batch == 1:
+        def rows(a):
+            return a[:, 0]
+
+        def mv(rr, h, out):
+            return np.matmul(rr, h, out=out)
+    else:
+        def rows(a):
+            return a
+
+        def mv(rr, h, out):
+            return np.matmul(h, rr.T, out=out)
+    return rows, rd, mv
 
 
 def _rnn_steps(s, r, d, relu: bool):
     """RNN (tanh or relu), direction ``d``: (Y over time, final h)."""
+    rows, rd, mv = _product(s, r, d)
     xw = s.xw[d] if s.rb is None else s.xw[d] + s.rb[d]
-    rt = np.ascontiguousarray(r[d].astype(s.wd).T)
     y = np.empty((s.t_len, s.batch, s.hidden), s.wd)
-    h = s.initial[0][d]
-    mm, add, act = np.matmul, np.add, np.tanh
-    for yt, xt in _order(s, d, y, xw):
-        mm(h, rt, out=yt)
+    h = rows(s.initial[0][d][None])[0]
+    add, act = np.add, np.tanh
+    for yt, xt in _order(s, d, rows(y), rows(xw)):
+        mv(rd, h, yt)
         add(yt, xt, out=yt)
         if relu:
             np.maximum(yt, 0, out=yt)
         else:
             act(yt, out=yt)
         h = yt
-    return y, h
+    return y, y[0 if s.reverse[d] else -1]
 
 
 def _gru_steps(s, r, d, linear_before_reset: int):
     """GRU with sigmoid/tanh, direction ``d``: (Y over time, final h)."""
     hsz, wd = s.hidden, s.wd
+    rows, rd, mv = _product(s, r, d)
     rb = np.zeros(3 * hsz, wd) if s.rb is None else s.rb[d]
-    k = _halve(wd, 2 * hsz, 3 * hsz)
     # z and r take the recurrent bias with the input's; h's goes inside the reset product
     # when linear_before_reset, else it is a plain bias
     xw = s.xw[d] + (np.concatenate([rb[:2 * hsz], np.zeros(hsz, wd)]) if linear_before_reset
                     else rb)
-    xw *= k
-    rt = np.ascontiguousarray(r[d].astype(wd).T * k)
     y = np.empty((s.t_len, s.batch, hsz), wd)
-    h = s.initial[0][d]
-    half = np.full((s.batch, 2 * hsz), 0.5, wd)
-    gates = np.empty((s.batch, 3 * hsz), wd)
-    zr, z, rg, n = gates[:, :2 * hsz], gates[:, :hsz], gates[:, hsz:2 * hsz], gates[:, 2 * hsz:]
-    rh, diff = np.empty((s.batch, hsz), wd), np.empty((s.batch, hsz), wd)
-    mm, add, mul, sub, tanh = np.matmul, np.add, np.multiply, np.subtract, np.tanh
-    xz, xh = xw[..., :2 * hsz], xw[..., 2 * hsz:]
+    h = rows(s.initial[0][d][None])[0]
+    shape = (3 * hsz,) if s.batch == 1 else (s.batch, 3 * hsz)
+    half = np.full(shape[:-1] + (2 * hsz,), 0.5, wd)
+    gates = np.empty(shape, wd)
+    zr, z, rg, n = (gates[..., :2 * hsz], gates[..., :hsz], gates[..., hsz:2 * hsz],
+                    gates[..., 2 * hsz:])
+    rh, diff = np.empty(shape[:-1] + (hsz,), wd), np.empty(shape[:-1] + (hsz,), wd)
+    add, mul, sub, tanh = np.add, np.multiply, np.subtract, np.tanh
+    xz, xh = rows(xw)[..., :2 * hsz], rows(xw)[..., 2 * hsz:]
     if linear_before_reset:
-        bh = np.broadcast_to(rb[2 * hsz:], (s.batch, hsz))
-        for yt, xzt, xht in _order(s, d, y, xz, xh):
-            mm(h, rt, out=gates)
+        bh = np.broadcast_to(rb[2 * hsz:], rh.shape)
+        for yt, xzt, xht in _order(s, d, rows(y), xz, xh):
+            mv(rd, h, gates)
             add(zr, xzt, out=zr)
+            mul(zr, half, out=zr)  # sigmoid(x) = 0.5 + 0.5 * tanh(x / 2)
             tanh(zr, out=zr)
             mul(zr, half, out=zr)
             add(zr, half, out=zr)
@@ -210,43 +225,45 @@ def _gru_steps(s, r, d, linear_before_reset: int):
             mul(diff, z, out=diff)
             add(n, diff, out=yt)
             h = yt
-        return y, h
-    rzr, rhh = np.ascontiguousarray(rt[:, :2 * hsz]), np.ascontiguousarray(rt[:, 2 * hsz:])
-    for yt, xzt, xht in _order(s, d, y, xz, xh):
-        mm(h, rzr, out=zr)
+        return y, y[0 if s.reverse[d] else -1]
+    rzr, rhh = rd[:2 * hsz], rd[2 * hsz:]
+    for yt, xzt, xht in _order(s, d, rows(y), xz, xh):
+        mv(rzr, h, zr)
         add(zr, xzt, out=zr)
+        mul(zr, half, out=zr)  # sigmoid(x) = 0.5 + 0.5 * tanh(x / 2)
         tanh(zr, out=zr)
         mul(zr, half, out=zr)
         add(zr, half, out=zr)
         mul(rg, h, out=rh)
-        mm(rh, rhh, out=n)
+        mv(rhh, rh, n)
         add(n, xht, out=n)
         tanh(n, out=n)
         sub(h, n, out=diff)
         mul(diff, z, out=diff)
         add(n, diff, out=yt)
         h = yt
-    return y, h
+    return y, y[0 if s.reverse[d] else -1]
 
 
 def _lstm_steps(s, r, d):
     """LSTM with sigmoid/tanh/tanh and no peepholes, direction ``d``: (Y, final h, c)."""
     hsz, wd = s.hidden, s.wd
-    k = _halve(wd, 3 * hsz, 4 * hsz)  # ONNX's gate order i, o, f, c: the sigmoids first
+    rows, rd, mv = _product(s, r, d)
     xw = s.xw[d] if s.rb is None else s.xw[d] + s.rb[d]
-    xw = xw * k
-    rt = np.ascontiguousarray(r[d].astype(wd).T * k)
     y = np.empty((s.t_len, s.batch, hsz), wd)
-    h, c = s.initial[0][d], s.initial[1][d].copy()
-    half = np.full((s.batch, 3 * hsz), 0.5, wd)
-    gates = np.empty((s.batch, 4 * hsz), wd)
-    sig = gates[:, :3 * hsz]
-    i, o, f, g = (gates[:, j * hsz:(j + 1) * hsz] for j in range(4))
-    tmp = np.empty((s.batch, hsz), wd)
-    mm, add, mul, tanh = np.matmul, np.add, np.multiply, np.tanh
-    for yt, xt in _order(s, d, y, xw):
-        mm(h, rt, out=gates)
+    h = rows(s.initial[0][d][None])[0]
+    c = rows(s.initial[1][d][None])[0].copy()
+    shape = (4 * hsz,) if s.batch == 1 else (s.batch, 4 * hsz)
+    half = np.full(shape[:-1] + (3 * hsz,), 0.5, wd)
+    gates = np.empty(shape, wd)
+    sig = gates[..., :3 * hsz]  # ONNX's gate order i, o, f, c: the sigmoids first
+    i, o, f, g = (gates[..., j * hsz:(j + 1) * hsz] for j in range(4))
+    tmp = np.empty(c.shape, wd)
+    add, mul, tanh = np.add, np.multiply, np.tanh
+    for yt, xt in _order(s, d, rows(y), rows(xw)):
+        mv(rd, h, gates)
         add(gates, xt, out=gates)
+        mul(sig, half, out=sig)  # sigmoid(x) = 0.5 + 0.5 * tanh(x / 2)
         tanh(gates, out=gates)
         mul(sig, half, out=sig)
         add(sig, half, out=sig)
@@ -256,7 +273,7 @@ def _lstm_steps(s, r, d):
         tanh(c, out=tmp)
         mul(o, tmp, out=yt)
         h = yt
-    return y, h, c
+    return y, y[0 if s.reverse[d] else -1], c.reshape(s.batch, hsz)
 
 
 @op("RNN", 1)
