@@ -586,6 +586,27 @@ def test_kiln_serve_function_serves_from_python():
         assert s.stop() == 0
 
 
+def test_serves_on_uvicorns_own_protocol_where_kilns_cannot_load():
+    """Kiln's HTTP connection subclasses uvicorn's httptools protocol; where a uvicorn
+    release moved it (here: the module made unimportable), the server runs on uvicorn's
+    own protocol and answers the same."""
+    import sys
+
+    code = (
+        "import sys; sys.modules['kiln.serving.connection'] = None; import kiln; "
+        "kiln.serve([sys.argv[1]], http_port=0, grpc_port=None)"
+    )
+    s = ServeProcess(command=[sys.executable, "-c", code, str(DIGITS)])
+    try:
+        x = np.random.default_rng(9).random((1, 1, 8, 8), dtype=np.float32)
+        inp = th.InferInput("image", list(x.shape), "FP32")
+        inp.set_data_from_numpy(x, binary_data=True)
+        got = th.InferenceServerClient(s.http).infer("digits_cnn", [inp])
+        np.testing.assert_allclose(got.as_numpy("logits"), _reference(x), rtol=1e-4, atol=1e-5)
+    finally:
+        assert s.stop() == 0
+
+
 def test_import_kiln_loads_no_server_library():
     """``kiln.serve`` is a function on ``import kiln`` without importing Starlette, uvicorn
     or grpc: Kiln without the serve extra still imports, and they load when a server starts."""

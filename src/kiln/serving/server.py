@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from kiln.errors import MissingDependencyError
 from kiln.serving.metrics import SERVE_INSTALL
@@ -40,7 +41,6 @@ async def serve_async(
     requests in flight for up to ``grace_s`` seconds. ``grpc_port`` None: HTTP only."""
     uvicorn = _uvicorn()
     # here, not at the top: ``import kiln`` names this function without the serve extra
-    from kiln.serving.connection import connection_class
     from kiln.serving.http import build_app
     from kiln.serving.rpc import build_server
 
@@ -51,6 +51,12 @@ async def serve_async(
         def capture_signals(self):
             yield
 
+    try:  # built on uvicorn's httptools protocol, whose module may move in a later uvicorn
+        from kiln.serving.connection import connection_class
+
+        protocol: Any = connection_class(service.max_request_bytes)
+    except ImportError:  # then uvicorn's own protocol: slower for large bodies, as correct
+        protocol = "auto"
     config = uvicorn.Config(
         build_app(service),
         host=host,
@@ -58,7 +64,7 @@ async def serve_async(
         log_level="warning",
         timeout_graceful_shutdown=int(grace_s),
         lifespan="off",
-        http=connection_class(service.max_request_bytes),
+        http=protocol,
     )
     http = _Server(config)
     rpc = build_server(service, f"{host}:{grpc_port}") if grpc_port is not None else None
