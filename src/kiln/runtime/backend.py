@@ -317,7 +317,6 @@ class Backend:
         key = tuple(getattr(x, "shape", None) for x in inputs)
         trial = per_plan.get(key)
         return per_plan.setdefault(key, ThreadTrial(threads)) if trial is None else trial
-        return contextlib.nullcontext()
 
     def start_run(self) -> Any:
         """Called as a main run starts; what it returns goes to :meth:`end_run` (torch:
