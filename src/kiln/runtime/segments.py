@@ -25,11 +25,12 @@ from kiln.runtime.plan import Plan, Step
 from kiln.runtime.specialize import CompileFailed, CompileWarning, compiler_output
 
 MIN_SEGMENT = 3
-"""Runs of fewer layers stay eager. One AOTInductor program call costs about as much as
-two or three small eager layers on the CPU (the call, the output list, the argument
-checks: docs/performance.md, "compile=True on the trained models"), so a run of one or
-two layers (the Shape-Gather-Equal before an If, a Squeeze in a branch) is slower
-compiled than eager; a heavy layer alone gains little from inductor either."""
+"""Runs of fewer layers stay eager. One AOTInductor program call has a fixed cost (the
+call, its argument and output lists) that a run of the cheapest layers (elementwise, on a
+few hundred values) only repays from three or four layers on, measured on the CPU
+(docs/performance.md, "compile=True on the trained models"); heavier layers (convolutions,
+products) repay it sooner. So the Shape-Gather-Equal before an If or a Squeeze alone in a
+branch stay eager."""
 
 FREE_OPS = frozenset({"Identity", "Shape", "Size", "Squeeze", "Unsqueeze", "Reshape",
                       "Flatten"})
