@@ -51,6 +51,8 @@ class Report:
     """reason -> layer names (in plan order) run eagerly for that reason."""
     failed: list[str] = field(default_factory=list)
     """Compiles that failed at a run's first call (those layers then run eagerly)."""
+    forced: dict = field(default_factory=dict)
+    """Steps found not to trace when compiled (step -> why): eager from then on."""
     notify: Callable[[], None] | None = None
     """Once the first run is over (its notes given), called after each later change: a run
     first taken later whose compile failed (that failure is then warned about here)."""
@@ -135,7 +137,7 @@ def split(plan, blocker: Callable[[Step, dict], str],
     can); ``outer_consts``: the enclosing plans' constants a subgraph reads (compiled in
     as constants, not passed in)."""
     consts = {**(outer_consts or {}), **plan.consts}
-    groups, whys = _groups(plan, blocker, consts)
+    groups, whys = _groups(plan, blocker, consts, report.forced)
     later: list[set] = [set() for _ in groups]  # what the groups after each one read
     seen = set(plan.graph.outputs)
     for i in range(len(groups) - 1, -1, -1):
@@ -160,20 +162,22 @@ def split(plan, blocker: Callable[[Step, dict], str],
         view = _View(plan, g, inputs, outputs, used, [])
         report.programs += 1
         report.compiled_layers += len(g)
-        steps.append(_segment_step(view, compile_view, report))
+        steps.append(_segment_step(view, blocker, compile_view, report))
     _frees(steps, set(plan.graph.outputs) | set(plan.consts) | set(plan.captures))
     return Program(_View(plan, steps, plan.graph.inputs, plan.graph.outputs, plan.consts,
                          plan.captures))
 
 
-def _groups(plan, blocker: Callable[[Step, dict], str], consts: dict
-            ) -> tuple[list[list[Step]], list[str]]:
+def _groups(plan, blocker: Callable[[Step, dict], str], consts: dict,
+            forced: dict | None = None) -> tuple[list[list[Step]], list[str]]:
     """``plan``'s steps in runs: each layer that cannot be compiled alone, with why, and
-    the maximal runs of those that can ("" when worth a program, else :data:`SMALL`)."""
+    the maximal runs of those that can ("" when worth a program, else :data:`SMALL`);
+    ``forced``: steps that run eagerly whatever ``blocker`` says, with why."""
+    forced = forced or {}
     groups: list[list[Step]] = []
     whys: list[str] = []
     for s in plan.steps:
-        why = blocker(s, consts)
+        why = forced.get(s) or blocker(s, consts)
         if not why and groups and not whys[-1]:
             groups[-1].append(s)
             continue
@@ -194,14 +198,15 @@ def worth_compiling(plan, blocker: Callable[[Step, dict], str],
         worth_compiling(sub, blocker, consts) for g in groups for s in g for sub in s.subplans)
 
 
-def _segment_step(view: _View, compile_view: Callable, report: Report) -> Step:
+def _segment_step(view: _View, blocker: Callable, compile_view: Callable, report: Report
+                  ) -> Step:
     """One step running ``view``'s layers as a compiled program (eagerly once its compile
     failed)."""
     first, last = view.steps[0].node, view.steps[-1].node
     name = f"{first.name or first.op_type}..{last.name or last.op_type}"
     node = SimpleNamespace(name=name, op_type="compiled program", domain="",
                            subgraphs=lambda: [], attrs={})
-    run = _Segment(view, compile_view, report)
+    run = _Segment(view, blocker, compile_view, report)
     many = len(view.graph.outputs) != 1
     fn = (lambda *xs: tuple(run(xs))) if many else (lambda *xs: run(xs)[0])
     return Step(node=node, fn=fn, inputs=tuple(view.graph.inputs),
@@ -213,8 +218,10 @@ class _Segment:
     """A run of layers: compiled at its first call for the shapes of that call's inputs;
     eager for other shapes (a Loop body whose values grow) and once its compile failed."""
 
-    def __init__(self, view: _View, compile_view: Callable, report: Report):
+    def __init__(self, view: _View, blocker: Callable, compile_view: Callable,
+                 report: Report):
         self.view, self.compile_view, self.report = view, compile_view, report
+        self.blocker = blocker
         self.run: Callable[[list], list] | None = None
         self.shapes: list | None = None
         self._eager: Program | None = None
@@ -245,16 +252,26 @@ class _Segment:
                 run = self.compile_view(self.view)
                 out = run(xs)
         except CompileFailed as e:
-            steps = self.view.steps
-            why = (f"layers {_label(steps[0])} to {_label(steps[-1])} ({len(steps)}) run "
-                   f"eagerly: {e}")
-            report = self.report
-            with report.lock:
-                report.failed.append(why)
-            self.shapes, self.run = None, self.eager
+            steps, report = self.view.steps, self.report
+            if e.step in steps:  # that layer eager, the layers around it compiled
+                why = str(e)
+                with report.lock:
+                    report.forced[e.step] = "its kernel cannot be traced"
+                    report.programs -= 1
+                    report.compiled_layers -= len(steps)
+                    report.failed.append(why)
+                part = split(self.view, self.blocker, self.compile_view, report)
+                self.shapes, self.run = [x.shape for x in xs], lambda ins: part(*ins)
+            else:
+                why = (f"layers {_label(steps[0])} to {_label(steps[-1])} ({len(steps)}) "
+                       f"run eagerly: {e}")
+                with report.lock:
+                    report.failed.append(why)
+                self.shapes, self.run = None, self.eager
             if report.notify is not None:  # a later run: nobody else says it
-                warnings.warn(f"compile=True: {why}", CompileWarning, stacklevel=2)
+                warnings.warn(f"compile=True: {why}; running that layer eagerly",
+                              CompileWarning, stacklevel=2)
                 report.notify()
-            return self.eager(xs)
+            return self.run(xs)
         self.shapes, self.run = [x.shape for x in xs], run
         return out

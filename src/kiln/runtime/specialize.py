@@ -56,7 +56,7 @@ class Specializer:
                     warnings.warn(f"compile=True: {why}; running eagerly for these inputs",
                                   CompileWarning, stacklevel=5)
                 self._pending.clear()
-                report = getattr(prog, "report", None)
+                report = getattr(getattr(prog, "inner", None), "report", None)
                 if out is not None and report is not None:
                     self._in_parts(report)
                 return out
@@ -66,19 +66,18 @@ class Specializer:
 
     def _in_parts(self, report) -> None:
         """A program built in parts: the status says what runs compiled and what eagerly,
-        a warning names the layers that cannot be compiled (its own line per later run
-        whose compile fails: ``report.notify``)."""
+        one warning line names the layers that cannot be compiled and why (a run first
+        taken later whose compile fails warns on its own: ``report.notify``)."""
         plan = self.plan
 
         def status() -> None:
             plan.compile_status = "yes, in parts: " + report.summary()
         status()
         blocked = report.blocked()
-        if blocked:
-            warnings.warn(f"compile=True: running eagerly between compiled programs: {blocked}",
-                          CompileWarning, stacklevel=6)
-        for why in report.failed:
-            warnings.warn(f"compile=True: {why}", CompileWarning, stacklevel=6)
+        failed = f" ({'; '.join(report.failed)})" if report.failed else ""
+        if blocked or failed:
+            warnings.warn(f"compile=True: running eagerly between compiled programs: "
+                          f"{blocked}{failed}", CompileWarning, stacklevel=6)
         report.notify = status
 
     def _first(self, key: tuple, prog: Callable, inputs: list) -> list | None:
@@ -116,7 +115,7 @@ class Specializer:
 
         def run(xs: list) -> list:
             return prog([xs[i] for i in order])
-        run.report = getattr(prog, "report", None)  # type: ignore[attr-defined]
+        run.inner = prog  # type: ignore[attr-defined]  # its report, once it has run
         return run
 
     def _note(self, why: str) -> None:
@@ -150,4 +149,7 @@ def compiler_output() -> Iterator[None]:
 
 
 class CompileFailed(Exception):
-    """A backend's compiler could not turn a plan into a program (the reason says why)."""
+    """A backend's compiler could not turn a plan into a program (the reason says why;
+    ``step``: the plan's step whose kernel failed while it was traced, when known)."""
+
+    step = None

@@ -516,17 +516,43 @@ class TorchBackend(Backend):
         layers cannot be compiled, as compiled runs with those layers eager between them
         (:mod:`kiln.runtime.segments`; the result's ``report`` says which)."""
         if not _compile_blockers(plan):
-            return self._program(plan)
-        report = Report()
+            return self._whole(plan)
+        return self._in_parts(plan, Report())
+
+    def _in_parts(self, plan, report: Report) -> Callable[[list], list]:
         prog = split(plan, _blocker, self._program, report)
         if not report.programs:
             raise CompileFailed(f"no run of {MIN_SEGMENT} layers or more between the layers "
-                                f"that cannot be compiled ({_compile_blockers(plan)})")
+                                f"that cannot be compiled ({report.blocked()})")
 
         def run(inputs: list) -> list:
             with torch.no_grad():
                 return prog(*inputs)
         run.report = report  # type: ignore[attr-defined]
+        return run
+
+    def _whole(self, plan) -> Callable[[list], list]:
+        """``plan`` as one program; if a layer's kernel cannot be traced (it reads a value
+        on the host, say), that layer runs eagerly between programs for the rest."""
+        whole = self._program(plan)
+        state: list = []
+
+        def run(inputs: list) -> list:
+            if state:
+                return state[0](inputs)
+            try:
+                out = whole(inputs)
+            except CompileFailed as e:
+                if e.step is None:
+                    raise
+                report = Report(forced={e.step: "its kernel cannot be traced"},
+                                failed=[str(e)])
+                part = self._in_parts(plan, report)
+                run.report = report  # type: ignore[attr-defined]
+                state.append(part)
+                return part(inputs)
+            state.append(whole)
+            return out
         return run
 
     def _program(self, plan) -> Callable[[list], list]:
@@ -576,8 +602,10 @@ class TorchBackend(Backend):
                 if compiled[0]:
                     raise
                 msg = str(e).strip().splitlines()
-                raise CompileFailed(_at_layer(prog, e) + f"torch.compile failed ("
-                                    f"{type(e).__name__}: {msg[0] if msg else ''})") from e
+                failed = CompileFailed(_at_layer(prog, e) + f"torch.compile failed ("
+                                       f"{type(e).__name__}: {msg[0] if msg else ''})")
+                failed.step = prog.failing_step(e)
+                raise failed from e
             compiled[0] = True
             if cuda:  # CUDA-graph outputs are overwritten by the next replay
                 return [o.clone() if isinstance(o, _TENSOR) else o for o in out]
@@ -697,7 +725,9 @@ def _naming_layer(prog: Program, run: Callable[[list], list]) -> Callable[[list]
             where = "" if e.__cause__ is None else _at_layer(prog, e.__cause__)
             if not where:
                 raise
-            raise CompileFailed(where + str(e)) from e.__cause__
+            failed = CompileFailed(where + str(e))
+            failed.step = prog.failing_step(e.__cause__)
+            raise failed from e.__cause__
     return named
 
 
