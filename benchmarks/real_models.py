@@ -17,6 +17,7 @@ With ``--doc`` (or for a full run) writes the table between the ``real-models`` 
 docs/performance.md and ``benchmarks/results/real_models.json``.
 
     python benchmarks/real_models.py --engines torch,compiled --batches 1 [--doc]
+        [--first-compile cold.json]
 
 adds the ``compiled`` engine (torch with ``compile=True``): its first run, which compiles
 the programs (or loads them from the compile cache, ``KILN_COMPILE_CACHE``), is timed
@@ -207,17 +208,21 @@ def markdown(env: dict, records: list[dict], engines: list[str]) -> str:
     return "\n".join(lines)
 
 
-def compiled_markdown(env: dict, records: list[dict]) -> str:
+def compiled_markdown(env: dict, records: list[dict], cold: dict | None = None) -> str:
     """``--engines torch,compiled``'s table: eager and compiled torch against onnxruntime,
     each model's first run (compiling its programs, or loading them from the cache) and
-    how it ran (one program, or in parts)."""
+    how it ran (one program, or in parts). ``cold``: an earlier run's JSON whose first
+    runs compiled (an empty cache): their seconds get a column of their own."""
     lines = [f"Run {env['date']} on {env['cpu']} ({env['machine']}), load {env['load']}, "
              f"{env['threads']} threads per engine; " +
              ", ".join(f"{k} {env[k]}" for k in ("python", "numpy", "onnxruntime", "torch")
                        if k in env) + ".", "",
              "| model | batch | onnxruntime ms | torch ms | torch ×ort | compiled ms | "
-             "compiled ×ort | first run s | programs compiled / loaded | how |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "compiled ×ort | first run s | programs compiled / loaded | how |"
+             + (" first compile s |" if cold else ""),
+             "|---|---|---|---|---|---|---|---|---|---|" + ("---|" if cold else "")]
+    first = {(r["model"], r["batch"]): r["engines"].get("compiled", {}).get("first_run_s", "—")
+             for r in (cold or {}).get("records", [])}
     for r in records:
         ort_ms = r["engines"]["onnxruntime"]["p50_ms"]
         t, c = r["engines"].get("torch", {}), r["engines"].get("compiled", {})
@@ -229,7 +234,8 @@ def compiled_markdown(env: dict, records: list[dict]) -> str:
             if status.startswith("yes, in parts") else "one program"
         lines.append(f"| {r['model']} | {r['batch']} | {ort_ms:.3g} | {cells[0]} | {cells[1]} "
                      f"| {c.get('first_run_s', '—')} | {c.get('compiled_now', '—')} / "
-                     f"{c.get('loaded', '—')} | {how} |")
+                     f"{c.get('loaded', '—')} | {how} |"
+                     + (f" {first.get((r['model'], r['batch']), '—')} |" if cold else ""))
     return "\n".join(lines)
 
 
@@ -257,6 +263,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rest", type=float, default=0.05)
     ap.add_argument("--doc", action="store_true", help="write docs/performance.md's table")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--first-compile", default=None, metavar="JSON",
+                    help="with the compiled engine: an earlier run's JSON (made with an "
+                    "empty compile cache) whose first-run seconds are the first compiles")
     ap.add_argument("--recurrent", action="store_true",
                     help="time one LSTM, GRU and RNN layer instead of the trained models")
     args = ap.parse_args(argv)
@@ -293,7 +302,11 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{name} b{b}: onnxruntime {rec['engines']['onnxruntime']['p50_ms']:.3f}"
                       f" ms  {row}", flush=True)
     compiled = "compiled" in engines
-    md = compiled_markdown(env, records) if compiled else markdown(env, records, engines)
+    cold = None
+    if args.first_compile:
+        with open(args.first_compile) as f:
+            cold = json.load(f)
+    md = compiled_markdown(env, records, cold) if compiled else markdown(env, records, engines)
     print(md)
     full = set(models) == set(tm.available())
     if args.doc or (full and not compiled):
