@@ -77,6 +77,9 @@ def test_a_failed_compile_is_one_warning_line_not_an_fx_graph(tmp_path):
     # count's arithmetic there, so the read may be in any layer from the cast on), and why.
     assert re.search(r"layer '(cast|unsqueeze|concat|tile)' \((Cast|Unsqueeze|Concat|Tile)\) "
                      "reads a value computed from the data on the host", warned[0]), err
+    # Only that layer runs eagerly: the layers before it (Relu, ReduceMax, Ceil) are a
+    # compiled program.
+    assert "running eagerly between compiled programs" in warned[0], err
     # Asked for, the compiler's own output is there, on the kiln.compile logger.
     again = tmp_path / "debug"
     again.mkdir()

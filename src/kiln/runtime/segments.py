@@ -154,6 +154,7 @@ def split(plan, blocker: Callable[[Step, dict], str],
                 report.add_eager(s, why or "outputs unused")
                 for sub in s.subplans:
                     sub.program = split(sub, blocker, compile_view, report, consts)
+                    sub.runs_before_program = 0  # a big plan would build its own later
             steps += [dataclasses.replace(s) for s in g]  # their own frees (below)
             continue
         inputs = list(dict.fromkeys(v for s in g for v in s.inputs
