@@ -73,3 +73,44 @@ def test_other_weights_never_reuse_a_cached_program(mlp_model, tmp_path):
     want3 = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"]).run(
         None, {"x": x})[0]
     np.testing.assert_allclose(np.load(tmp_path / "y3.npy"), want3, rtol=1e-5, atol=1e-6)
+
+
+def test_a_failed_compile_is_not_tried_again_by_the_next_session(mlp_model, tmp_path,
+                                                                 monkeypatch):
+    """A program AOTInductor fails on (PaddleOCR's detector spent its 13 s compile in every
+    process) is noted under its key: the next session runs eagerly at once, with the
+    results onnxruntime gives, and deleting the note tries again."""
+    import warnings
+
+    import torch._inductor
+
+    import kiln
+
+    cache = tmp_path / "cache"
+    monkeypatch.setenv("KILN_COMPILE_CACHE", str(cache))
+    calls = []
+
+    def fails(*args, **kwargs):
+        calls.append(1)
+        raise RuntimeError("expected bias to be 1-dimensional")
+
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", fails)
+    x = np.random.default_rng(1).standard_normal((3, 4)).astype(np.float32)
+    want = ort.InferenceSession(mlp_model.SerializeToString(),
+                                providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+    def run() -> np.ndarray:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            sess = kiln.InferenceSession(mlp_model, backend="torch", compile=True)
+            return sess.run(None, {"x": x})[0]
+
+    np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1
+    notes = list(cache.glob("*.failed"))
+    assert len(notes) == 1 and "1-dimensional" in notes[0].read_text()
+    np.testing.assert_allclose(run(), want, rtol=1e-5, atol=1e-6)
+    assert len(calls) == 1  # not compiled again
+    notes[0].unlink()
+    run()
+    assert len(calls) == 2

@@ -5,7 +5,9 @@ compiled ahead of time by AOTInductor into a package (a shared library and the f
 weights) in the cache folder: ``$KILN_COMPILE_CACHE``, else ``compiled`` under Kiln's cache
 root (``kiln.cache``; ``KILN_COMPILE_CACHE=0`` or ``off`` turns the cache off and compiles
 in memory with torch.compile).
-A process that builds the same program loads the package instead of compiling it.
+A process that builds the same program loads the package instead of compiling it; a
+program AOTInductor failed on leaves a ``.failed`` note under its key instead, so later
+processes run those layers eagerly at once rather than spend the compile again.
 
 The key covers everything the program's results depend on: the generated source, each
 layer's op, version and attributes, the host parameters and every constant's bytes, the
@@ -112,6 +114,12 @@ def program(module: torch.nn.Module, plan, source: str, params: dict, constants:
 def _load_or_build(module, plan, source, params, constants, options, where: Path, inputs,
                    log: list[str]):
     path = where / f"{key(plan, source, params, constants, inputs, options)}.pt2"
+    failed = path.with_suffix(".failed")
+    if failed.exists():  # a failure is as deterministic as a success: not retried per process
+        log.append(f"failed before {failed}")
+        raise CompileFailed(f"AOTInductor failed on this program before "
+                            f"({failed.read_text(errors='replace')}); delete {failed} to "
+                            "try again")
     if path.exists():
         try:
             loaded = _load(path)
@@ -132,10 +140,22 @@ def _load_or_build(module, plan, source, params, constants, options, where: Path
     except Exception as e:  # noqa: BLE001 - the plan then runs eagerly, with a note
         tmp.unlink(missing_ok=True)
         msg = str(e).strip().splitlines()
-        raise CompileFailed(f"AOTInductor failed ({type(e).__name__}: "
-                            f"{msg[0] if msg else ''})") from e
+        why = f"{type(e).__name__}: {msg[0] if msg else ''}"
+        if not isinstance(e, OSError):  # a full disk or a lost file may pass: not kept
+            _write_atomically(failed, why)
+        raise CompileFailed(f"AOTInductor failed ({why})") from e
     log.append(f"compiled {path}")
     return loaded
+
+
+def _write_atomically(path: Path, text: str) -> None:
+    """``path`` holds ``text`` whole or not at all (processes share the folder)."""
+    tmp = path.with_name(f".{path.name}-{os.getpid()}")
+    try:
+        tmp.write_text(text)
+        os.replace(tmp, path)
+    except OSError:
+        tmp.unlink(missing_ok=True)
 
 
 def _load(path: Path) -> Callable:
