@@ -447,7 +447,9 @@ class TorchBackend(Backend):
         eager layers between them (silero VAD, the wake-word models) ran faster on one
         thread than on two, as its eager plan does (docs/performance.md)."""
         n = torch.get_num_threads()
-        if self.is_cuda or n == 1:
+        if self.is_cuda or n == 1 or self.cache_folder is None:
+            # torch.compile's programs (the cache off) are built for the thread count they
+            # first ran on and guarded on it: another count would recompile them
             return contextlib.nullcontext()
         return measured_threads(self.thread_trial(programs, inputs, n),
                                 (_TORCH_THREADS, BLAS_THREADS), contextlib.nullcontext())
