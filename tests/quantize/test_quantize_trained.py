@@ -63,14 +63,28 @@ def _agreement(m: tm.TrainedModel, model_bytes, ev, ref, engine: str = "onnxrunt
     return m.agreement(ref, [s.run(None, f) for f in ev])
 
 
+def _ort_static(m, cal: list[dict], path) -> None:
+    """onnxruntime's own static QDQ file of ``m`` (per-channel weights) from the same
+    calibration feeds, written to ``path``."""
+    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
+
+    class Reader(CalibrationDataReader):
+        def __init__(self):
+            self.it = iter(cal)
+
+        def get_next(self):
+            return next(self.it, None)
+
+    quantize_static(m.path, str(path), Reader(), quant_format=QuantFormat.QDQ,
+                    per_channel=True)
+
+
 def test_magika_static_default_beats_onnxruntime_tool(tmp_path):
     """The file-type classifier, static INT8 with the CPU's default weight range: its file,
     run by onnxruntime, agrees with fp32 on at least 95% of real files (onnxruntime's own
     quantize_static on the same calibration files: below 10%, it quantizes the
     LayerNorm arithmetic too), and onnxruntime and Kiln run it alike (with 8-bit weights
     chosen on a VNNI CPU, onnxruntime's int8 kernels do not overflow)."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
     m = _model("magika")
     cal, ev = m.make_feeds(96, 160)
     ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
@@ -80,15 +94,7 @@ def test_magika_static_default_beats_onnxruntime_tool(tmp_path):
     assert ours >= 0.95
     assert abs(_agreement(m, blob, ev, ref, "numpy") - ours) <= 0.02
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.it = iter(cal)
-
-        def get_next(self):
-            return next(self.it, None)
-
-    quantize_static(m.path, str(tmp_path / "ort.onnx"), Reader(),
-                    quant_format=QuantFormat.QDQ, per_channel=True)
+    _ort_static(m, cal, tmp_path / "ort.onnx")
     theirs = _agreement(m, str(tmp_path / "ort.onnx"), ev, ref)
     assert ours >= theirs - 0.02
 
@@ -226,8 +232,6 @@ def test_per_channel_weights_below_opset_13(tmp_path):
     onnxruntime the file's CTC time steps agree with fp32 more often than with one scale
     per weight (per_channel=False) and than onnxruntime's own per-channel static file on
     the same calibration lines."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
     m = _model("ppocr_rec_v4")
     cal, ev = m.make_feeds(16, 16)
     ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
@@ -250,15 +254,7 @@ def test_per_channel_weights_below_opset_13(tmp_path):
     one_scale = kiln.quantize(m.path, "static", cal, per_channel=False,
                               measure_latency=False, speed_aware=False, backend="onnxruntime")
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.it = iter(cal)
-
-        def get_next(self):
-            return next(self.it, None)
-
-    quantize_static(m.path, str(tmp_path / "ort.onnx"), Reader(),
-                    quant_format=QuantFormat.QDQ, per_channel=True)
+    _ort_static(m, cal, tmp_path / "ort.onnx")
     ours, per_tensor, theirs = steps(q.model), steps(one_scale.model), \
         steps(str(tmp_path / "ort.onnx"))
     assert ours > per_tensor + 0.02 and ours > theirs + 0.02, (ours, per_tensor, theirs)
@@ -272,8 +268,6 @@ def test_recognizer_elementwise_layers_that_lead_to_float_stay_float(tmp_path):
     onnxruntime, reads at least 30% of lines exactly like fp32 (with them: 12.5%;
     onnxruntime's own static file on the same calibration lines: 0%), and is never
     behind onnxruntime's file."""
-    from onnxruntime.quantization import CalibrationDataReader, QuantFormat, quantize_static
-
     m = _model("ppocr_rec_v4")
     cal, ev = m.make_feeds(24, 40)
     ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
@@ -284,14 +278,6 @@ def test_recognizer_elementwise_layers_that_lead_to_float_stay_float(tmp_path):
     assert not any(n.startswith(("p2o.Clip.", "p2o.Div.")) for n in quantized)
     ours = _agreement(m, to_proto(q.model).SerializeToString(), ev, ref)
 
-    class Reader(CalibrationDataReader):
-        def __init__(self):
-            self.it = iter(cal)
-
-        def get_next(self):
-            return next(self.it, None)
-
-    quantize_static(m.path, str(tmp_path / "ort.onnx"), Reader(),
-                    quant_format=QuantFormat.QDQ, per_channel=True)
+    _ort_static(m, cal, tmp_path / "ort.onnx")
     theirs = _agreement(m, str(tmp_path / "ort.onnx"), ev, ref)
     assert ours >= 0.3 and ours >= theirs, (ours, theirs)

@@ -307,8 +307,9 @@ def test_attention_masks(tmp_path, mask_kind):
     _run_both(_one_op(node, graph_ins, [_vi("y", 1, None)], inits), feeds, tmp_path, atol=1e-4)
 
 
-def test_skip_layer_norm_outputs(tmp_path):
-    rng = np.random.default_rng(3)
+def _skip_layer_norm(seed: int):
+    """A SkipLayerNormalization with all four outputs, and a feed for it."""
+    rng = np.random.default_rng(seed)
     x, skip = (rng.standard_normal((2, 3, 8)).astype(np.float32) for _ in range(2))
     inits = [helper.make_tensor(n, 1, [8], rng.standard_normal(8).tolist())
              for n in ("g", "be", "bi")]
@@ -316,7 +317,12 @@ def test_skip_layer_norm_outputs(tmp_path):
                             ["y", "mean", "inv", "sum"], domain="com.microsoft", epsilon=1e-5)
     model = _one_op(node, [_vi("x", 1, x.shape), _vi("s", 1, skip.shape)],
                     [_vi(n, 1, None) for n in ("y", "mean", "inv", "sum")], inits)
-    _run_both(model, {"x": x, "s": skip}, tmp_path, atol=1e-5)
+    return model, {"x": x, "s": skip}
+
+
+def test_skip_layer_norm_outputs(tmp_path):
+    model, feed = _skip_layer_norm(3)
+    _run_both(model, feed, tmp_path, atol=1e-5)
 
 
 def _quant_input(rng, name, shape, dtype=np.uint8):
@@ -436,18 +442,11 @@ def test_skip_layer_norm_in_a_torch_module(tmp_path):
     so the torch kernel checks them per call and keeps its kernel context: all four
     outputs as onnxruntime gives them."""
     torch = pytest.importorskip("torch")
-    rng = np.random.default_rng(4)
-    x, skip = (rng.standard_normal((2, 3, 8)).astype(np.float32) for _ in range(2))
-    inits = [helper.make_tensor(n, 1, [8], rng.standard_normal(8).tolist())
-             for n in ("g", "be", "bi")]
-    node = helper.make_node("SkipLayerNormalization", ["x", "s", "g", "be", "bi"],
-                            ["y", "mean", "inv", "sum"], domain="com.microsoft", epsilon=1e-5)
-    model = _one_op(node, [_vi("x", 1, x.shape), _vi("s", 1, skip.shape)],
-                    [_vi(n, 1, None) for n in ("y", "mean", "inv", "sum")], inits)
+    model, feed = _skip_layer_norm(4)
     expect = ort.InferenceSession(model.SerializeToString(),
-                                  providers=["CPUExecutionProvider"]).run(None, {"x": x, "s": skip})
+                                  providers=["CPUExecutionProvider"]).run(None, feed)
     module = kiln.to_torch(model)
-    got = module(torch.from_numpy(x), torch.from_numpy(skip))
+    got = module(torch.from_numpy(feed["x"]), torch.from_numpy(feed["s"]))
     assert len(got) == 4
     for g, e in zip(got, expect):
         np.testing.assert_allclose(g.detach().numpy().reshape(e.shape), e, atol=1e-5, rtol=1e-5)
