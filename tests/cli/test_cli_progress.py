@@ -9,6 +9,7 @@ the faster torch backend with the figure it measured.
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import time
@@ -103,8 +104,10 @@ def test_bench_on_numpy_points_to_torch_with_its_figure(tmp_path, vs):
     hint = [line for _, line in lines if line.startswith("kiln: hint:")]
     assert len(hint) == 1 and "--backend torch" in hint[0], lines
     if vs:  # the ratio bench printed is the one the hint quotes
+        # bench prints it to 3 places and the hint to 2: both round the same p50 ratio
         ratio = float(out.rsplit("= ", 1)[1].rstrip(")\n"))
-        assert f"took {ratio:.2f}x onnxruntime's time" in hint[0]
+        quoted = re.search(r"took ([0-9.]+)x onnxruntime's time", hint[0])
+        assert quoted and abs(float(quoted.group(1)) - ratio) <= 0.0051, (hint, out)
 
 
 def test_bench_on_torch_gives_no_hint(tmp_path):
