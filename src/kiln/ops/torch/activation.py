@@ -12,10 +12,10 @@ from kiln.ops.torch.arrays import (
     FLOATS,
     SIGNED,
     axis,
+    decided,
     gated,
+    known_shape,
 )
-
-NI = NotImplemented
 
 
 @kernel("Relu", 1, dtypes=SIGNED)  # faster than the generic kernel (no maximum(x, 0) + cast)
@@ -31,18 +31,39 @@ def leaky_relu(x, *, alpha=0.01):
 # faster than the generic kernel on a 1x32x112x112 NHWC activation with one slope per channel
 # (F.prelu is one pass; the generic max/min/multiply passes over an NHWC tensor broadcast
 # a (C, 1, 1) slope slowly); other slope shapes run the generic kernel
-@kernel("PRelu", 7, dtypes=FLOATS, same=True)
-def prelu(x, slope):
-    if slope.dim() > x.dim():
-        return NI  # ranks: the input's may be known only at run time
+@kernel("PRelu", 7, prepare=True)
+def prelu(site):
+    xs, ss = known_shape(site, 0), known_shape(site, 1)
+    fits = None if xs is None or ss is None else _prelu_fits(xs, ss)
+    run = decided(site, [fits], _prelu,
+                  lambda x, slope: _prelu_fits(tuple(x.shape), tuple(slope.shape)))
+    return run and gated(site, FLOATS, run, same=True)
+
+
+def _prelu(x, slope):
     if slope.numel() == 1:
         return F.prelu(x, slope.reshape(1))
-    shape = list(slope.shape)
+    return F.prelu(x, slope.reshape(-1))
+
+
+def _prelu_fits(xs: tuple, ss: tuple) -> bool | None:
+    """Whether F.prelu takes a slope of shape ``ss`` for an input of shape ``xs`` (one
+    slope, or one per channel: (C, 1, ...) broadcast from dim 1); None where a size known
+    only at run time decides."""
+    if len(ss) > len(xs):
+        return False
+    if not all(isinstance(d, int) for d in ss):
+        return None
+    if math.prod(ss) == 1:
+        return True
+    shape = list(ss)
     while shape and shape[0] == 1:
         shape.pop(0)
-    if x.dim() >= 2 and shape == [x.shape[1]] + [1] * (x.dim() - 2):
-        return F.prelu(x, slope.reshape(-1))
-    return NI  # a slope shape F.prelu lacks, against the input's run-time shape
+    if len(xs) < 2:
+        return False
+    if not isinstance(xs[1], int):
+        return None
+    return shape == [xs[1]] + [1] * (len(xs) - 2)
 
 
 @kernel("Elu", 6, dtypes=FLOATS)  # faster than the generic kernel (one fused op)

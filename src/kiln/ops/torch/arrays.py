@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import types
 import warnings
 
@@ -202,32 +203,126 @@ def known_ok(site, dtypes: tuple | None, same: bool = False) -> bool | None:
     return known is not None and all(o is not None for o in others)
 
 
-def gated(site, dtypes: tuple[torch.dtype, ...] | None, run, same: bool = False):
+def known_shape(site, i: int = 0) -> tuple | None:
+    """Input ``i``'s shape (ints, and names for dims known only at run time) where the plan
+    knows its rank before the run, else None (no input, an unknown rank, an initializer
+    a feed may replace, whose shape no one checks, or a kiln.train module, whose forward
+    takes the tensors it is given)."""
+    ins = site.node.inputs
+    if site.target.module or i >= len(ins) or ins[i] is None or \
+            ins[i].meta.get("overridable"):
+        return None
+    t = ins[i].type
+    return tuple(t.shape) if isinstance(t, TensorType) and t.shape is not None else None
+
+
+def known_rank(site, i: int = 0) -> int | None:
+    """Input ``i``'s rank where the plan knows it before the run, else None."""
+    shape = known_shape(site, i)
+    return None if shape is None else len(shape)
+
+
+def known_dim(site, i: int, d: int) -> int | None:
+    """Dim ``d`` (negative: from the end) of input ``i`` where the plan knows its size."""
+    shape = known_shape(site, i)
+    if shape is None or not -len(shape) <= d < len(shape):
+        return None
+    n = shape[d]
+    return n if isinstance(n, int) else None
+
+
+def one_element(site, i: int) -> bool | None:
+    """Whether optional input ``i`` is absent or holds one element, where the plan knows."""
+    if not site.has_input(i):
+        return True
+    shape = known_shape(site, i)
+    if shape is None or not all(isinstance(d, int) for d in shape):
+        return None
+    return math.prod(shape) == 1
+
+
+def nonempty(site, i: int = 0) -> bool | None:
+    """Whether input ``i`` holds elements, where the plan knows its sizes (a known 0 says
+    no; a size known only at run time leaves it open)."""
+    shape = known_shape(site, i)
+    if shape is None:
+        return None
+    if any(isinstance(d, int) and d == 0 for d in shape):
+        return False
+    return True if all(isinstance(d, int) for d in shape) else None
+
+
+def fact(known, test) -> bool | None:
+    """``test(known)`` for a fact the plan knows before the run (``known`` not None), else
+    None (known only at run time)."""
+    return None if known is None else bool(test(known))
+
+
+def dtype_in(site, i: int, dtypes: tuple[torch.dtype, ...]) -> bool | None:
+    """Whether input ``i``'s dtype is one of ``dtypes``, where the plan knows it (a type
+    torch lacks is in none of them)."""
+    return fact(known_dtype(site, i), lambda d: TORCH_OF.get(d) in dtypes)
+
+
+def decided(site, facts, run, check):
+    """``run`` for a node whose kernel computes only where each of ``facts`` holds (each
+    True, False, or None where known only at run time; see :func:`fact`): None (decline the
+    node when the session is made) when one is known false, ``run`` itself when all are
+    known true, else ``run`` behind ``check``, which takes the same arguments (the kernel
+    context left out) and says each call whether they hold (NotImplemented where not: the
+    next kernel runs the call)."""
+    facts = list(facts)
+    if False in facts:
+        return None
+    if None not in facts:
+        return run
+    # a fact known only at run time (a type, a rank, a size) is checked each call
+    if site.wants_ctx:
+        return lambda ctx, *a: run(ctx, *a) if check(*a) else NotImplemented
+    return lambda *a: run(*a) if check(*a) else NotImplemented
+
+
+def bound(fn, site):
+    """Plain kernel ``fn`` (inputs positional, attributes keyword-only) bound to the node's
+    attributes as the registry binds it; sets ``site.wants_ctx`` when it takes a context."""
+    run, site.wants_ctx = Kernel(fn).bind(site)
+    return run
+
+
+def gated(site, dtypes: tuple[torch.dtype, ...] | None, run, same: bool = False,
+          rank=None):
     """``run`` for a node whose first input's dtype is one of ``dtypes`` (None: any) and,
-    with ``same``, whose other inputs share it: None (decline the node) when a type the
-    plan knows rules it out, ``run`` itself when every type is known and allowed, else
-    ``run`` behind a check of the types each call (NotImplemented for another). A ``run``
-    that takes the kernel context first (``site.wants_ctx``) keeps it first."""
+    with ``same``, whose other inputs share it, and (``rank``, a test of an int) whose
+    first input's rank passes ``rank``: None (decline the node) when what the plan knows
+    rules it out, ``run`` itself when every type (and the rank) is known and allowed, else
+    ``run`` behind a check each call (NotImplemented for another). A ``run`` that takes the
+    kernel context first (``site.wants_ctx``) keeps it first."""
     ok = known_ok(site, dtypes, same)
-    if ok is None or ok:
-        return None if ok is None else run
+    ranked = True if rank is None else fact(known_rank(site), rank)
+    if ok is None or ranked is False:
+        return None
+    if ok and ranked:
+        return run
     allowed = None if dtypes is None else frozenset(dtypes)
 
     def allows(x, rest) -> bool:
         return (allowed is None or x.dtype in allowed) and \
-            (not same or all(t is None or t.dtype == x.dtype for t in rest))
+            (not same or all(t is None or t.dtype == x.dtype for t in rest)) and \
+            (rank is None or rank(x.dim()))
 
-    # a type the plan did not know (see known_ok) is handed on as NotImplemented
+    # a type (or rank) the plan did not know (see known_ok) is handed on as NotImplemented
     if site.wants_ctx:
         return lambda ctx, x, *rest: run(ctx, x, *rest) if allows(x, rest) else NotImplemented
     return lambda x, *rest: run(x, *rest) if allows(x, rest) else NotImplemented
 
 
-def typed(dtypes: tuple[torch.dtype, ...] | None, fn, same: bool = False, when=None):
+def typed(dtypes: tuple[torch.dtype, ...] | None, fn, same: bool = False, when=None,
+          rank=None):
     """The prepared kernel of plain kernel ``fn``, which computes only when its first
     input's dtype is one of ``dtypes`` (None: any) and, with ``same``, its other inputs
     have that dtype too, and only for nodes ``when(site)`` accepts (attributes it
-    covers; None: all). Where the plan knows those types, a node of others is declined
+    covers; None: all), and whose first input's rank passes ``rank`` (a test of an int;
+    None: any). Where the plan knows those types, a node of others is declined
     while the session is made (the plan picks the next kernel, and the placement report
     says so) and ``fn`` runs unchecked; only where a type is unknown before the run does
     each call check it and hand another type on (:func:`gated`)."""
@@ -238,7 +333,7 @@ def typed(dtypes: tuple[torch.dtype, ...] | None, fn, same: bool = False, when=N
         if when is not None and not when(site):
             return None
         run, site.wants_ctx = (fn, False) if plain is None else plain.bind(site)
-        return gated(site, dtypes, run, same)
+        return gated(site, dtypes, run, same, rank)
 
     prepare.__name__ = prepare.__qualname__ = fn.__name__
     prepare.__module__ = fn.__module__

@@ -6,12 +6,15 @@ import torch
 
 from kiln.ops.registry import KILN_DOMAIN
 from kiln.ops.torch import kernel
+from kiln.ops.torch.arrays import decided, known_dim, known_rank
 
-NI = NotImplemented
 
-
-@kernel("ChannelShuffle", 1, domain=KILN_DOMAIN)  # one op for three; NHWC stays NHWC
-def channel_shuffle(x, *, group=1):
-    if x.dim() < 3 or x.shape[1] % group:
-        return NI  # a shape read at run time that the groups do not divide
-    return torch.channel_shuffle(x, group)
+@kernel("ChannelShuffle", 1, domain=KILN_DOMAIN, prepare=True)  # one op for three; NHWC stays NHWC
+def channel_shuffle(site):
+    group = int(site.attr("group", 1))
+    # 3 dims or more, channels the groups divide (else the shared kernel's error)
+    rank, channels = known_rank(site), known_dim(site, 0, 1)
+    fits = False if rank is not None and rank < 3 else \
+        None if channels is None else channels % group == 0
+    return decided(site, [fits], lambda x: torch.channel_shuffle(x, group),
+                   lambda x: x.dim() >= 3 and x.shape[1] % group == 0)

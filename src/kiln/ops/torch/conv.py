@@ -23,10 +23,13 @@ from kiln.ops.torch.arrays import (
     FLOATS,
     PerShape,
     const_tensor,
+    decided,
+    fact,
     gated,
+    known_rank,
+    known_shape,
 )
 
-NI = NotImplemented
 _CONV = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}
 _MKLDNN = (
     torch.backends.mkldnn.is_available()
@@ -351,9 +354,6 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     one_thread_ok = tg.device.type == "cpu" and not tg.tracing
 
     def run(x, w, b=None, z=None):
-        n = x.dim() - 2
-        if n not in _CONV or w.dim() != n + 2 or ks and list(w.shape[2:]) != list(ks):
-            return NI  # ranks or weights known only at run time: the NumPy kernel's error
         if one_thread_ok and x.numel() * w.shape[0] * math.prod(
             w.shape[2:]
         ) < _SINGLE_MACS * group * math.prod(site.attr("strides") or [1]):
@@ -406,4 +406,27 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
         site.notes.append(f"computes in {low}")
     elif depthwise_fp32:
         site.notes.append("depthwise: computes in float32 (faster than a reduced type here)")
-    return gated(site, FLOATS, run, same=True)
+    facts, check = shapes_fit(site, _CONV, ks, weight_rank=True)
+    run = decided(site, facts, run, check)
+    return run and gated(site, FLOATS, run, same=True)
+
+
+def shapes_fit(site, ranks, ks, weight_rank: bool) -> tuple[list, Callable]:
+    """(facts, check) for :func:`kiln.ops.torch.arrays.decided`: a convolution's input
+    has 2 + n dims for an n in ``ranks``, its weights (input 1) as many with
+    ``weight_rank``, and their spatial shape is ``ks`` when given (fed weights); else the
+    NumPy kernel runs the node and says what is wrong."""
+    xr, ws = known_rank(site, 0), known_shape(site, 1)
+    facts = [fact(xr, lambda r: r - 2 in ranks)]
+    if weight_rank:
+        facts.append(None if xr is None or ws is None else len(ws) == xr)
+    if ks:
+        spatial = None if ws is None else ws[2:]
+        facts.append(None if spatial is None or not all(isinstance(d, int) for d in spatial)
+                     else list(spatial) == list(ks))
+
+    def check(x, w, *rest) -> bool:
+        n = x.dim() - 2
+        return n in ranks and (not weight_rank or w.dim() == n + 2) and \
+            not (ks and list(w.shape[2:]) != list(ks))
+    return facts, check

@@ -8,11 +8,11 @@ import torch.nn.functional as F
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
+    decided,
     gated,
 )
-from kiln.ops.torch.conv import torch_pad
+from kiln.ops.torch.conv import shapes_fit, torch_pad
 
-NI = NotImplemented
 _CONVT = {1: F.conv_transpose1d, 2: F.conv_transpose2d, 3: F.conv_transpose3d}
 
 
@@ -26,8 +26,6 @@ def conv_transpose(site):
 
     def run(x, w, b=None):
         n = x.dim() - 2
-        if n not in _CONVT or ks and list(w.shape[2:]) != list(ks):
-            return NI  # ranks or weights known only at run time: the NumPy kernel's error
         strides = list(site.attr("strides") or [1] * n)
         dil = list(site.attr("dilations") or [1] * n)
         outpad = list(site.attr("output_padding") or [0] * n)
@@ -61,4 +59,6 @@ def conv_transpose(site):
             y = y + b.reshape((1, -1) + (1,) * n)
         return y if y.dtype == dt else y.to(dt)
 
-    return gated(site, FLOATS, run, same=True)
+    facts, check = shapes_fit(site, _CONVT, ks, weight_rank=False)
+    run = decided(site, facts, run, check)
+    return run and gated(site, FLOATS, run, same=True)

@@ -1,7 +1,8 @@
 """Torch kernels for elementwise math (arithmetic, unary functions, Clip).
 
-They cover the dtypes where torch matches ONNX exactly and return NotImplemented for the
-rest (integer Div, say), which then run on the generic or NumPy kernel.
+They cover the dtypes where torch matches ONNX exactly and decline the rest (integer Div,
+say) when the session is made, which then run on the generic or NumPy kernel; a type the
+plan does not know before the run is checked each call.
 """
 
 from __future__ import annotations
@@ -13,11 +14,9 @@ import torch
 import torch.nn.functional as F
 
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import FLOATS, SIGNED, gated
+from kiln.ops.torch.arrays import FLOATS, SIGNED, decided, gated
 
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
-
-NI = NotImplemented
 
 
 # -- arithmetic ---------------------------------------------------------------------------
@@ -27,9 +26,16 @@ def mod(site):
     fmod = int(site.attr("fmod", 0))
 
     def run(a, b):
-        if not a.dtype.is_floating_point and (b == 0).any():
-            return NI  # a zero divisor, read at run time: the NumPy kernel's result
         return torch.fmod(a, b) if fmod else torch.remainder(a, b)
+
+    # an integer zero divisor: the NumPy kernel's result (torch raises); a constant one is
+    # settled now, a fed one read each call
+    bc = site.const(1)
+    if bc is None:
+        run = decided(site, [None], run,
+                      lambda a, b: a.dtype.is_floating_point or not bool((b == 0).any()))
+    elif bc.dtype.kind in "iub" and not bc.all():
+        return None
     # floats without fmod: Python's sign rule, which torch.remainder rounds differently
     return gated(site, SIGNED + (torch.uint8,) if fmod else _INTS, run, same=True)
 
@@ -85,13 +91,17 @@ def _bounds(lo, hi) -> tuple[float, float] | None:
     return (lo, hi) if lo <= hi else None
 
 
+_FED = object()
+"""A Clip bound read each call (a feed, or not a scalar)."""
+
+
 def _bound(site, i: int):
-    """Input ``i`` of a Clip as a float, None when absent, ``NotImplemented`` when a feed or
-    a non-scalar."""
+    """Input ``i`` of a Clip as a float, None when absent, ``_FED`` when a feed or a
+    non-scalar (read when the session is made: no run-time hand-off)."""
     if not site.has_input(i):
         return None
     c = site.const(i)
-    return float(c) if c is not None and np.ndim(c) == 0 else NotImplemented
+    return float(c) if c is not None and np.ndim(c) == 0 else _FED
 
 
 @kernel("Clip", 11, prepare=True)  # faster than the generic kernel (one clamp, no casts)
@@ -101,7 +111,7 @@ def clip(site):
     0-d literals among them): torch.clamp, the same function with one backward kernel
     (its gradient is 1 at the bounds themselves)."""
     lo, hi = _bound(site, 1), _bound(site, 2)
-    fixed = _bounds(lo, hi) if NotImplemented not in (lo, hi) else None
+    fixed = _bounds(lo, hi) if _FED not in (lo, hi) else None
 
     def run(x, lo=None, hi=None):
         if fixed is not None and x.dtype in FLOATS:

@@ -17,7 +17,7 @@ from kiln.ops.fused import ACTIVATIONS, activation
 from kiln.ops.registry import KILN_DOMAIN, Site
 from kiln.ops.torch import kernel
 from kiln.ops.torch.activation import gelu
-from kiln.ops.torch.arrays import FLOATS, gated
+from kiln.ops.torch.arrays import FLOATS, decided, fact, gated, known_dim
 from kiln.ops.torch.conv import conv_kernel, linear
 from kiln.ops.torch.linalg import gemm as _gemm_builder
 from kiln.ops.torch.linalg import matmul as _matmul_builder
@@ -210,10 +210,15 @@ def layer_norm(x, scale=None, bias=None, *, axis=-1, epsilon=1e-5):
 kernel("RMSNorm", 1, domain=KILN_DOMAIN, **RMS_TYPES)(rms_norm)
 
 
-@kernel("RoPE", 1, domain=KILN_DOMAIN, dtypes=FLOATS, same=True)  # the shared kernel is NumPy's
-def rope(x, cos, sin):
-    if x.shape[-1] % 2:
-        return NI  # an odd last dimension, known only at run time: the NumPy kernel's error
+@kernel("RoPE", 1, domain=KILN_DOMAIN, prepare=True)  # the shared kernel is NumPy's
+def rope(site):
+    # an even last dim (an odd one is the NumPy kernel's error)
+    run = decided(site, [fact(known_dim(site, 0, -1), lambda d: d % 2 == 0)], _rope,
+                  lambda x, cos, sin: x.shape[-1] % 2 == 0)
+    return run and gated(site, FLOATS, run, same=True)
+
+
+def _rope(x, cos, sin):
     x1, x2 = x.chunk(2, -1)
     return torch.addcmul(x * cos, torch.cat((-x2, x1), -1), sin)
 

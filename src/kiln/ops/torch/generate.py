@@ -133,12 +133,18 @@ def dropout(site):
         return y, keep.to(x.dtype) if input_typed_mask else keep
 
     if site.opset >= 12:
+        tm = site.const(2)
+        # a graph asking for training-mode dropout (outside a module): the NumPy kernel's
+        # seeded masks; only a training_mode fed at run time is read each call
+        if not tg.module and tm is not None and tm.size and bool(tm.reshape(-1)[0]):
+            return None
+        fed = not tg.module and site.has_input(2) and tm is None
 
         def run12(x, ratio=None, training_mode=None):
             if tg.mode.training:
                 return drop(x, 0.5 if ratio is None else floats(ratio)[0])
-            if not tg.module and training_mode is not None and bool(training_mode.reshape(-1)[0]):
-                return NI  # asked for by the graph: the NumPy kernel's seeded masks
+            if fed and bool(training_mode.reshape(-1)[0]):
+                return NI  # a fed training_mode asks for it: the NumPy kernel's masks
             return (x, ones(x)) if masked else (x,) + unread if unread else x
 
         return run12

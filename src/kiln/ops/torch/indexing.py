@@ -6,18 +6,22 @@ import math
 
 import torch
 
-from kiln.ir import DType
 from kiln.ops._array import axis as norm_axis
 from kiln.ops.indexing import in_range
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
+    decided,
+    dtype_in,
     ints,
-    known_dtype,
+    known_dim,
+    known_rank,
 )
 
-NI = NotImplemented
 _INTS = (torch.int8, torch.int16, torch.int32, torch.int64, torch.uint8)
+
+
+_INDEX = (torch.int32, torch.int64)
 
 
 @kernel("Gather", 1, prepare=True)  # faster than the generic kernel (index_select)
@@ -30,27 +34,26 @@ def gather(site):
         # ONNX says; the general path below is four torch calls.
         k = int(k)
         return lambda x, indices: x.select(axis, k)
-    if axis == 0:
-        return _take_rows
-    return lambda x, indices: _gather(x, indices, axis)
+    # other index types (and a node whose indices' type is unknown: checked each call)
+    # take the shared kernel
+    ok = dtype_in(site, 1, _INDEX)
+    if axis == 0 and known_rank(site, 1) != 0:
+        run = _take_rows
+    else:
+        run = lambda x, indices: _gather(x, indices, axis)  # noqa: E731
+    return decided(site, [ok], run, lambda x, indices: indices.dtype in _INDEX)
 
 
 def _take_rows(x, indices):
     """Gather on axis 0 (embedding lookups) as one indexing, which counts negative indices
     from the end and raises out of range as ONNX says: half the time for 16 rows of a
     BERT table (on other axes it is slower than index_select)."""
-    if (
-        indices.dim() == 0
-        or indices.dtype not in (torch.int32, torch.int64)
-        or indices.device != x.device
-    ):
-        return _gather(x, indices, 0)
+    if indices.dim() == 0 or indices.device != x.device:
+        return _gather(x, indices, 0)  # x[0-d tensor] would read it on the host
     return x[indices]
 
 
 def _gather(x, indices, axis: int):
-    if indices.dtype not in (torch.int32, torch.int64):
-        return NI
     a = norm_axis(axis, x.dim())
     if indices.device != x.device:
         indices = indices.to(x.device)
@@ -64,19 +67,20 @@ def _gather(x, indices, axis: int):
 
 # traceable: the generic kernel's range check reads a value on the host, which stops
 # torch.compile
-def _int_indices(site) -> bool:
-    """Whether the indices (input 1) may be int32/int64: unknown, or known to be."""
-    return known_dtype(site, 1) in (None, DType.INT32, DType.INT64)
+@kernel("GatherElements", 11, prepare=True)
+def gather_elements(site):
+    axis = int(site.attr("axis", 0))
 
+    def run(data, indices):
+        if indices.device != data.device:
+            indices = indices.to(data.device)  # indices fed on another device
+        a = norm_axis(axis, data.dim())
+        # torch.gather raises on an index outside [0, n): so does ONNX after the wrap
+        idx = torch.where(indices < 0, indices + data.shape[a], indices)
+        return torch.gather(data, a, idx if idx.dtype == torch.int64 else idx.long())
 
-@kernel("GatherElements", 11, when=lambda site: _int_indices(site))
-def gather_elements(data, indices, *, axis=0):
-    if indices.dtype not in (torch.int32, torch.int64) or indices.device != data.device:
-        return NI  # a type the plan did not know, or indices fed on another device
-    a = norm_axis(axis, data.dim())
-    # torch.gather raises on an index outside [0, n): so does ONNX after the wrap
-    idx = torch.where(indices < 0, indices + data.shape[a], indices)
-    return torch.gather(data, a, idx if idx.dtype == torch.int64 else idx.long())
+    return decided(site, [dtype_in(site, 1, _INDEX)], run,
+                   lambda data, indices: indices.dtype in _INDEX)
 
 
 def _in_range(idx, n: int):
@@ -92,14 +96,20 @@ def _in_range(idx, n: int):
     return in_range(torch, idx, n)
 
 
-@kernel("GatherND", 11, when=lambda site: _int_indices(site))
-def gather_nd(data, indices, *, batch_dims=0):
-    if indices.dtype not in (torch.int32, torch.int64):
-        return NI  # a type the plan did not know
-    b = batch_dims
+@kernel("GatherND", 11, prepare=True)
+def gather_nd(site):
+    b = int(site.attr("batch_dims", 0))
+    depth, rank = known_dim(site, 1, -1), known_rank(site, 0)
+    # the index depth and ranks: past the data's rank is the shared kernel's error
+    fits = None if depth is None or rank is None else b + depth <= rank
+    return decided(site, [dtype_in(site, 1, _INDEX), fits],
+                   lambda data, indices: _gather_nd(data, indices, b),
+                   lambda data, indices: indices.dtype in _INDEX
+                   and b + indices.shape[-1] <= data.dim())
+
+
+def _gather_nd(data, indices, b: int):
     k = indices.shape[-1]
-    if b + k > data.dim():
-        return NI  # ranks and the index depth, read at run time: the NumPy kernel's error
     bshape = tuple(data.shape[:b])
     nb = math.prod(bshape)
     d = data.reshape((nb,) + tuple(data.shape[b:]))

@@ -11,11 +11,15 @@ from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
     const_tensor,
+    decided,
+    dtype_in,
+    fact,
     gated,
+    known_rank,
+    one_element,
 )
 from kiln.ops.torch.conv import linear
 
-NI = NotImplemented
 _EIGHT = (torch.uint8, torch.int8)
 
 
@@ -105,8 +109,6 @@ def gemm(site):
             w = w.to(low)
 
     def run(a, b, c=None):
-        if a.dim() != 2 or b.dim() != 2:
-            return NI  # ranks known only at run time: the NumPy kernel's error
         if lin is not None:
             bias = None if c is None or beta == 0.0 else c if beta == 1.0 else c * beta
             if bias is None or (bias.dim() == 1 and bias.shape[0] == wc.shape[0 if tb else 1]):
@@ -135,7 +137,11 @@ def gemm(site):
 
     if low is not None:
         site.notes.append(f"computes in {low}")
-    return gated(site, FLOATS, run, same=True)
+    # 2-D A and B (else the NumPy kernel's error)
+    b_rank = fact(known_rank(site, 1), lambda r: r == 2)
+    if b_rank is not True:
+        run = decided(site, [b_rank], run, lambda a, b, c=None: b.dim() == 2)
+    return run and gated(site, FLOATS, run, same=True, rank=lambda r: r == 2)
 
 
 @kernel("Einsum", 12, prepare=True)
@@ -170,8 +176,6 @@ def matmul_integer(site):
     ]
 
     def run(a, b_, a_zero_point=None, b_zero_point=None):
-        if a.dtype not in _EIGHT or a_zero_point is not None and a_zero_point.numel() != 1:
-            return NI
         x = a.to(torch.float32)  # |a - a_zero_point| <= 255
         if a_zero_point is not None:
             x -= a_zero_point.reshape(()).to(torch.float32)
@@ -183,4 +187,8 @@ def matmul_integer(site):
             acc = part if acc is None else acc.add_(part)
         return acc.to(torch.int32)
 
-    return run
+    # 8-bit A with one zero point (a per-row one takes the shared kernel)
+    return decided(site, [dtype_in(site, 0, _EIGHT), one_element(site, 2)], run,
+                   lambda a, b_, a_zero_point=None, b_zero_point=None: a.dtype in _EIGHT
+                   and (a_zero_point is None or a_zero_point.numel() == 1))
+

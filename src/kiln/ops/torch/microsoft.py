@@ -12,10 +12,15 @@ import torch.nn.functional as F
 
 from kiln.ops.microsoft import MS_DOMAIN, fused_matmul_perm, key_mask, no_past, qkv_sizes
 from kiln.ops.torch import activation, kernel
-from kiln.ops.torch.arrays import FLOATS
-
-NI = NotImplemented
-
+from kiln.ops.torch.arrays import (
+    FLOATS,
+    bound,
+    decided,
+    dtype_in,
+    fact,
+    known_dim,
+    known_rank,
+)
 
 # onnxruntime's Gelu is ONNX's (20) with the default (erf) form: the same kernel
 kernel("Gelu", 1, domain=MS_DOMAIN, dtypes=FLOATS)(activation.gelu)
@@ -51,11 +56,15 @@ def skip_layer_norm(ctx, x, skip, gamma, beta=None, bias=None, *, epsilon=1e-12)
     return (y, mean, inv, s)[:ctx.num_outputs]
 
 
-@kernel("EmbedLayerNormalization", 1, domain=MS_DOMAIN)
-def embed_layer_norm(ctx, input_ids, segment_ids, word, position, segment, gamma, beta,
-                     mask=None, position_ids=None, *, epsilon=1e-12, mask_index_type=1):
-    if word.dtype not in FLOATS:
-        return NI
+@kernel("EmbedLayerNormalization", 1, domain=MS_DOMAIN, prepare=True)
+def embed_layer_norm(site):
+    # float tables (input 2); other types take the reference kernel
+    return decided(site, [dtype_in(site, 2, FLOATS)], bound(_embed_layer_norm, site),
+                   lambda ids, segment_ids, word, *rest: word.dtype in FLOATS)
+
+
+def _embed_layer_norm(ctx, input_ids, segment_ids, word, position, segment, gamma, beta,
+                      mask=None, position_ids=None, *, epsilon=1e-12, mask_index_type=1):
     s = word[input_ids.long()]
     if position_ids is None:
         s = s + position[: input_ids.shape[1]].unsqueeze(0)
@@ -105,16 +114,29 @@ def attention(x, weights, bias=None, mask_index=None, past=None, attention_bias=
                    mask_filter_value)
 
 
-@kernel("MultiHeadAttention", 1, domain=MS_DOMAIN)
-def multi_head_attention(query, key=None, value=None, bias=None, key_padding_mask=None,
-                         attention_bias=None, past_key=None, past_value=None,
-                         past_sequence_length=None, cache_indirection=None, *,
-                         num_heads=None, scale=None, unidirectional=0,
-                         mask_filter_value=-10000.0):
-    if query.dtype not in FLOATS or key is None or value is None or query.dim() != 3 \
-            or key.dim() != 3 or past_key is not None \
-            or unidirectional and query.shape[1] != key.shape[1]:
-        return NI  # the reference kernel runs it, or says what is unsupported
+@kernel("MultiHeadAttention", 1, domain=MS_DOMAIN, prepare=True)
+def multi_head_attention(site):
+    # Separate 3-D query, key and value of a float type, no past state and, one-way, as
+    # many keys as queries; the reference kernel runs the rest (or says what it lacks).
+    # What the plan knows is settled now; what it does not is checked each call.
+    uni = bool(site.attr("unidirectional", 0))
+    q_len, k_len = known_dim(site, 0, 1), known_dim(site, 1, 1)
+    facts = [dtype_in(site, 0, FLOATS), site.has_input(1) and site.has_input(2),
+             not site.has_input(6), fact(known_rank(site, 0), lambda r: r == 3),
+             fact(known_rank(site, 1), lambda r: r == 3),
+             True if not uni else None if None in (q_len, k_len) else q_len == k_len]
+
+    def check(query, key=None, value=None, *rest):
+        return query.dtype in FLOATS and query.dim() == 3 and key.dim() == 3 and \
+            (not uni or query.shape[1] == key.shape[1])
+    return decided(site, facts, bound(_multi_head_attention, site), check)
+
+
+def _multi_head_attention(query, key=None, value=None, bias=None, key_padding_mask=None,
+                          attention_bias=None, past_key=None, past_value=None,
+                          past_sequence_length=None, cache_indirection=None, *,
+                          num_heads=None, scale=None, unidirectional=0,
+                          mask_filter_value=-10000.0):
     if bias is not None:
         query, key, value = (t + c for t, c in zip(
             (query, key, value), bias.split([query.shape[-1], key.shape[-1],

@@ -10,7 +10,10 @@ from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
     axis,
+    decided,
+    fact,
     gated,
+    known_rank,
     output_read,
 )
 
@@ -43,8 +46,6 @@ def batch_norm(site):
     n_out = site.num_outputs
 
     def run(x, scale, bias, mean, var):
-        if x.dim() < 2 or any(t.dim() != 1 for t in (scale, bias, mean, var)):
-            return NI  # ranks known only at run time: the NumPy kernel's error
         if tg.mode.training:  # batch statistics; updates mean and var (module buffers) in place
             y = F.batch_norm(x, mean, var, scale, bias, True, momentum, eps)
         else:
@@ -56,13 +57,19 @@ def batch_norm(site):
             return y, mean.detach().clone(), var.detach().clone()
         return y if n_out == 1 else (y,) + (None,) * (n_out - 1)
 
-    return gated(site, FLOATS, run, same=not tg.module)
+    # an input of 2 dims or more and 1-D parameters (else the NumPy kernel's error)
+    params = [fact(known_rank(site, i), lambda r: r == 1) for i in range(1, 5)]
+    if False in params:
+        return None
+    if None in params:
+        run = decided(site, [None], run,
+                      lambda x, *ps: all(t.dim() == 1 for t in ps))
+    return gated(site, FLOATS, run, same=not tg.module, rank=lambda r: r >= 2)
 
 
-@kernel("InstanceNormalization", 6, dtypes=FLOATS, same=True)
+# (a rank under 3: the NumPy kernel's error)
+@kernel("InstanceNormalization", 6, dtypes=FLOATS, same=True, rank=lambda r: r >= 3)
 def instance_norm(x, scale, bias, *, epsilon=1e-5):
-    if x.dim() < 3:
-        return NI  # the input's rank may be known only at run time: the NumPy kernel's error
     return F.instance_norm(x, weight=scale, bias=bias, eps=epsilon)
 
 
@@ -122,11 +129,10 @@ def lrn(site):
     bias = float(site.attr("bias", 1.0))
 
     def run(x):
-        if x.dim() < 3:
-            return NI  # a rank known only at run time: the NumPy kernel's error
         return F.local_response_norm(x, size, alpha, beta, bias)
 
-    return gated(site, FLOATS, run)
+    # (a rank under 3: the NumPy kernel's error)
+    return gated(site, FLOATS, run, rank=lambda r: r >= 3)
 
 
 @kernel("RMSNormalization", 23, **RMS_TYPES)  # the generic kernel is NumPy's

@@ -7,14 +7,18 @@ import math
 import torch
 import torch.nn.functional as F
 
-from kiln.ops.conv import out_size
+from kiln.ops.conv import conv_pads, out_size
 from kiln.ops.torch import kernel
 from kiln.ops.torch.arrays import (
     FLOATS,
     as_uint8,
+    decided,
+    dtype_in,
     from_uint8,
     gated,
     integers,
+    known_rank,
+    known_shape,
     quantized,
 )
 from kiln.ops.torch.conv import torch_pad, window
@@ -28,6 +32,22 @@ _MAXPOOL = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}
 # -- pooling ------------------------------------------------------------------------------
 
 
+def _known_pads(site, ks: list[int]) -> tuple[list[int], list[int]] | None:
+    """A pool's (begins, ends) where the plan knows them before the run: explicit pads
+    or VALID, or SAME_* on spatial sizes it knows; else None."""
+    n = len(ks)
+    auto = site.attr("auto_pad", "NOTSET")
+    auto = auto.decode() if isinstance(auto, bytes) else auto
+    spatial: list = [0] * n  # (explicit pads do not depend on it)
+    if auto in ("SAME_UPPER", "SAME_LOWER"):
+        shape = known_shape(site)
+        spatial = [] if shape is None else list(shape[2:])
+        if len(spatial) != n or not all(isinstance(d, int) for d in spatial):
+            return None
+    return conv_pads(spatial, ks, list(site.attr("strides") or [1] * n),
+                     list(site.attr("dilations") or [1] * n), auto, site.attr("pads"))
+
+
 @kernel("MaxPool", 1, prepare=True)
 def max_pool(site):
     want_idx = site.output_used(1)
@@ -39,13 +59,14 @@ def max_pool(site):
     # A kiln.to_torch module follows the PyTorch module it stands for (torch's NaN rule, no
     # host sync per call); the NumPy kernel would cut the gradient there anyway
     nan_check = not site.target.module
+    pads = _known_pads(site, ks)
+    if want_idx and pads is not None and not _symmetric(ks, site.attr("dilations"), *pads):
+        return None  # indices of a padded copy: the NumPy kernel
 
     def run(x):
         n = x.dim() - 2
         if x.dtype in _EIGHT:  # (declined where indices are asked for)
-            return _max_pool_8bit(site, x, ks, ceil) if n == 2 else NI  # rank: run time
-        if n not in _MAXPOOL:
-            return NI  # a rank known only at run time: the NumPy kernel's error
+            return _max_pool_8bit(site, x, ks, ceil)
         if cl and n == 2 and not want_idx:
             # torch's NCHW max-pool is much slower than its NHWC one on the CPU: the
             # copy costs far less (indices, when asked for, are NCHW positions)
@@ -63,12 +84,9 @@ def max_pool(site):
             y = _max_pool_separable(x, ks, strides, dil, begins, want)
             if y is not None:
                 return NI if nan_check and _nan_in(y) else y  # a NaN: see below
-        sym = begins == ends and all(
-            b <= ((k - 1) * d + 1) // 2 for b, k, d in zip(begins, ks, dil)
-        )
-        if not sym:
+        if not _symmetric(ks, dil, begins, ends):
             if want_idx:
-                return NI  # indices of a padded copy: padding resolved at run time
+                return NI  # indices of a padded copy: SAME_* pads of a run-time shape
             x = F.pad(x, torch_pad(begins, ends), value=-math.inf)
             begins = [0] * n
         r = _MAXPOOL[n](x, ks, strides, begins, dil, ceil_mode=ceil, return_indices=want_idx)
@@ -87,7 +105,28 @@ def max_pool(site):
         )
         return y, r[1] + nc * plane
 
-    return gated(site, FLOATS if want_idx else FLOATS + _EIGHT, run)
+    # 8-bit activations: 2-D pools on the CPU, without indices (torch's quantized pool)
+    eight = not want_idx and site.target.device.type == "cpu"
+    r, is_eight = known_rank(site), dtype_in(site, 0, _EIGHT)
+    even = pads is not None and pads[0] == pads[1]
+    if eight and is_eight and pads is not None and not even:
+        eight = False  # uneven padding: the shared kernel (as for another rank)
+    if not eight or is_eight is False or r == 4 and even:
+        eight_fits = True
+    else:  # another rank is declined where the input is known to be 8-bit
+        eight_fits = False if is_eight and r is not None and r != 4 else None
+    run = decided(site, [eight_fits], run, lambda x: x.dtype not in _EIGHT or x.dim() == 4)
+    # (a rank torch's pools lack: the NumPy kernel's error)
+    return run and gated(site, FLOATS + _EIGHT if eight else FLOATS, run,
+                         rank=lambda r: r - 2 in _MAXPOOL)
+
+
+def _symmetric(ks, dil, begins, ends) -> bool:
+    """Whether torch's max-pool takes these pads as they are (even, at most half a
+    window)."""
+    dil = dil or [1] * len(ks)
+    return begins == ends and all(b <= ((k - 1) * d + 1) // 2
+                                  for b, k, d in zip(begins, ks, dil))
 
 
 def _nan_in(y) -> bool:
@@ -106,11 +145,9 @@ def _max_pool_8bit(site, x, ks, ceil: bool):
     """A 2-D max-pool of a quantized model's 8-bit activations (fuse_quant moves pools
     there) as torch's quantized NHWC pool, faster than its uint8 NCHW pool and than the
     float32 one it replaces."""
-    if x.device.type != "cpu":
-        return NI  # torch's quantized pool runs on the CPU only
     strides, dil, begins, ends = window(site, x, ks)
     if begins != ends:
-        return NI  # uneven padding (auto_pad SAME_* resolves against the run-time shape)
+        return NI  # uneven SAME_* padding of a run-time shape (a known one is declined)
     q = quantized(as_uint8(x).contiguous(memory_format=torch.channels_last), 1.0, 0)
     y = integers(F.max_pool2d(q, ks, strides, begins, dil, ceil_mode=ceil))
     want = [out_size(*g, ceil) for g in zip(x.shape[2:], ks, strides, dil, begins, ends)]
@@ -166,18 +203,19 @@ def average_pool(site):
         return None  # torch divides hanging-off windows differently
     if any(d != 1 for d in site.attr("dilations") or ()):
         return None  # torch's average pool has no dilation
+    pads = _known_pads(site, ks)
+    if pads is not None and _padded_first(ks, *pads) and _no_pad_first(ceil, ks, *pads):
+        return None  # padding torch cannot take, and too much to pad first
 
     def run(x):
         n = x.dim() - 2
-        if n not in _AVGPOOL:
-            return NI  # a rank known only at run time: the NumPy kernel's error
         strides, dil, begins, ends = window(site, x, ks)
-        if begins != ends or any(b > k // 2 for b, k in zip(begins, ks)):
+        if _padded_first(ks, begins, ends):
             # padding torch's pooling cannot take (uneven, or over half the window), as
             # Inception v1's last pool has: pad first, and without count_include_pad
             # divide by how much of each window lies inside the input
-            if ceil or any(p >= k for p, k in zip(begins + ends, ks * 2)):
-                return NI  # padding resolved against the run-time shape that torch lacks
+            if _no_pad_first(ceil, ks, begins, ends):
+                return NI  # SAME_* pads of a run-time shape (known ones are declined)
             pad = torch_pad(begins, ends)
             y = _AVGPOOL[n](F.pad(x, pad), ks, strides)
             if not include:
@@ -188,7 +226,20 @@ def average_pool(site):
         y = _AVGPOOL[n](x, ks, strides, begins, ceil_mode=ceil, count_include_pad=include)
         return y if list(y.shape[2:]) == want else NI  # torch's ceil-mode size differs here
 
-    return gated(site, FLOATS, run)
+    # (a rank torch's pools lack: the NumPy kernel's error)
+    return gated(site, FLOATS, run, rank=lambda r: r - 2 in _AVGPOOL)
+
+
+def _padded_first(ks, begins, ends) -> bool:
+    """Whether torch's average pool cannot take these pads (uneven, or over half the
+    window): the input is padded first."""
+    return begins != ends or any(b > k // 2 for b, k in zip(begins, ks))
+
+
+def _no_pad_first(ceil: bool, ks, begins, ends) -> bool:
+    """Whether padding first does not give ONNX's average either (ceil mode, or a pad as
+    wide as the window)."""
+    return ceil or any(p >= k for p, k in zip(begins + ends, ks * 2))
 
 
 @kernel("GlobalAveragePool", 1, dtypes=FLOATS)

@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kiln.ops.registry import Kernel
+from kiln.ir import DType
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import gated
+from kiln.ops.torch.arrays import decided, dtype_in, fact, gated, known_dtype, one_element
 
-NI = NotImplemented
 _EIGHT = (torch.uint8, torch.int8)
+_EIGHT_TYPES = (DType.UINT8, DType.INT8)
 
 
 def first_item(c) -> float | int | None:
@@ -28,13 +28,8 @@ def _per_tensor(*params) -> bool:
     return all(p is None or p.numel() == 1 for p in params)
 
 
-def _quantize(x, y_scale, y_zero_point=None, *, axis=1, block_size=0, output_dtype=0,
-              precision=0, saturate=1):
-    out = y_zero_point.dtype if y_zero_point is not None else (
-        torch.uint8 if not output_dtype else None)
-    if out not in _EIGHT or block_size or precision or x.dtype != torch.float32 or \
-            y_scale.dtype != torch.float32 or not _per_tensor(y_scale, y_zero_point):
-        return NI
+def _quantize(x, y_scale, y_zero_point=None):
+    out = y_zero_point.dtype if y_zero_point is not None else torch.uint8
     lo, hi = (0, 255) if out == torch.uint8 else (-128, 127)
     v = torch.round(x / y_scale.reshape(()))
     if y_zero_point is not None:
@@ -42,14 +37,29 @@ def _quantize(x, y_scale, y_zero_point=None, *, axis=1, block_size=0, output_dty
     return v.clamp_(lo, hi).to(out)
 
 
-def _dequantize(x, x_scale, x_zero_point=None, *, axis=1, block_size=0, output_dtype=0):
-    if x.dtype not in _EIGHT or block_size or output_dtype or \
-            x_scale.dtype != torch.float32 or not _per_tensor(x_scale, x_zero_point):
-        return NI
+def _dequantize(x, x_scale, x_zero_point=None):
     v = x.to(torch.float32)
     if x_zero_point is not None:
         v -= x_zero_point.reshape(()).to(torch.float32)
     return v.mul_(x_scale.reshape(()))
+
+
+_F32 = (torch.float32,)
+
+
+def _general(site, fn, x_types: tuple, out: bool | None, attrs: tuple[str, ...]):
+    """``fn``, the per-tensor Q (``x_types`` float32) or DQ (8-bit) on a grid read each
+    call, for the nodes it computes: ``out`` whether the zero point (input 2), or the
+    type it implies, is 8-bit; none of ``attrs`` set; a float32 scale and one-element
+    scale and zero point. What the plan knows of those is settled when the session is
+    made (the shared kernel takes what this one lacks); the rest is checked each call."""
+    facts = [out, not any(site.attr(a, 0) for a in attrs), dtype_in(site, 0, x_types),
+             dtype_in(site, 1, _F32), one_element(site, 1), one_element(site, 2)]
+
+    def check(x, scale, zero_point=None):
+        return x.dtype in x_types and scale.dtype == torch.float32 and \
+            (zero_point is None or zero_point.dtype in _EIGHT) and _per_tensor(scale, zero_point)
+    return decided(site, facts, fn, check)
 
 
 def _as_float(x: torch.Tensor) -> torch.Tensor:
@@ -89,11 +99,6 @@ def const_grid(site) -> tuple[torch.Tensor, float, np.dtype] | None:
     return (torch.tensor(float(s.reshape(-1)[0]), device=dev), float(first_item(z) or 0), zdt)
 
 
-# A grid that is not one constant takes the general kernels, bound to the node's attributes
-# as the registry binds any plain kernel.
-_QUANTIZE, _DEQUANTIZE = Kernel(_quantize), Kernel(_dequantize)
-
-
 # A constant grid is read once, when the node is prepared, which roughly halves a small Q
 # or DQ (BERT's INT8 file has 108 of them). The ops are the general path's, so results are
 # the same bit for bit.
@@ -104,7 +109,11 @@ def quantize_linear(site):
     out_attr = site.attr("output_dtype", 0)
     if grid is None or site.attr("block_size", 0) or site.attr("precision", 0) or \
             (not site.has_input(2) and out_attr) or grid[2] not in (np.uint8, np.int8):
-        return _QUANTIZE.bind(site)[0]
+        # a grid that is not one constant: the general kernel (without a zero point, an
+        # output type asked for is not 8-bit here: torch lacks the others)
+        out = fact(known_dtype(site, 2), lambda d: d in _EIGHT_TYPES) if site.has_input(2) \
+            else not out_attr
+        return _general(site, _quantize, _F32, out, ("block_size", "precision"))
     scale, zp, zdt = grid
     out = torch.uint8 if zdt == np.uint8 else torch.int8
     lo, hi = (0, 255) if out == torch.uint8 else (-128, 127)
@@ -118,7 +127,9 @@ def quantize_linear(site):
 def dequantize_linear(site):
     grid = const_grid(site)
     if grid is None or site.attr("block_size", 0) or site.attr("output_dtype", 0):
-        return _DEQUANTIZE.bind(site)[0]
+        out = fact(known_dtype(site, 2), lambda d: d in _EIGHT_TYPES) if site.has_input(2) \
+            else True
+        return _general(site, _dequantize, _EIGHT, out, ("block_size", "output_dtype"))
     scale, zp, _ = grid
 
     def run(x, *rest):

@@ -26,10 +26,20 @@ import torch.nn.functional as F
 from kiln.ops.quant_fused import activation_bounds
 from kiln.ops.registry import KILN_DOMAIN
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import PerShape, as_uint8, from_uint8, gated, integers, quantized
+from kiln.ops.torch.arrays import (
+    PerShape,
+    as_uint8,
+    decided,
+    dtype_in,
+    from_uint8,
+    gated,
+    integers,
+    known_rank,
+    known_shape,
+    quantized,
+)
 from kiln.ops.torch.quant import const_grid, first_item
 
-NI = NotImplemented
 _EIGHT = (torch.uint8, torch.int8)
 
 
@@ -180,6 +190,15 @@ def _float_layer(site, weight_axis: int, compute):
     return gated(site, _EIGHT, run)
 
 
+def _eight_bit(site, run, rank: int = 0):
+    """``run`` for a layer whose input (input 0) is uint8 or int8 and has at least ``rank``
+    dims: where the plan knows otherwise the node is declined when the session is made
+    (the shared kernel runs it); where it does not, each call checks."""
+    r = known_rank(site, 0)
+    return decided(site, [dtype_in(site, 0, _EIGHT), None if r is None else r >= rank], run,
+                   lambda x, *rest: x.dtype in _EIGHT and x.dim() >= rank)
+
+
 def _cpu(site) -> bool:
     tg = site.target
     return tg.device.type == "cpu" and not tg.tracing
@@ -203,10 +222,7 @@ def _onednn_qconv(
     post = "relu" if grid.relu else "none"
 
     def run(x, *rest):
-        u = as_uint8(x)
-        if u is None:
-            return NI
-        u = u.contiguous(memory_format=torch.channels_last)
+        u = as_uint8(x).contiguous(memory_format=torch.channels_last)
         return grid.finish(
             torch.ops.onednn.qconv2d_pointwise(
                 u,
@@ -230,7 +246,7 @@ def _onednn_qconv(
         )
 
     site.notes.append("oneDNN int8 convolution, weights packed once per input shape")
-    return run
+    return _eight_bit(site, run)
 
 
 def _qconv_packs(
@@ -314,14 +330,12 @@ def qconv(site):
 
     def run(x, *rest):
         qx = _as_quint8(x, xs, xz)
-        if qx is None:
-            return NI
         return grid.finish(
             conv(qx.contiguous(memory_format=torch.channels_last), packed, grid.scale, grid.zp)
         )
 
     site.notes.append("fbgemm int8 convolution, weights packed once")
-    return run
+    return _eight_bit(site, run)
 
 
 _ONEDNN_QLINEAR = (
@@ -370,8 +384,6 @@ def _int_float(site, w: np.ndarray, channels: int, prepack, product):
 
     def run(x, x_scale, x_zero_point=None, *rest):
         u = as_uint8(x)
-        if u is None or x.dim() < 2:
-            return NI
         if fixed:
             zp, s = zp_fixed, out_scales
         else:
@@ -385,7 +397,7 @@ def _int_float(site, w: np.ndarray, channels: int, prepack, product):
         "oneDNN int8 kernel with a float32 result, weights packed once"
         + (", output scales once" if fixed else "")
     )
-    return run
+    return _eight_bit(site, run, rank=2)
 
 
 def _onednn_qlinear(site, w: np.ndarray, xs: float, xz: int, b, grid: _Grid):
@@ -399,12 +411,9 @@ def _onednn_qlinear(site, w: np.ndarray, xs: float, xz: int, b, grid: _Grid):
     post = "relu" if grid.relu else "none"
 
     def run(x, *rest):
-        u = as_uint8(x)
-        if u is None or x.dim() < 2:
-            return NI
         return grid.finish(
             torch.ops.onednn.qlinear_pointwise(
-                u.contiguous(),
+                as_uint8(x).contiguous(),
                 xs,
                 xz,
                 packed,
@@ -421,7 +430,7 @@ def _onednn_qlinear(site, w: np.ndarray, xs: float, xz: int, b, grid: _Grid):
         )
 
     site.notes.append("oneDNN int8 linear, weights packed once")
-    return run
+    return _eight_bit(site, run, rank=2)
 
 
 @kernel("QMatMul", 1, domain=KILN_DOMAIN, prepare=True)
@@ -468,13 +477,10 @@ def qmatmul(site):
     linear = torch.ops.quantized.linear_relu if grid.relu else torch.ops.quantized.linear
 
     def run(x, *rest):
-        qx = _as_quint8(x, xs, xz)
-        if qx is None or x.dim() < 2:
-            return NI
-        return grid.finish(linear(qx, packed, grid.scale, grid.zp))
+        return grid.finish(linear(_as_quint8(x, xs, xz), packed, grid.scale, grid.zp))
 
     site.notes.append("fbgemm int8 linear, weights packed once")
-    return run
+    return _eight_bit(site, run, rank=2)
 
 
 @kernel("QAdd", 1, domain=KILN_DOMAIN, prepare=True)
@@ -488,14 +494,18 @@ def qadd(site):
 
     def run(a, a_scale, a_zero_point, b, *rest):
         qa, qb = _as_quint8(a, sa, za), _as_quint8(b, sb, zb)
-        if qa is None or qb is None or a.shape != b.shape:
-            return NI
         if qb.stride() != qa.stride():
             qb = qb.contiguous(memory_format=_layout(qa))
         return grid.finish(add(qa, qb, grid.scale, grid.zp))
 
     site.notes.append("fbgemm quantized add")
-    return run
+    # fbgemm adds tensors of one shape: a broadcast takes the shared kernel
+    a_shape, b_shape = known_shape(site, 0), known_shape(site, 3)
+    same = None if a_shape is None or b_shape is None or \
+        not all(isinstance(d, int) for d in a_shape + b_shape) else a_shape == b_shape
+    return decided(site, [dtype_in(site, 0, _EIGHT), dtype_in(site, 3, _EIGHT), same], run,
+                   lambda a, a_scale, a_zero_point, b, *rest: a.dtype in _EIGHT
+                   and b.dtype in _EIGHT and a.shape == b.shape)
 
 
 def _layout(t: torch.Tensor) -> torch.memory_format:

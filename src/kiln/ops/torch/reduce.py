@@ -10,12 +10,11 @@ from kiln.ops.torch.arrays import (
     FLOATS,
     REAL,
     axis,
+    decided,
     gated,
     ints,
+    nonempty,
 )
-
-NI = NotImplemented
-
 
 # -- reductions ---------------------------------------------------------------------------
 
@@ -28,8 +27,6 @@ def _reduce_kernel(fn, floats_only: bool, empty_ok: bool):
         keep = bool(int(site.attr("keepdims", 1)))
         noop = bool(int(site.attr("noop_with_empty_axes", 0)))
         def run(x, axes=None):
-            if not empty_ok and x.numel() == 0:
-                return NI  # an empty input: its shape is known only at run time
             ax = site.attr("axes") if axes_attr else (None if axes is None else ints(axes))
             if not ax:
                 if noop and not axes_attr:
@@ -40,7 +37,9 @@ def _reduce_kernel(fn, floats_only: bool, empty_ok: bool):
                 return x
             return fn(x, dims, keep)
 
-        return gated(site, allowed, run)
+        if not empty_ok:  # an empty input: the NumPy kernel's identity or error
+            run = decided(site, [nonempty(site)], run, lambda x, axes=None: x.numel() > 0)
+        return run and gated(site, allowed, run)
 
     return build
 
@@ -102,18 +101,23 @@ kernel("ReduceLogSumExp", 1, prepare=True)(_reduce_kernel(_log_sum_exp, True, Fa
 
 
 def _arg_kernel(fn):
-    def run(x, *, axis=0, keepdims=1, select_last_index=0):
-        if x.numel() == 0:
-            return NI  # an empty input: its shape is known only at run time
-        a = norm_axis(axis, x.dim())
-        if select_last_index:
-            r = x.shape[a] - 1 - fn(torch.flip(x, (a,)), dim=a, keepdim=bool(keepdims))
-            return r
-        return fn(x, dim=a, keepdim=bool(keepdims))
+    def prepare(site):
+        axis_, keep = int(site.attr("axis", 0)), bool(int(site.attr("keepdims", 1)))
+        last = bool(int(site.attr("select_last_index", 0)))
 
-    return run
+        def run(x):
+            a = norm_axis(axis_, x.dim())
+            if last:
+                return x.shape[a] - 1 - fn(torch.flip(x, (a,)), dim=a, keepdim=keep)
+            return fn(x, dim=a, keepdim=keep)
+
+        # an empty input: the NumPy kernel's error
+        run = decided(site, [nonempty(site)], run, lambda x: x.numel() > 0)
+        return run and gated(site, REAL, run)
+
+    return prepare
 
 
 # faster than the generic kernel (no int64 cast)
-kernel("ArgMax", 11, dtypes=REAL)(_arg_kernel(torch.argmax))
-kernel("ArgMin", 11, dtypes=REAL)(_arg_kernel(torch.argmin))
+kernel("ArgMax", 11, prepare=True)(_arg_kernel(torch.argmax))
+kernel("ArgMin", 11, prepare=True)(_arg_kernel(torch.argmin))

@@ -51,18 +51,21 @@ def resize(site):
     else:
         return None
 
-    # the checks left below read the rank, sizes and scales, known only at run time
+    def spatial(r: int) -> bool:
+        """Whether torch's interpolate in this mode takes an input of rank ``r``."""
+        n = r - 2
+        return n >= 1 and (tmode != "linear" or n in _INTERP) and (tmode != "bicubic" or n == 2)
+
+    sc_c = site.const(2) if site.has_input(2) else None
+    if not site.has_input(3) and sc_c is not None and \
+            (not sc_c.size or [float(v) for v in sc_c.reshape(-1)[:2]] != [1.0, 1.0]):
+        return None  # no scales, or scales of the batch or channels: the NumPy kernel
+
+    # the checks left below read sizes and scales fed at run time, or compare them with
+    # the run-time shape (torch's interpolate is exact only for some)
     def run(x, roi=None, scales=None, sizes=None):
         n = x.dim() - 2
-        if n < 1:
-            return NI
-        m = tmode
-        if m == "linear":
-            if n not in _INTERP:
-                return NI
-            m = _INTERP[n]
-        if m == "bicubic" and n != 2:
-            return NI
+        m = _INTERP[n] if tmode == "linear" else tmode
         sz = [] if sizes is None else ints(sizes)
         if sz:
             if sz[:2] != list(x.shape[:2]):
@@ -88,4 +91,5 @@ def resize(site):
         )
         return y if list(y.shape[2:]) == out else NI
 
-    return gated(site, FLOATS, run)
+    # (a rank torch lacks in this mode: the NumPy kernel)
+    return gated(site, FLOATS, run, rank=spatial)

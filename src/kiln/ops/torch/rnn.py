@@ -16,7 +16,18 @@ import torch
 
 from kiln.ops import rnn as numpy_rnn
 from kiln.ops.torch import kernel
-from kiln.ops.torch.arrays import FLOATS, TORCH_OF, known_dtype, to_numpy, to_torch
+from kiln.ops.torch.arrays import (
+    FLOATS,
+    TORCH_OF,
+    decided,
+    dtype_in,
+    fact,
+    known_dim,
+    known_dtype,
+    known_rank,
+    to_numpy,
+    to_torch,
+)
 from kiln.ops.torch.conv import _SINGLE_MACS, _single_threaded
 
 NI = NotImplemented
@@ -41,13 +52,13 @@ def _numpy_loop(site, op: str):
     ctx = _Outputs(site.num_outputs)
 
     def run(*args):
-        if any(a is not None and a.dtype not in FLOATS for a in args[:3]):
-            return NI
         got = fn(ctx, *(None if a is None else to_numpy(a) for a in args), **attrs)
         outs = [to_torch(y) for y in (got if isinstance(got, tuple) else (got,))]
         return tuple(outs) if isinstance(got, tuple) else outs[0]
     site.notes.append("the NumPy kernel's step loop on the tensors' memory")
-    return run
+    # float X, W and R (other types take the shared kernel)
+    return decided(site, [dtype_in(site, i, FLOATS) for i in range(3)], run,
+                   lambda *args: all(a.dtype in FLOATS for a in args[:3]))
 
 
 class _Outputs:
@@ -138,16 +149,19 @@ def _recurrent(site, op: str):
     kx, kw = known_dtype(site, 0), known_dtype(site, 1)
     if kx is not None and (TORCH_OF.get(kx) not in FLOATS or kw not in (None, kx)):
         return None  # types the plan knows and torch's RNNs lack: the NumPy kernel
-    typed = kx is not None and kw is not None
+    two = direction == "bidirectional"
+    dirs_w = known_dim(site, 1, 0)
+    # a 3-D X, and weights for the direction asked for: else the NumPy kernel's error
+    facts = [None if kx is None or kw is None else True,
+             fact(known_rank(site, 0), lambda n: n == 3),
+             fact(dirs_w, lambda d: (d == 2) == two)]
+
+    def check(x, w, *rest):
+        return x.dtype in FLOATS and w.dtype == x.dtype and x.dim() == 3 and \
+            (w.shape[0] == 2) == two
 
     def run(x, w, r, b=None, seq=None, h0=None, c0=None, p=None):
-        if not typed and (x.dtype not in FLOATS or w.dtype != x.dtype):
-            return NI  # a type the plan did not know
-        if x.dim() != 3:
-            return NI  # a rank known only at run time: the NumPy kernel's error
         dirs, hidden = w.shape[0], r.shape[-1]
-        if (direction == "bidirectional") != (dirs == 2):
-            return NI  # weights (fed at run time) for another direction: the NumPy kernel's error
         if layout:
             x = x.transpose(0, 1)
             h0 = None if h0 is None else h0.transpose(0, 1)
@@ -185,7 +199,7 @@ def _recurrent(site, op: str):
         outs = [y.contiguous()] + [f.contiguous() for f in finals]
         return tuple(outs[:n_out]) if n_out > 1 else outs[0]
     site.notes.append(f"torch.{fn.__name__}: the sequence in one call")
-    return run
+    return decided(site, facts, run, check)
 
 
 @kernel("LSTM", 1, prepare=True)
