@@ -118,16 +118,31 @@ class ThreadTrial:
     recurrent layer's 50 steps) runs many tiny layers or products, and each one split
     over threads wakes the pool's second thread, which then spins for the core the next
     layer needs; on a shared 2-core machine such runs took several times (NumPy's GRU:
-    tens of times) longer on two threads than on one. Runs alternate between the two
-    counts until each has :attr:`RUNS` timed runs, then the faster median wins for good.
-    Two runs on one thread all slower than :attr:`BIG_S` and than the fastest on
-    ``threads`` settle it at once for ``threads``: a model that large has work to split,
-    and its trial runs on one thread would cost more than they could save (one slow run
-    is not enough: on a loaded machine a small model's run can take many times its usual
-    time)."""
+    tens of times) longer on two threads than on one.
+
+    Runs alternate between the two counts, ``threads`` first, and each one-thread run is
+    compared with the run on ``threads`` just before it: load that comes and goes hits
+    both runs of such a pair alike, where it would skew two separate medians. After
+    :attr:`RUNS` pairs one thread wins only if its median ratio is under :attr:`MARGIN`
+    (clearly faster); otherwise the configured count stays, so two processes serving one
+    model do not split over a difference within noise. Two pairs that both favour one side
+    by :attr:`CLEAR` or more decide at once, and so do two one-thread runs slower than
+    :attr:`BIG_S` and than the fastest on ``threads``: a model that large has work to
+    split, and its one-thread trial runs would cost more than they could save (one slow
+    run is not enough: on a loaded machine a small model's run can take many times its
+    usual time).
+
+    A choice is not kept forever: after :attr:`RECHECK` runs the trial runs again (no
+    build runs then), so a start under passing load is corrected. A re-check that confirms
+    the choice doubles the wait for the next one, up to :attr:`RECHECK_MAX` runs, which
+    bounds what re-checks cost a model whose losing count is many times slower."""
 
     RUNS = 5
     BIG_S = 0.05
+    MARGIN = 0.9
+    CLEAR = 0.5
+    RECHECK = 500
+    RECHECK_MAX = 16000
 
     def __init__(self, threads: int):
         self.threads = threads
@@ -136,6 +151,23 @@ class ThreadTrial:
         self.times: dict[int, list[float]] = {threads: [], 1: []}
         self.pools: tuple[OneThread, ...] | None = None
         """The thread pools its one-thread runs hold at one (the backend sets them)."""
+        self.every = self.RECHECK
+        self.left = 0
+        """Runs on the chosen count before the next re-check."""
+        self.last: int | None = None
+        """The previous trial's choice (a re-check that repeats it waits longer next)."""
+
+    def settled(self, threads: int) -> bool:
+        """Whether a run on ``threads`` needs neither setting nor timing: the trial chose
+        them and no re-check is due yet. Counts the run (a plain attribute count: runs from
+        several threads may lose a few, which only moves the re-check)."""
+        if self.chosen != threads:
+            return False
+        self.left -= 1
+        if self.left > 0:
+            return True
+        self._reopen()
+        return False
 
     def next_threads(self) -> int:
         """The thread count of the next run."""
@@ -146,16 +178,39 @@ class ThreadTrial:
 
     def record(self, threads: int, seconds: float) -> None:
         """A run on ``threads`` took ``seconds``."""
+        if self.chosen is not None:
+            self.left -= 1
+            if self.left <= 0:
+                self._reopen()
+            return
         self.seen += 1
-        if self.chosen is not None or self.seen <= 2:  # the first runs build, not measure
+        if self.seen <= 2:  # the first runs build, not measure
             return
         self.times[threads].append(seconds)
         many, one = self.times[self.threads], self.times[1]
         if len(one) >= 2 and min(one) > self.BIG_S and many and min(one) > min(many):
-            self.chosen = self.threads  # a big model: stop paying for one-thread runs
-        elif len(one) >= self.RUNS and len(many) >= self.RUNS:
-            self.chosen = 1 if statistics.median(one) < statistics.median(many) \
-                else self.threads
+            self._settle(self.threads)  # a big model: stop paying for one-thread runs
+            return
+        if threads != 1 or len(one) > len(many):
+            return  # a pair is complete once its one-thread run is in
+        ratios = [o / m if m > 0 else 1.0 for m, o in zip(many, one)]
+        if len(ratios) == 2 and max(ratios) <= self.CLEAR:
+            self._settle(1)
+        elif len(ratios) == 2 and min(ratios) >= 1 / self.CLEAR:
+            self._settle(self.threads)
+        elif len(ratios) >= self.RUNS:
+            self._settle(1 if statistics.median(ratios) < self.MARGIN else self.threads)
+
+    def _settle(self, threads: int) -> None:
+        self.every = min(2 * self.every, self.RECHECK_MAX) if threads == self.last \
+            else self.RECHECK
+        self.last, self.left = threads, self.every
+        self.chosen = threads
+
+    def _reopen(self) -> None:
+        self.times = {self.threads: [], 1: []}
+        self.seen = max(self.seen, 2)  # the shapes ran already: every run now measures
+        self.chosen = None
 
 
 class OneThread:
@@ -297,7 +352,7 @@ class Backend:
         if n <= 1:
             return _NO_CONTEXT
         trial = self.thread_trial(plan, inputs, n)
-        if trial.chosen == n:  # settled on the threads as they are: nothing to set or time
+        if trial.settled(n):  # on the threads as they are: nothing to set or time
             return _NO_CONTEXT
         return measured_threads(trial, (BLAS_THREADS,), _NO_CONTEXT)
 

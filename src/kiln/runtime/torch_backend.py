@@ -430,7 +430,7 @@ class TorchBackend(Backend):
             return torch.inference_mode()
         n = torch.get_num_threads()
         trial = self.thread_trial(plan, inputs, n)
-        if trial.chosen == n:  # settled on the threads as they are: nothing to set or time
+        if trial.settled(n):  # on the threads as they are: nothing to set or time
             return torch.inference_mode()
         if trial.pools is None:
             # BLAS too when layers run on the NumPy kernels (NumPy fallbacks, the GRU
