@@ -206,6 +206,18 @@ def test_unknown_model_and_version_are_404(server):
     assert status == 404 and "'resnet' is not loaded" in json.loads(body)["error"]
     status, _, body = server.request("GET", "/v2/models/digits_cnn/versions/7")
     assert status == 404 and "no version '7'" in json.loads(body)["error"]
+    # the inference routes as kiln serve answers them before Starlette's router, and
+    # what that lean path leaves to the router: another method, a longer path
+    status, _, body = server.request("POST", "/v2/models/digits_cnn/versions/7/infer",
+                                     _json_infer(x))
+    assert status == 404 and "no version '7'" in json.loads(body)["error"]
+    status, _, body = server.request("POST", "/v2/models/digits_cnn/versions/1/infer",
+                                     _json_infer(x))
+    assert status == 200 and json.loads(body)["model_version"] == "1"
+    status, _, body = server.request("GET", "/v2/models/digits_cnn/infer")
+    assert status == 405 and "/v2/..." in json.loads(body)["error"]
+    status, _, body = server.request("POST", "/v2/models/digits_cnn/infer/more", _json_infer(x))
+    assert status == 404 and "/v2/..." in json.loads(body)["error"]
 
 
 def test_tritonclient_http_binary_and_json(server):

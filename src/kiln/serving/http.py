@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import zlib
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from starlette.applications import Starlette
@@ -28,6 +30,10 @@ from kiln.serving.service import (
 from kiln.serving.shm import SharedMemory
 
 HEADER_LENGTH = "inference-header-content-length"
+INFER_PATH = re.compile(r"/v2/models/(?P<name>[^/]+)(?:/versions/(?P<version>[^/]+))?/infer")
+"""The inference routes, as Starlette's routes below match them (``{name}``: ``[^/]+``)."""
+
+ASGIApp = Callable[[dict, Callable, Callable], Awaitable[None]]
 
 
 def _error(e: BaseException) -> Response:
@@ -226,6 +232,35 @@ def _encode(
 
 def build_app(service: Service) -> Starlette:
     """The ASGI app answering the Open Inference Protocol's HTTP routes for ``service``."""
+    return _build(service)[0]
+
+
+def serving_app(service: Service) -> ASGIApp:
+    """:func:`build_app`'s app with its inference routes (POST) answered before
+    Starlette's machinery: the same handler and the same response object, without the two
+    error middlewares, the router's walk and the wrapping of ``send`` that every request
+    otherwise passes through (``kiln serve``'s HTTP app; Ray Serve takes the Starlette
+    app itself)."""
+    app, infer = _build(service)
+    match = INFER_PATH.fullmatch
+
+    async def asgi(scope: dict, receive: Callable, send: Callable) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            m = match(scope["path"])
+            if m is not None:
+                name, version = m.group("name", "version")
+                scope["path_params"] = {"name": name} if version is None else \
+                    {"name": name, "version": version}
+                response = await infer(Request(scope, receive))
+                await response(scope, receive, send)
+                return
+        await app(scope, receive, send)
+
+    return asgi
+
+
+def _build(service: Service) -> tuple[Starlette, Callable[[Request], Awaitable[Response]]]:
+    """The Starlette app and its guarded inference endpoint."""
 
     def guarded(handler, public: bool = False):
         async def endpoint(request: Request) -> Response:
@@ -368,4 +403,5 @@ def build_app(service: Service) -> Starlette:
             status_code=exc.status_code,
         )
 
-    return Starlette(routes=routes, exception_handlers={404: no_route, 405: no_route})
+    app = Starlette(routes=routes, exception_handlers={404: no_route, 405: no_route})
+    return app, routes[0].endpoint

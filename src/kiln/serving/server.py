@@ -41,7 +41,7 @@ async def serve_async(
     requests in flight for up to ``grace_s`` seconds. ``grpc_port`` None: HTTP only."""
     uvicorn = _uvicorn()
     # here, not at the top: ``import kiln`` names this function without the serve extra
-    from kiln.serving.http import build_app
+    from kiln.serving.http import serving_app
     from kiln.serving.rpc import build_server
 
     class _Server(uvicorn.Server):
@@ -58,7 +58,7 @@ async def serve_async(
     except ImportError:  # then uvicorn's own protocol: slower for large bodies, as correct
         protocol = "auto"
     config = uvicorn.Config(
-        build_app(service),
+        serving_app(service),
         host=host,
         port=http_port,
         log_level="warning",
