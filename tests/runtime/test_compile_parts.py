@@ -163,3 +163,68 @@ def test_the_public_package_loader_takes_over(cache, monkeypatch):
     np.testing.assert_allclose(got, want[0], rtol=1e-5, atol=1e-6)
     assert sess.backend.last_run_stats().compiled
     assert len(public) == 1 and public[0].endswith(".pt2")
+
+
+def _conv_transpose_then(w_shape: tuple, group: int, op: str) -> bytes:
+    """Conv, Relu, Conv, Relu -> ConvTranspose(w_shape, group) -> ``op`` with a
+    per-output-channel constant -> Sigmoid, Conv, Relu, Conv, Sigmoid: a constant applied to a
+    ConvTranspose's output with compiled runs on both sides."""
+    rng = np.random.default_rng(0)
+    cin, per = w_shape[0], w_shape[1]
+    cout = per * group
+    consts = {"W0": rng.standard_normal((cin, 3, 3, 3)) * 0.3,
+              "W1": rng.standard_normal((cin, cin, 3, 3)) * 0.2,
+              "WT": rng.standard_normal(w_shape),
+              "K": rng.standard_normal((1, cout, 1, 1)) + 2.0,
+              "W2": rng.standard_normal((4, cout, 1, 1)),
+              "W3": rng.standard_normal((4, 4, 3, 3)) * 0.3}
+    nodes = [helper.make_node("Conv", ["x", "W0"], ["a"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["a"], ["b"]),
+             helper.make_node("Conv", ["b", "W1"], ["c"], pads=[1, 1, 1, 1]),
+             helper.make_node("Relu", ["c"], ["d"]),
+             helper.make_node("ConvTranspose", ["d", "WT"], ["e"], name="up", group=group,
+                              strides=[2, 2], kernel_shape=list(w_shape[2:])),
+             helper.make_node(op, ["e", "K"], ["f"], name="scale"),
+             helper.make_node("Sigmoid", ["f"], ["g"]),
+             helper.make_node("Conv", ["g", "W2"], ["h"]),
+             helper.make_node("Relu", ["h"], ["i"]),
+             helper.make_node("Conv", ["i", "W3"], ["j"]),
+             helper.make_node("Sigmoid", ["j"], ["y"])]
+    g = helper.make_graph(
+        nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, 6, 6])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [helper.make_tensor(k, TensorProto.FLOAT, v.shape, v.astype(np.float32).ravel())
+         for k, v in consts.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m.SerializeToString()
+
+
+@pytest.mark.slow  # two compiles per case
+@pytest.mark.parametrize("w_shape, group, op", [
+    ((8, 1, 2, 2), 1, "Add"),  # PaddleOCR's detector: 8 channels in, 1 out, its bias
+    ((8, 2, 2, 2), 4, "Mul"),  # grouped, as many channels in as out
+    ((8, 8, 2, 2), 1, "Mul"),
+])
+def test_a_constant_after_a_conv_transpose_runs_eagerly_between_programs(
+        w_shape, group, op, cache):
+    """Inductor's freezing folds a constant Add/Mul after a ConvTranspose into it along
+    the wrong axis: PaddleOCR's detector failed to compile ("expected bias to be
+    1-dimensional"), and a per-channel Mul with as many channels in as out compiled to
+    wrong results. That one layer now runs eagerly; the ConvTranspose and the layers
+    around it are compiled, and the results match onnxruntime's."""
+    blob = _conv_transpose_then(w_shape, group, op)
+    x = np.random.default_rng(1).standard_normal((1, 3, 6, 6)).astype(np.float32)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sess = kiln.InferenceSession(blob, backend="torch", compile=True)
+        got = sess.run(None, {"x": x})[0]
+    ref = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
+    np.testing.assert_allclose(got, ref.run(None, {"x": x})[0], rtol=1e-4, atol=1e-5)
+    assert sess.backend.last_run_stats().compiled
+    status = sess.placement().compiled
+    assert status.startswith("yes, in parts: 2 program(s)"), status
+    assert f"'scale' ({op})" in status and "'up'" not in status, status
+    assert [e.split()[0] for e in sess.backend.compile_log] == ["compiled", "compiled"]
+    lines = [str(w.message) for w in caught if issubclass(w.category, CompileWarning)]
+    assert len(lines) == 1 and "ConvTranspose" in lines[0], lines

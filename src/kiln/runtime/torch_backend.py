@@ -780,6 +780,27 @@ def _signature(inputs: list) -> tuple | None:
 
 _CONTROL = "control flow, decided on the host; its subgraphs are compiled in parts"
 
+_AFTER_CONVT = ("a constant applied to a ConvTranspose's output: inductor's freezing "
+                "folds it into the ConvTranspose's weights along the input channels")
+_FOLDED_BY_INDUCTOR = frozenset({"Add", "Sub", "Mul", "Div", "BatchNormalization"})
+
+
+def _after_conv_transpose(step, consts: dict) -> bool:
+    """Whether ``step`` applies a constant to a ConvTranspose's output. Inductor's binary
+    folding (with frozen weights) folds such an Add/Sub/Mul/Div into the convolution as if
+    it were a plain one, along the weights' first axis, which for a transposed convolution
+    is the input channels: an error when the channel counts differ ("expected bias to be
+    1-dimensional", PaddleOCR's detector) and silently wrong results when they do not (a
+    per-channel Mul). Run eagerly, the step reads the ConvTranspose's output as a program
+    output, which nothing folds."""
+    node = step.node
+    if node.op_type not in _FOLDED_BY_INDUCTOR or node.domain not in ("", "ai.onnx"):
+        return False
+    ins = [v for v in step.inputs if v is not None]
+    return any(v in consts for v in ins) and any(
+        v not in consts and v.producer is not None and
+        v.producer.op_type == "ConvTranspose" for v in ins)
+
 
 def _blocker(step, consts: dict) -> str:
     """Why ``step`` cannot be part of a compiled program ("" when it can)."""
@@ -788,6 +809,8 @@ def _blocker(step, consts: dict) -> str:
             f"{step.placement} (its body is compiled in parts)"
     if step.placement not in ("torch", "torch-generic") or step.transfers is not None:
         return f"no torch kernel ({step.placement})"
+    if _after_conv_transpose(step, consts):
+        return _AFTER_CONVT
     for v in (*step.inputs, *step.outputs):
         if v is None:
             continue
@@ -802,6 +825,8 @@ def _compile_blockers(plan) -> str:
     """Why ``plan`` cannot be one torch program ("" when it can)."""
     blockers = sorted({f"{s.node.op_type} ({s.placement})" for s in plan.steps
                        if s.placement not in ("torch", "torch-generic") or s.subplans})
+    blockers += sorted({f"{s.node.op_type} after a ConvTranspose" for s in plan.steps
+                        if _after_conv_transpose(s, plan.consts)})
     numpy_consts = [v.name for v, t in plan.consts.items() if not isinstance(t, _TENSOR)]
     return ", ".join(blockers + [f"constant {n} has a type torch lacks"
                                  for n in numpy_consts[:3]])
