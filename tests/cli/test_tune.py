@@ -142,3 +142,27 @@ def test_a_short_time_budget_skips_candidates_and_says_where_the_time_went(tmp_p
     text = str(r)
     assert "time:" in text and "torch fp32 eager: build" in text
     assert r.to_dict()["candidates"][0]["seconds"] == by["numpy fp32"].seconds
+
+
+@pytest.mark.parametrize("mode", ["dynamic", "static"])
+def test_an_int8_candidate_that_quantized_no_layer_is_not_measured(mode):
+    """A model with nothing to quantize (no Conv/MatMul/Gemm) comes back from
+    ``kiln.quantize`` as the fp32 model: measured as an int8 candidate it could only "win"
+    on noise (PaddleOCR's classifier at batch 8 won as "int8 dynamic" with no layer
+    quantized, then ran 1.15x fp32 eager's time when timed again)."""
+    from kiln.errors import KilnError
+    from kiln.quantize.api import Budget
+    from kiln.tools.common import load_model
+    from kiln.tools.tune import NO_LAYER, Candidate, _build
+
+    m = make_model([helper.make_node("Relu", ["x"], ["a"]),
+                    helper.make_node("Softmax", ["a"], ["y"], axis=-1)],
+                   [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["n", 10])],
+                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", 10])])
+    feeds = [{"x": np.random.default_rng(i).standard_normal((8, 10)).astype(np.float32)}
+             for i in range(2)]
+    c = Candidate(f"torch int8 {mode}", "torch", {}, exact=False, int8=mode)
+    with pytest.raises(KilnError, match=f"skipped: {NO_LAYER}"):
+        _build(c, load_model(m.SerializeToString()), feeds, feeds, Budget(max_rel=0.01),
+               feeds[0], 60.0)
+    assert c.session is None and "calibrate" in c.seconds
