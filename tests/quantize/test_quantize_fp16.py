@@ -342,3 +342,48 @@ def test_bf16_below_opset_13_converts_and_says_so():
         ort_run(proto, {"x": x})
     except Exception:
         assert "runs on Kiln only" in said
+
+
+def _cancelling() -> onnx.ModelProto:
+    """y = ((x + 1000) - 1000) * 2: float16's step at 1000 is 0.5, so the Sub gives back
+    x rounded to halves; in float32 it gives x to 6e-5."""
+    big = numpy_helper.from_array(np.array(1000, np.float32), "big")
+    two = numpy_helper.from_array(np.array(2, np.float32), "two")
+    nodes = [helper.make_node("Add", ["x", "big"], ["a"], name="shift"),
+             helper.make_node("Sub", ["a", "big"], ["s"], name="unshift"),
+             helper.make_node("Mul", ["s", "two"], ["y"], name="double")]
+    return make_model(nodes, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4, 16])],
+                      [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4, 16])],
+                      [big, two])
+
+
+def test_measured_drop_is_warned_and_budget_keeps_the_layers_float32():
+    """#48.5: float16 resolution loss that overflows nothing (a cancellation) was silent.
+    With calibration data the conversion measures itself against float32 and the warning
+    gives the error; with a budget the layers adding the error stay float32, named, and
+    the file agrees with onnxruntime's fp32 run of the original within it (on Kiln's
+    NumPy backend, where it was measured, and in onnxruntime, whose CPU provider runs
+    these float16 ops in float32 and so never showed the drop)."""
+    src = _cancelling()
+    cal = [{"x": np.random.default_rng(s).normal(0, 3, (4, 16)).astype(np.float32)}
+           for s in range(4)]
+    x = np.random.default_rng(99).normal(0, 3, (4, 16)).astype(np.float32)
+    (ref,) = ort_run(src, {"x": x})
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plain = _checked(kiln.convert_float16(src, calibration=cal))
+    said = " ".join(str(w.message) for w in caught)
+    assert "measured against float32 on 4 calibration feed(s)" in said
+    (lossy,) = _run(plain, {"x": x}, "numpy")
+    err = float(np.abs(lossy - ref).max() / np.abs(ref).max())
+    assert err > 0.01  # the drop the warning reports is real
+    assert "of its largest value" in said
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        kept = _checked(kiln.convert_float16(src, calibration=cal, budget="rel=0.002"))
+    said = " ".join(str(w.message) for w in caught)
+    assert "stay float32" in said and "shift" in said and "unshift" in said
+    for (got,) in (_run(kept, {"x": x}, "numpy"), ort_run(kept, {"x": x})):
+        assert float(np.abs(got - ref).max() / np.abs(ref).max()) < 0.002
+    with pytest.warns(UserWarning, match="accuracy against float32 was not measured"):
+        kiln.convert_float16(src)

@@ -328,7 +328,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="make float32 inputs and outputs half too (no Casts at the boundary)")
     p.add_argument("--calibration", metavar="DATA.npz",
                    help="inputs to run the float32 model on: layers meeting values beyond "
-                        "float16's range stay float32")
+                        "float16's range stay float32, and the converted model is measured "
+                        "against float32 on them (a warning gives the figures)")
+    p.add_argument("--accuracy-budget", metavar="rel=R,top1=F",
+                   help="with --calibration: keep in float32 the layers whose half-precision "
+                        "error breaks this budget, the worst first")
     p.set_defaults(func=cmd_convert, parser=p)
 
     p = sub.add_parser("batch", help="score parquet/.npz files on a Ray cluster, write "
@@ -808,7 +812,8 @@ def cmd_convert(args) -> int:
     src = resolve_path(args.model)
     _check_layer_names(src, args.block, "--block")
     out = convert_float16(src, keep_io_types=not args.half_io, block_list=args.block,
-                          bf16=args.bf16, calibration=args.calibration)
+                          bf16=args.bf16, calibration=args.calibration,
+                          budget=args.accuracy_budget)
     save(out, args.output)
     kind = "bfloat16" if args.bf16 else "float16"
     print(f"{args.model} -> {args.output}: {kind}, {os.path.getsize(src) / 1e6:.1f} MB -> "

@@ -32,6 +32,7 @@ import onnx.defs
 import onnx.inliner
 import onnx.version_converter
 
+from kiln.errors import OptionError
 from kiln.ir import DType, Model, Node, TensorType, Value
 from kiln.onnxio import load, to_proto
 from kiln.ops.registry import KILN_DOMAIN
@@ -73,15 +74,23 @@ _DTYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "ConstantOfShape": None, "Cons
 
 
 def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str] = (),
-                    bf16: bool = False, calibration=None) -> Model:
+                    bf16: bool = False, calibration=None, budget=None,
+                    budget_seconds: float = 120.0, backend: str | None = None) -> Model:
     """Convert ``model`` (a path, bytes, ModelProto or Kiln Model) to float16 weights and
     compute, or bfloat16 with ``bf16=True``; returns a new Kiln :class:`Model`.
 
     ``keep_io_types`` keeps float32 graph inputs and outputs (Casts at the boundary).
     ``block_list`` names op types or layer names kept in float32 (Casts around them).
     ``calibration`` (an ``.npz`` path, a feed dict or an iterable of feeds): inputs the
-    float32 model is run on to find values beyond float16's range; their layers stay
-    float32 (see the module's docstring for what stays float32 without data).
+    float32 model is run on to find values beyond float16's range (their layers stay
+    float32), and on which the converted model is then measured against float32 on
+    ``backend`` (Kiln's reference backend by default); a warning gives the figures.
+    ``budget`` (``"rel=0.01"``, ``"top1=0.99"`` or a :class:`kiln.quantize.Budget`, e.g.
+    in the task's own terms), with calibration data: the layers whose half-precision error
+    costs the budget are kept in float32, the worst first, searched for at most
+    ``budget_seconds`` (:mod:`kiln.quantize.half_check`); the warning names them and says
+    whether the budget was met. Without calibration data a warning says the accuracy was
+    not checked (see the module's docstring for what stays float32 then).
     Float16 constants outside +-65504 are clamped to it with a warning instead of
     becoming Inf (an attention mask's -3.4e38 becomes -65504, which still masks).
     bfloat16 needs opset 13: an older model is converted to opset 13 first (a warning
@@ -90,6 +99,58 @@ def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str]
     """
     m = as_model(model)
     notes: list[str] = []
+    m = _prepare(m, bf16, notes)
+    half = DType.BFLOAT16 if bf16 else DType.FLOAT16
+    feeds = None
+    if calibration is not None:
+        from kiln.quantize.calibrate import load_feeds
+
+        feeds = load_feeds(calibration, [v.name for v in m.graph.inputs])
+    elif budget is not None:
+        raise OptionError("an accuracy budget for half precision needs calibration data to "
+                          "measure on (calibration=)")
+    blocked = set(block_list)
+    convert = {n for n in m.graph.nodes
+               if _convertible(n, m, half) and n.op_type not in blocked and n.name not in blocked}
+    convert -= _shape_path(m)
+    convert -= _subgraph_feeders(m)
+    sensitive = _range_sensitive(m, convert, half, feeds)
+    convert -= set(sensitive)
+    if sensitive:
+        notes.append(f"kept {len(sensitive)} range-sensitive layer(s) in float32: "
+                     + _names([f"{_label(n)} ({why})" for n, why in sensitive.items()]))
+    keys = {_key(n) for n in convert}
+    kept: set[str] = set()
+    if feeds is not None:
+        from kiln.quantize.half_check import check_half
+
+        kept, checked = check_half(
+            m, lambda extra: _apply(clone_model(m), half, keys - extra, keep_io_types, []),
+            sorted(keys), feeds, budget, budget_seconds, backend, "bfloat16" if bf16
+            else "float16")
+        notes += checked
+    else:
+        notes.append("accuracy against float32 was not measured: pass calibration= (and "
+                     "budget=) to measure it and keep in float32 the layers that cost it")
+    clamped: list[str] = []
+    out = _apply(m, half, keys - kept, keep_io_types, clamped)
+    if clamped:
+        warnings.warn(f"convert_float16: {len(clamped)} constant(s) held values beyond the "
+                      f"float16 range, clamped to +-{FP16_MAX:g}: {', '.join(clamped[:5])}"
+                      + (" ..." if len(clamped) > 5 else ""), stacklevel=2)
+    if bf16:
+        refused = _onnxruntime_refuses(out)
+        if refused:
+            notes.append(f"this bfloat16 file runs on Kiln only: onnxruntime refuses it "
+                         f"({refused}); block those op types to keep them float32 there")
+    for note in notes:
+        warnings.warn(f"convert_float16: {note}", stacklevel=2)
+    return out
+
+
+def _prepare(m: Model, bf16: bool, notes: list[str]) -> Model:
+    """``m`` made ready to convert: Kiln's fused ops expanded, opset 13 for bfloat16,
+    Constant nodes folded, BatchNorm folded into the layer before it, shapes inferred."""
     m, opaque = standard_ops(m)
     if opaque:
         notes.append(f"{len(opaque)} Kiln op(s) without a standard-ONNX body stay float32: "
@@ -110,19 +171,21 @@ def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str]
         if not v.is_used():  # the weights a folded BatchNorm replaced
             del m.graph.initializers[name]
     infer_model(m)
-    half = DType.BFLOAT16 if bf16 else DType.FLOAT16
-    blocked = set(block_list)
+    return m
+
+
+def _key(n: Node) -> str:
+    """A node's identity across copies of a model: the name of its first output (value
+    names are unique in a graph; node names need not exist)."""
+    return next(v.name for v in n.outputs if v is not None)
+
+
+def _apply(m: Model, half: DType, keys: set[str], keep_io_types: bool,
+           clamped: list[str]) -> Model:
+    """``m`` (edited in place) with the nodes whose :func:`_key` is in ``keys`` computing in
+    ``half``, and Casts wherever a value crosses between the two worlds."""
     g = m.graph
-    convert = {n for n in g.nodes
-               if _convertible(n, m, half) and n.op_type not in blocked and n.name not in blocked}
-    convert -= _shape_path(m)
-    convert -= _subgraph_feeders(m)
-    sensitive = _range_sensitive(m, convert, half, calibration)
-    convert -= set(sensitive)
-    if sensitive:
-        notes.append(f"kept {len(sensitive)} range-sensitive layer(s) in float32: "
-                     + _names([f"{_label(n)} ({why})" for n, why in sensitive.items()]))
-    clamped: list[str] = []
+    convert = {n for n in g.nodes if _key(n) in keys}
 
     # Outputs of converted nodes become half (attributes that fix a dtype follow).
     for n in convert:
@@ -173,17 +236,6 @@ def convert_float16(model, keep_io_types: bool = True, block_list: Iterable[str]
             v.type = TensorType(DType.FLOAT, v.shape)
             g.append(Node("Cast", [inner], [v], {"to": int(DType.FLOAT)},
                           name=f"{v.name}/cast_float"))
-    if clamped:
-        warnings.warn(f"convert_float16: {len(clamped)} constant(s) held values beyond the "
-                      f"float16 range, clamped to +-{FP16_MAX:g}: {', '.join(clamped[:5])}"
-                      + (" ..." if len(clamped) > 5 else ""), stacklevel=2)
-    if bf16:
-        refused = _onnxruntime_refuses(m)
-        if refused:
-            notes.append(f"this bfloat16 file runs on Kiln only: onnxruntime refuses it "
-                         f"({refused}); block those op types to keep them float32 there")
-    for note in notes:
-        warnings.warn(f"convert_float16: {note}", stacklevel=2)
     return m
 
 
@@ -231,7 +283,7 @@ def _names(items: list[str], limit: int = 8) -> str:
                                        if len(items) > limit else "")
 
 
-def _range_sensitive(m: Model, convert: set[Node], half: DType, calibration
+def _range_sensitive(m: Model, convert: set[Node], half: DType, feeds: list[dict] | None
                      ) -> dict[Node, str]:
     """Nodes of ``convert`` that would overflow or cancel in ``half``, with the reason."""
     # Both half types: float16 overflows, and bfloat16's 8-bit mantissa cancels worse
@@ -255,8 +307,8 @@ def _range_sensitive(m: Model, convert: set[Node], half: DType, calibration
                 v.const.size and float(np.abs(v.const).max()) > _limit(half)
                 for v in n.inputs[1:]):
             out[n] = "its constants exceed the half range (not foldable into a Conv)"
-    if calibration is not None:
-        out.update({n: why for n, why in _overflowing(m, convert, calibration, half).items()
+    if feeds is not None:
+        out.update({n: why for n, why in _overflowing(m, convert, feeds, half).items()
                     if n not in out})
     elif half == DType.FLOAT16:
         out.update({n: why for n, why in _log_of_power(m, convert).items() if n not in out})
@@ -308,14 +360,13 @@ def _limit(half: DType) -> float:
     return FP16_MAX if half == DType.FLOAT16 else float(np.finfo(np.float32).max)
 
 
-def _overflowing(m: Model, convert: set[Node], calibration, half: DType) -> dict[Node, str]:
+def _overflowing(m: Model, convert: set[Node], feeds: list[dict], half: DType) -> dict[Node, str]:
     """Converted nodes that read or write a value whose calibrated magnitude exceeds
     :data:`OVERFLOW_AT` (float16 only: bfloat16 has float32's range)."""
     if half != DType.FLOAT16:
         return {}
-    from kiln.quantize.calibrate import calibrate, load_feeds
+    from kiln.quantize.calibrate import calibrate
 
-    feeds = load_feeds(calibration, [v.name for v in m.graph.inputs])
     values = sorted({v.name for n in convert for v in list(n.inputs) + list(n.outputs)
                      if v is not None and v.const is None and v.dtype == DType.FLOAT})
     ranges = calibrate(m, values, feeds)
