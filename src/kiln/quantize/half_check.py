@@ -23,6 +23,7 @@ from collections.abc import Callable
 import numpy as np
 
 from kiln.ir import DType, Model
+from kiln.quantize.budget import Budget
 from kiln.quantize.calibrate import session_with
 from kiln.quantize.report import OutputError, output_errors, outputs_of
 
@@ -38,8 +39,6 @@ def check_half(original: Model, build: Callable[[set[str]], Model], keys: list[s
     """Which of ``keys`` (converted layers, by first output name) to keep in float32, and
     notes with the measured figures. ``build(kept)`` converts the model with ``kept`` in
     float32; ``original`` is the float32 model it is measured against."""
-    from kiln.quantize.api import Budget  # api imports this package's fp16 module
-
     if isinstance(budget, str):
         budget = Budget.parse(budget)
     feeds = feeds[:CHECK_FEEDS]
