@@ -43,6 +43,7 @@ from kiln.passes.fuse_batchnorm import FuseBatchNorm
 from kiln.passes.infer_shapes import infer_model
 from kiln.passes.pin_host import STOP as SHAPE_ONLY
 from kiln.passes.pin_host import host_read_inputs
+from kiln.passes.rewrite import Rule
 
 __all__ = ["FP16_MAX", "RANGE_SENSITIVE", "as_model", "at_opset", "convert_float16",
            "standard_ops"]
@@ -70,6 +71,8 @@ _STAT_OPS = frozenset({"Add", "Sub", "Mul", "Div", "Sqrt", "Reciprocal", "Max", 
 # With calibration data, values beyond this stay float32 (half the range: headroom for
 # inputs larger than the calibration set's).
 OVERFLOW_AT = FP16_MAX / 2
+SHARED_BYTES = 1 << 20
+"""A constant at least this large that several nodes read is not folded into a copy."""
 # Attributes that name an output dtype, by op.
 _DTYPE_ATTRS = {"Cast": "to", "EyeLike": "dtype", "ConstantOfShape": None, "Constant": None}
 
@@ -166,13 +169,39 @@ def _prepare(m: Model, bf16: bool, notes: list[str]) -> Model:
     # lists every weight so).
     for v in m.graph.initializers.values():
         v.meta.pop("overridable", None)
-    FoldConstants()(m)  # Constant nodes become initializers (PaddleOCR's BN parameters)
+    _FoldWithoutCopies()(m)  # Constant nodes become initializers (PaddleOCR's BN params)
     FuseBatchNorm()(m)
     # What folding and a folded BatchNorm replaced goes, in If/Loop bodies too (silero's
     # VAD kept an LSTM's weights beside their folded copies: 5.44 MB written for 2.33).
     DeadCodeElimination()(m)
     infer_model(m)
     return m
+
+
+class _FoldWithoutCopies(FoldConstants):
+    """Constant folding that declines a node whose large constant input other nodes read
+    too: the file would hold that data twice (GPT-2's tied embedding, gathered and read
+    through a Transpose by the LM head: folding stored a second, transposed copy and the
+    float16 file came out at 0.68x the float32 one, not half). A session folds it again
+    at load time."""
+
+    def rules(self) -> list[Rule]:
+        out = super().rules()
+        for r in out:
+            if r.name == "fold":
+                r.check = _declining_copies(r.check)
+        return out
+
+
+def _declining_copies(check):
+    def wrapped(rw, m):
+        n = m[0]
+        for v in n.inputs:
+            if (v is not None and v.const is not None and v.const.nbytes >= SHARED_BYTES
+                    and len(set(v.consumers())) > 1):
+                return f"{v.name} is read elsewhere too: folding would store it twice"
+        return check(rw, m) if check is not None else None
+    return wrapped
 
 
 def _key(n: Node) -> str:
