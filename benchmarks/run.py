@@ -35,6 +35,8 @@ SUITE: dict[str, tuple[str, str]] = {
     "validation": ("validation_cost.py", "what load-time validation costs of session creation"),
     "preprocess": ("preprocess_fold.py", "what embedded preprocessing costs at run time"),
     "serving": ("serving.py", "kiln serve: overhead over HTTP/gRPC, batching throughput"),
+    "serving-path": ("serving_path.py",
+                     "kiln serve's HTTP app per infer request, against Starlette's, no sockets"),
     "ray": ("ray_batch.py", "rows per second of `kiln batch` on Ray Data"),
     "torch-overrides": ("torch_overrides.py", "does each torch kernel beat the generic one"),
     "hops": ("run_hops.py", "the Python frames from Session.run to a kernel"),
