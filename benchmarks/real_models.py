@@ -23,6 +23,12 @@ adds the ``compiled`` engine (torch with ``compile=True``): its first run, which
 the programs (or loads them from the compile cache, ``KILN_COMPILE_CACHE``), is timed
 apart, and the table (``compiled-models`` markers) says how each model ran.
 
+    python benchmarks/real_models.py --int8 [--models ...] [--doc] [--cache DIR]
+
+instead times INT8: Kiln's quantizer with default options against Kiln fp32, onnxruntime
+fp32 and onnxruntime running its own ``quantize_static`` file (benchmarks/real_models_int8.py),
+into the ``real-models-int8`` markers.
+
     python benchmarks/real_models.py --recurrent [--doc]
 
 instead times one LSTM, GRU and RNN layer (hidden 128, input 64, 50 steps, batch 1, random
@@ -268,6 +274,10 @@ def main(argv: list[str] | None = None) -> int:
                     "empty compile cache) whose first-run seconds are the first compiles")
     ap.add_argument("--recurrent", action="store_true",
                     help="time one LSTM, GRU and RNN layer instead of the trained models")
+    ap.add_argument("--int8", action="store_true",
+                    help="INT8 files (Kiln's and onnxruntime's) against fp32 instead")
+    ap.add_argument("--cache", default=None,
+                    help="with --int8: where the quantized files are kept between runs")
     args = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
 
@@ -277,6 +287,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"not available here: {', '.join(missing)} (installed: "
               f"{', '.join(tm.available())})", file=sys.stderr)
         return 2
+    if args.int8:
+        import real_models_int8
+        return real_models_int8.main(args, models, write_docs)
     engines = zs.engine_names([e for e in args.engines.split(",") if e])
     records = []
     with threadpool_limits(args.threads):
