@@ -518,3 +518,82 @@ def test_requantizations_between_float_layers_round_in_one_op(case, tmp_path):
     kiln.save(m, str(path))
     for g, w in zip(ort_run(str(path), feed), want):
         np.testing.assert_array_equal(g, w)
+
+
+def _conv1d_model(path) -> tuple[str, list[dict]]:
+    """Three 1-D convolutions like silero VAD's and Magika's (a strided STFT-like one,
+    padded and dilated ones with a Relu, a grouped one), saved at ``path``, and feeds."""
+    from onnx import TensorProto, helper
+
+    rng = np.random.default_rng(0)
+    layers = [("c0", (16, 1, 32), {"strides": [8]}),
+              ("c1", (24, 16, 3), {"pads": [2, 2], "dilations": [2]}),
+              ("c2", (24, 6, 5), {"pads": [2, 2], "group": 4, "strides": [2]})]
+    nodes, inits, x = [], [], "x"
+    for name, shape, attrs in layers:
+        w = (rng.standard_normal(shape) / np.sqrt(np.prod(shape[1:]))).astype(np.float32)
+        inits += [numpy_helper.from_array(w, f"{name}_w"),
+                  numpy_helper.from_array(rng.standard_normal(shape[0]).astype(np.float32)
+                                          * 0.1, f"{name}_b")]
+        nodes.append(helper.make_node("Conv", [x, f"{name}_w", f"{name}_b"], [f"{name}_y"],
+                                      name=name, **attrs))
+        x = f"{name}_y"
+        if name == "c1":
+            nodes.append(helper.make_node("Relu", [x], ["r1"], name="r1"))
+            x = "r1"
+    graph = helper.make_graph(
+        nodes, "conv1d", [helper.make_tensor_value_info("x", TensorProto.FLOAT,
+                                                         ["n", 1, 512])],
+        [helper.make_tensor_value_info(x, TensorProto.FLOAT, None)], inits)
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+              str(path))
+    feeds = [{"x": rng.standard_normal((4, 1, 512)).astype(np.float32)} for _ in range(4)]
+    return str(path), feeds
+
+
+@pytest.mark.parametrize("tool", ["kiln", "onnxruntime"])
+def test_conv1d_runs_on_integer_kernels(tool, tmp_path):
+    """1-D QConv (3-D weights) runs on the torch backend's integer kernel as a 2-D one of
+    height 1, not on the NumPy fallback, and agrees with onnxruntime running the same file
+    within one step, at batch 1 and 4 in one session."""
+    path, feeds = _conv1d_model(tmp_path / "conv1d.onnx")
+    proto = (to_proto(kiln.quantize(path, "static", feeds, measure_latency=False,
+                                    speed_aware=False).model)
+             if tool == "kiln" else _ort_static_file(path, feeds, tmp_path))
+    s = kiln.InferenceSession(proto.SerializeToString(), backend="torch")
+    for n in (4, 1):
+        feed = {"x": feeds[0]["x"][:n]}
+        (got,) = s.run(None, feed)
+        (ref,) = ort_run(proto, feed)
+        np.testing.assert_allclose(got, ref, atol=_one_step(proto), rtol=0,
+                                   err_msg=f"batch {n}")
+    layers = [p for p in s.placement().layers if p.op_type == "QConv"]
+    assert len(layers) == 3 and all(p.how == "torch" for p in layers), layers
+
+
+def test_conv1d_fbgemm_without_onednn(tmp_path, monkeypatch):
+    """Without oneDNN's int8 ops the 1-D convolutions run on fbgemm's: the same bound."""
+    import kiln.ops.torch.quant_fused as torch_quant
+
+    monkeypatch.setattr(torch_quant, "_ONEDNN_QCONV", False)
+    path, feeds = _conv1d_model(tmp_path / "conv1d.onnx")
+    proto = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False,
+                                   speed_aware=False).model)
+    _check_against_ort(proto, feeds[1], _one_step(proto), fused=("QConv",))
+    s = kiln.InferenceSession(proto.SerializeToString(), backend="torch")
+    s.run(None, feeds[1])
+    assert all(p.how == "torch" for p in s.placement().layers if p.op_type == "QConv")
+
+
+def test_conv1d_dynamic_float_outputs(tmp_path):
+    """Dynamic quantization's 1-D convolutions (float outputs) run on oneDNN's int8
+    kernel with a float32 result, as 2-D ones of height 1: within 0.2% of the largest
+    output of onnxruntime running the same file."""
+    path, feeds = _conv1d_model(tmp_path / "conv1d.onnx")
+    proto = to_proto(kiln.quantize(path, "dynamic", measure_latency=False).model)
+    s = kiln.InferenceSession(proto.SerializeToString(), backend="torch")
+    (got,) = s.run(None, feeds[2])
+    (ref,) = ort_run(proto, feeds[2])
+    np.testing.assert_allclose(got, ref, atol=2e-3 * np.abs(ref).max(), rtol=0)
+    layers = [p for p in s.placement().layers if p.op_type == "QConv"]
+    assert layers and all(p.how == "torch" for p in layers), layers

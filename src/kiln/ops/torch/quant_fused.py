@@ -210,7 +210,8 @@ _ONEDNN_QCONV = (
 
 
 def _onednn_qconv(
-    site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil, group: int, grid: _Grid
+    site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil, group: int, grid: _Grid,
+    lift: bool = False,
 ):
     """run() for a static QConv as oneDNN's int8 convolution on plain uint8 tensors: the
     same integers as fbgemm's (checked on ResNet-18's and MobileNetV2's shapes), without
@@ -218,7 +219,7 @@ def _onednn_qconv(
     and faster on ResNet-18's 3x3 layers and on a stride-2 depthwise one."""
     scales = _weight_scales(site, w.shape[0])
     zeros = torch.zeros(w.shape[0], dtype=torch.int64)
-    packs = _qconv_packs(site, w, scales, xs, xz, strides, pads, dil, group)
+    packs = _qconv_packs(site, w, scales, xs, xz, strides, pads, dil, group, lift)
     post = "relu" if grid.relu else "none"
 
     def run(x, *rest):
@@ -250,11 +251,13 @@ def _onednn_qconv(
 
 
 def _qconv_packs(
-    site, w: np.ndarray, scales, xs: float, xz: int, strides, pads, dil, group: int
+    site, w: np.ndarray, scales, xs: float, xz: int, strides, pads, dil, group: int,
+    lift: bool = False,
 ) -> PerShape:
     """oneDNN's int8 weight packs by input shape. One is made now, for the input's shape
     when the model fixes it: it raises here, not in a run, on a CPU oneDNN's int8
-    kernels skip."""
+    kernels skip. ``lift``: a 1-D convolution run as a 2-D one of height 1 (its input
+    shape gets the unit axis)."""
     wt = torch.from_numpy(np.ascontiguousarray(w))
 
     def pack(shape):
@@ -266,32 +269,66 @@ def _qconv_packs(
     v = site.node.inputs[0]
     shape = v.shape if v is not None else None
     known = shape is not None and all(isinstance(d, int) for d in shape)
+    if known and lift:
+        shape = (*shape[:2], 1, *shape[2:])
     first = pack(tuple(shape) if known else None)
     if known:
         packs.seed(tuple(shape), first)
     return packs
 
 
+def _conv_geometry(site, w: np.ndarray):
+    """(strides, pads, dilations) of a 2-D or 1-D QConv as the 2-D integer kernels take
+    them (a 1-D one as height 1: unit stride and dilation, no padding on that axis), or
+    None for padding they cannot express (auto_pad SAME, unequal begin and end)."""
+    k = w.ndim - 2
+    strides = list(site.attr("strides") or [1] * k)
+    dil = list(site.attr("dilations") or [1] * k)
+    pads = list(site.attr("pads") or [0] * (2 * k))
+    if site.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or pads[:k] != pads[k:]:
+        return None
+    if k == 1:
+        return [1, *strides], [0, pads[0]], [1, *dil]
+    return strides, pads[:2], dil
+
+
+def _unlifted(run):
+    """run() of a 1-D convolution from that of its 2-D form of height 1: the input gets
+    the unit axis and the result loses it (views: a channels-last result stays
+    channels-last for the next such layer)."""
+
+    def run1d(x, *rest):
+        y = run(x.unsqueeze(2), *rest)
+        return y if y is NI else y.squeeze(2)
+
+    return run1d
+
+
 @kernel("QConv", 1, domain=KILN_DOMAIN, prepare=True)
 def qconv(site):
     w = site.const(3)
-    if not _cpu(site) or w is None or w.ndim != 4:
+    if not _cpu(site) or w is None or w.ndim not in (3, 4):
         return None
-    strides = list(site.attr("strides") or [1, 1])
-    dil = list(site.attr("dilations") or [1, 1])
-    pads = list(site.attr("pads") or [0, 0, 0, 0])
+    geometry = _conv_geometry(site, w)
+    if geometry is None:
+        return None
+    strides, pads, dil = geometry
     group = int(site.attr("group", 1))
-    if site.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or pads[:2] != pads[2:]:
-        return None
+    # 1-D convolutions (silero VAD's, Magika's) have no integer kernel of their own in
+    # torch: they run as 2-D ones of height 1 rather than on the NumPy fallback.
+    lift = w.ndim == 3
+    w4 = w[:, :, None, :] if lift else w
     grid = _Grid(site)
     if grid.float_out:
 
         def prepack(scales):
-            return _qconv_packs(site, w, scales, 1.0, 0, strides, pads[:2], dil, group)
+            return _qconv_packs(site, w4, scales, 1.0, 0, strides, pads, dil, group, lift)
 
         def product(u, xs, xz, packs, scales, zeros, b):
+            if lift:
+                u = u.unsqueeze(2)
             u = u.contiguous(memory_format=torch.channels_last)
-            return torch.ops.onednn.qconv2d_pointwise(
+            y = torch.ops.onednn.qconv2d_pointwise(
                 u,
                 xs,
                 xz,
@@ -300,7 +337,7 @@ def qconv(site):
                 zeros,
                 b,
                 strides,
-                pads[:2],
+                pads,
                 dil,
                 group,
                 1.0,
@@ -310,21 +347,34 @@ def qconv(site):
                 [],
                 "",
             )
+            return y.squeeze(2) if lift else y
 
-        return (
-            _ONEDNN_QCONV and _int_float(site, w, w.shape[0], prepack, product)
-        ) or _float_layer(
-            site, 0, lambda x, wf, b: F.conv2d(x, wf, b, strides, pads[:2], dil, group)
+        def conv(x, wf, b):
+            if lift:
+                return F.conv1d(x, wf, b, strides[1:], pads[1:], dil[1:], group)
+            return F.conv2d(x, wf, b, strides, pads, dil, group)
+
+        return (_ONEDNN_QCONV and _int_float(site, w4, w.shape[0], prepack, product)) or (
+            _float_layer(site, 0, conv)
         )
     static = _static_int8_layer(site, w)
     if static is None:
         return None
     xs, xz, b = static
+    run = None
     if _ONEDNN_QCONV:
         with contextlib.suppress(RuntimeError):  # a CPU oneDNN's int8 kernels skip: fbgemm
-            return _onednn_qconv(site, w, xs, xz, b, strides, pads[:2], dil, group, grid)
+            run = _onednn_qconv(site, w4, xs, xz, b, strides, pads, dil, group, grid, lift)
+    if run is None:
+        run = _fbgemm_qconv(site, w4, xs, xz, b, strides, pads, dil, group, grid)
+    return _unlifted(run) if lift else run
+
+
+def _fbgemm_qconv(site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil,
+                  group: int, grid: _Grid):
+    """run() for a static QConv on fbgemm's int8 convolution (no oneDNN int8 kernels)."""
     packed = torch.ops.quantized.conv2d_prepack(
-        _qweight(w, site.const(4), 0), b, strides, pads[:2], dil, group
+        _qweight(w, site.const(4), 0), b, strides, pads, dil, group
     )
     conv = torch.ops.quantized.conv2d_relu if grid.relu else torch.ops.quantized.conv2d
 
