@@ -23,7 +23,8 @@ adds the ``compiled`` engine (torch with ``compile=True``): its first run, which
 the programs (or loads them from the compile cache, ``KILN_COMPILE_CACHE``), is timed
 apart, and the table (``compiled-models`` markers) says how each model ran.
 
-    python benchmarks/real_models.py --int8 [--models ...] [--doc] [--cache DIR]
+    python benchmarks/real_models.py --int8 [--models ...] [--doc] [--cache DIR] [--json F]
+    python benchmarks/real_models.py --int8 --merge a.json,b.json [--doc]
 
 instead times INT8: Kiln's quantizer with default options against Kiln fp32, onnxruntime
 fp32 and onnxruntime running its own ``quantize_static`` file (benchmarks/real_models_int8.py),
@@ -278,6 +279,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="INT8 files (Kiln's and onnxruntime's) against fp32 instead")
     ap.add_argument("--cache", default=None,
                     help="with --int8: where the quantized files are kept between runs")
+    ap.add_argument("--merge", default=None, metavar="JSON,JSON",
+                    help="with --int8: one table from runs saved with --json (one per "
+                    "locked command), into the docs with --doc")
     args = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
 

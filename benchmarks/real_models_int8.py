@@ -4,16 +4,19 @@ fp32, onnxruntime fp32 and onnxruntime running onnxruntime's own INT8 file.
 
     python benchmarks/real_models.py --int8 [--models silero_vad_seq] [--batches 1,8] [--doc]
 
-Files: Kiln's ``kiln.quantize(path, "static", cal)`` (every option at its default, so
-speed-aware timing happens on the backend the quantizer defaults to, which the table
-names) and onnxruntime's ``quantize_static(path, out, reader, quant_format=QDQ)`` (its
-defaults), both calibrated on the same feeds (tests/trained_models.py's calibration set).
-They are cached under ``--cache`` (default: the system temp dir), keyed by the model file
-and Kiln's quantizer sources, so reruns time without re-quantizing. Engines, one process
-per model and batch, rounds alternating (zoo_suite's ``measure``): ``onnxruntime`` (fp32),
-``ort int8`` (onnxruntime on its own file), ``kiln fp32`` and ``kiln int8`` (each
-``kiln.InferenceSession(path)`` given no backend: the default session). Outputs of every
-engine are compared with onnxruntime fp32's by the model's task agreement.
+Files: Kiln's ``kiln.quantize(path, "static", cal)`` with every option at its default
+(the quantizer then calibrates and measures on the reference NumPy backend, where
+speed-aware timing is off: the table names it), the same with ``backend=`` the default
+session's backend (speed-aware timing of each layer and of the whole model there: the
+docs' advice), and onnxruntime's ``quantize_static(path, out, reader,
+quant_format=QDQ)`` with its defaults, all calibrated on the same feeds
+(tests/trained_models.py's calibration set). They are cached under ``--cache`` (default:
+the system temp dir), keyed by the model file and Kiln's quantizer sources, so reruns
+time without re-quantizing. Engines, in one process, rounds alternating (zoo_suite's
+``measure``): ``onnxruntime`` on the fp32 file and on its own INT8 file, and Kiln's
+default session (``kiln.InferenceSession(path)``, no backend named) on the fp32 file and
+on both of Kiln's INT8 files. Each engine's outputs are scored against onnxruntime fp32's
+by the model's task agreement.
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BEGIN, END = "<!-- real-models-int8:begin -->", "<!-- real-models-int8:end -->"
-ENGINES = ("onnxruntime", "ort int8", "kiln fp32", "kiln int8")
+ENGINES = ("onnxruntime", "ort int8", "kiln fp32", "kiln int8", "kiln int8 sa")
 CALIBRATION = {"ppocr_det_v4": 6, "dddd_det": 8}
 """Calibration samples per model (16 otherwise): the detectors' pages are large."""
 
@@ -66,30 +69,37 @@ def quantized_files(name: str, cache: str) -> dict:
     import kiln
     import trained_models as tm
     from kiln.onnxio import to_proto
+    from kiln.runtime.backends import default_backend_name
 
     m = tm.get(name)
     os.makedirs(cache, exist_ok=True)
     stem = os.path.join(cache, f"{name}-{_key(m.path)}")
-    info = {"kiln": stem + ".kiln.onnx", "ort": stem + ".ort.onnx", "meta": stem + ".json"}
+    info = {"kiln": stem + ".kiln.onnx", "kiln sa": stem + ".kiln-sa.onnx",
+            "ort": stem + ".ort.onnx", "meta": stem + ".json"}
     if all(os.path.exists(p) for p in info.values()):
         with open(info["meta"]) as f:
             return {**info, **json.load(f)}
-    cal, _ = m.make_feeds(CALIBRATION.get(name, 16), 0)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        q = kiln.quantize(m.path, "static", cal)
-    meta = {"kiln_seconds": round(time.perf_counter() - t0, 1),
-            "measured_on": q.report.backend,
-            "quantized": len(q.report.quantized), "kept": len(q.report.kept),
-            "speed_timed": len(q.report.layer_times),
-            "reverted_for_speed": sum("speed-aware" in str(v) for v in q.report.kept.values()),
-            "notes": [str(x) for x in getattr(q.report, "notes", [])][:6]}
-    with open(info["kiln"], "wb") as f:
-        f.write(to_proto(q.model).SerializeToString())
+    cal, _ = m.make_feeds(CALIBRATION.get(name, 16), 1)
+    meta = {}
+    # default options, then the same with backend= the default session's (speed-aware
+    # timing on the backend the file runs on)
+    for key, opts in (("kiln", {}), ("kiln sa", {"backend": default_backend_name()})):
+        t0 = time.perf_counter()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            q = kiln.quantize(m.path, "static", cal, **opts)
+        kept = [str(v) for v in q.report.kept.values()]
+        meta[key + " report"] = {"seconds": round(time.perf_counter() - t0, 1),
+                     "measured_on": q.report.backend, "quantized": len(q.report.quantized),
+                     "kept": len(kept), "speed_timed": len(q.report.layer_times),
+                     "reverted_for_speed": sum("speed-aware" in v and "the model with" not in v
+                                               for v in kept),
+                     "whole_model_reverted": sum("the model with" in v for v in kept)}
+        with open(info[key], "wb") as f:
+            f.write(to_proto(q.model).SerializeToString())
     t0 = time.perf_counter()
     _ort_static(m.path, cal, info["ort"])
-    meta["ort_seconds"] = round(time.perf_counter() - t0, 1)
+    meta["ort seconds"] = round(time.perf_counter() - t0, 1)
     with open(info["meta"], "w") as f:
         json.dump(meta, f, indent=1)
     return {**info, **meta}
@@ -106,7 +116,7 @@ def bench_one(name: str, batch: int, args, files: dict) -> dict | None:
     if feeds is None:
         return None
     paths = {"onnxruntime": m.path, "ort int8": files["ort"], "kiln fp32": m.path,
-             "kiln int8": files["kiln"]}
+             "kiln int8": files["kiln"], "kiln int8 sa": files["kiln sa"]}
     rec: dict = {"model": name, "batch": batch, "engines": {}}
     runners, want = {}, None
     for e, path in paths.items():
@@ -138,30 +148,68 @@ def _ratio(a: float | None, b: float | None) -> str:
 
 
 def markdown(env: dict, records: list[dict], meta: dict) -> str:
-    lines = [f"Run {env['date']} on {env['cpu']} ({env['machine']}), load {env['load']} at "
-             f"the start and {env.get('load_end', '?')} at the end, {env['threads']} threads "
+    """The speed table (ms and ratios per model and batch), then what each file holds."""
+    runs = env.get("runs") or [_run_line(env, sorted({r["model"] for r in records}))]
+    lines = [f"Run on {env['cpu']} ({env['machine']}), {env['threads']} threads "
              "for onnxruntime; " + ", ".join(f"{k} {env[k]}" for k in
                                              ("python", "numpy", "onnxruntime", "torch")
                                              if k in env) +
-             f". Kiln's sessions run on its `{env['default_backend']}` backend (the default).",
-             "", "| model | batch | ort fp32 ms | ort int8 ms | kiln fp32 ms | kiln int8 ms "
-             "| kiln int8 speed-up (fp32 / int8) | ort int8 speed-up | kiln int8 / ort int8 "
-             "| int8 agreement kiln / ort | Kiln's file: quantized, kept (speed-aware on) |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             f". Kiln's sessions run on its `{env['default_backend']}` backend (the default). "
+             "Speed-up = fp32 ms / INT8 ms on the same engine (above 1: INT8 faster); "
+             "\"kiln / ort int8\" = Kiln's INT8 ms / onnxruntime's INT8 ms (below 1: Kiln "
+             "faster). Load average (1, 5, 15 min) at each locked run's start and end: " +
+             "; ".join(runs) + ".", "",
+             "| model | batch | ort fp32 ms | ort int8 ms | kiln fp32 ms | kiln int8 ms "
+             f"| kiln int8 `backend={env['default_backend']}` ms | ort int8 speed-up "
+             "| kiln int8 speed-up | `backend=` speed-up | kiln / ort int8 "
+             "| `backend=` / ort int8 |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ms = {e: _ms(r, e) for e in ENGINES}
         cells = ["—" if v is None else f"{v:.3g}" for v in ms.values()]
+        lines.append(f"| {r['model']} | {r['batch']} | " + " | ".join(cells) + " | " +
+                     " | ".join(_ratio(a, b) for a, b in (
+                         (ms["onnxruntime"], ms["ort int8"]),
+                         (ms["kiln fp32"], ms["kiln int8"]),
+                         (ms["kiln fp32"], ms["kiln int8 sa"]),
+                         (ms["kiln int8"], ms["ort int8"]),
+                         (ms["kiln int8 sa"], ms["ort int8"]))) + " |")
+    lines += ["", "| model | Kiln default file: measured on, quantized / kept | "
+              f"`backend={env['default_backend']}`: quantized / kept, timed layers reverted, "
+              "whole-model check reverted | task agreement with ort fp32 at batch 1: kiln / "
+              "`backend=` / ort int8 | quantize s: kiln / `backend=` / ort |",
+              "|---|---|---|---|---|"]
+    first = {r["model"]: r for r in reversed(records)}
+    for name, q in meta.items():
+        k, sa = q["kiln report"], q["kiln sa report"]
+        r = first.get(name, {"engines": {}})
         agree = " / ".join("—" if "task_agreement" not in r["engines"].get(e, {}) else
                            f"{r['engines'][e]['task_agreement']:.0%}"
-                           for e in ("kiln int8", "ort int8"))
-        q = meta[r["model"]]
-        lines.append(f"| {r['model']} | {r['batch']} | " + " | ".join(cells) + " | " +
-                     f"{_ratio(ms['kiln fp32'], ms['kiln int8'])} | "
-                     f"{_ratio(ms['onnxruntime'], ms['ort int8'])} | "
-                     f"{_ratio(ms['kiln int8'], ms['ort int8'])} | {agree} | "
-                     f"{q['quantized']}, {q['kept']} ({q['measured_on']}: "
-                     f"{q['reverted_for_speed']} of {q['speed_timed']} timed reverted) |")
+                           for e in ("kiln int8", "kiln int8 sa", "ort int8"))
+        lines.append(f"| {name} | {k['measured_on']}, {k['quantized']} / {k['kept']} | "
+                     f"{sa['quantized']} / {sa['kept']}, {sa['reverted_for_speed']} of "
+                     f"{sa['speed_timed']}, {sa['whole_model_reverted']} | {agree} | "
+                     f"{k['seconds']:.0f} / {sa['seconds']:.0f} / {q['ort seconds']:.0f} |")
     return "\n".join(lines)
+
+
+def _run_line(env: dict, models: list[str]) -> str:
+    return f"{env['date']} ({', '.join(models)}) {env['load']} -> {env.get('load_end', '?')}"
+
+
+def merge(paths: list[str]) -> tuple[dict, list[dict], dict]:
+    """The environment, records and file reports of runs saved with ``--json`` (one run
+    per locked command), as one table's: each run's date and load listed."""
+    env, records, meta, runs = {}, [], {}, []
+    for p in paths:
+        with open(p) as f:
+            run = json.load(f)
+        env = env or dict(run["environment"])
+        records += run["records"]
+        meta.update(run["files"])
+        runs.append(_run_line(run["environment"], list(run["files"])))
+    env["runs"] = runs
+    return env, records, meta
 
 
 def main(args, models: list[str], write_docs) -> int:
@@ -172,6 +220,12 @@ def main(args, models: list[str], write_docs) -> int:
     import zoo_suite as zs
     from threadpoolctl import threadpool_limits
 
+    if args.merge:
+        md = markdown(*merge(args.merge.split(",")))
+        print(md)
+        if args.doc:
+            write_docs(md, os.path.join(ROOT, "docs", "performance.md"), BEGIN, END)
+        return 0
     cache = args.cache or os.path.join(tempfile.gettempdir(), "kiln-real-models-int8")
     meta, records = {}, []
     with threadpool_limits(args.threads):
@@ -181,10 +235,8 @@ def main(args, models: list[str], write_docs) -> int:
         for name in models:
             files = quantized_files(name, cache)
             meta[name] = files
-            print(f"{name}: Kiln's file measured on {files['measured_on']}, "
-                  f"{files['quantized']} quantized, {files['kept']} kept, "
-                  f"{files['reverted_for_speed']} of {files['speed_timed']} timed reverted",
-                  flush=True)
+            print(f"{name}: " + json.dumps({k: files[k + " report"]
+                                            for k in ("kiln", "kiln sa")}), flush=True)
             for b in (int(x) for x in args.batches.split(",")):
                 rec = bench_one(name, b, args, files)
                 if rec is None:
@@ -201,7 +253,8 @@ def main(args, models: list[str], write_docs) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"environment": env, "records": records,
-                       "files": {k: {x: y for x, y in v.items() if x not in ENGINES}
+                       "files": {k: {x: y for x, y in v.items()
+                                     if x.endswith(("report", "seconds"))}
                                  for k, v in meta.items()}}, f, indent=1)
     return 0
 
