@@ -3,6 +3,7 @@ trained model, what a user gets from Kiln's quantizer with default options again
 fp32, onnxruntime fp32 and onnxruntime running onnxruntime's own INT8 file.
 
     python benchmarks/real_models.py --int8 [--models silero_vad_seq] [--batches 1,8] [--doc]
+    python benchmarks/run.py real-models-int8 [the same options]
 
 Files: Kiln's ``kiln.quantize(path, "static", cal)`` with every option at its default
 (the quantizer then calibrates and measures on the reference NumPy backend, where
@@ -265,4 +266,6 @@ def argparse_ns(threads: int):
 
 
 if __name__ == "__main__":
-    sys.exit("run it as: python benchmarks/real_models.py --int8")
+    sys.path.insert(0, HERE)
+    import real_models
+    sys.exit(real_models.main(["--int8", *sys.argv[1:]]))

@@ -21,6 +21,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SUITE: dict[str, tuple[str, str]] = {
     "zoo": ("zoo_suite.py", "every zoo model on every engine: latency, throughput, peak memory"),
     "real-models": ("real_models.py", "trained models shipped in pip packages"),
+    "real-models-int8": ("real_models_int8.py", "the same: Kiln's and ORT's INT8 files vs fp32"),
     "time-by-op": ("time_by_op.py", "where a zoo model's time goes, by kind of layer"),
     "layers": ("layer_overhead.py", "per-layer overhead on a chain of small nodes"),
     "sessions": ("session_overhead.py", "session creation time and memory (--zoo)"),
