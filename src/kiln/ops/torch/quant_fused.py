@@ -299,7 +299,7 @@ def _unlifted(run):
 
     def run1d(x, *rest):
         y = run(x.unsqueeze(2), *rest)
-        return y if y is NI else y.squeeze(2)
+        return y if y is NotImplemented else y.squeeze(2)
 
     return run1d
 
@@ -367,7 +367,7 @@ def qconv(site):
             run = _onednn_qconv(site, w4, xs, xz, b, strides, pads, dil, group, grid, lift)
     if run is None:
         run = _fbgemm_qconv(site, w4, xs, xz, b, strides, pads, dil, group, grid)
-    return _unlifted(run) if lift else run
+    return _unlifted(run) if lift and run is not None else run
 
 
 def _fbgemm_qconv(site, w: np.ndarray, xs: float, xz: int, b, strides, pads, dil,
