@@ -114,7 +114,11 @@ def main() -> None:
     args = ap.parse_args()
     warnings.simplefilter("ignore")
     ort.set_default_logger_severity(3)  # quantize_static's unused-initializer lines
-    tmp = tempfile.mkdtemp()
+    with tempfile.TemporaryDirectory() as tmp:  # the tuned and quantized files
+        _table(args, tmp)
+
+
+def _table(args: argparse.Namespace, tmp: str) -> None:
     print("| model | batch | budget | tune's winner | its accuracy | Kiln ms | ORT fp32 ms "
           "| ORT int8 ms | Kiln fp32 eager ms | Kiln / ORT fp32 | Kiln / ORT int8 "
           "| Kiln / fp32 eager | tune s |")
