@@ -36,9 +36,10 @@ import kiln  # noqa: E402
 
 DIGITS = os.path.join(os.path.dirname(kiln.__file__), "data")
 # Outputs that are not rows of class scores (a text mask's probabilities, log-mel bins, an
-# embedding, detection boxes): tune's default would read their last axis as classes.
+# embedding, detection boxes, speech probabilities per window): tune's default would read
+# their last axis as classes.
 BUDGETS = {"ppocr_det_v4": "rel=0.01", "oww_melspec": "rel=0.01",
-           "oww_embedding": "rel=0.01", "dddd_det": "rel=0.01"}
+           "oww_embedding": "rel=0.01", "dddd_det": "rel=0.01", "silero_vad_seq": "rel=0.01"}
 
 
 def _feeds(name: str) -> tuple[str, list[dict]]:
