@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from time import perf_counter
+from time import perf_counter, sleep
 from typing import Any
 
 import numpy as np
@@ -114,6 +114,11 @@ class BenchResult:
                 "ratio": self.ratio, "comparison": self.comparison()}
 
 
+SWITCH_REST_S = 0.05
+"""Seconds of rest before a run when the other engine ran last (docs/performance.md,
+"onnxruntime's spinning threads slow whatever runs right after it")."""
+
+
 def default_threads() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -169,7 +174,8 @@ def bench(model: Any, backend: str | None = None, device: str | None = None,
     ``feeds`` default to random inputs of the declared shapes, the first dim set to
     ``batch`` when symbolic, other symbolic dims from ``dims`` (default 1). ``threads``
     (default: all cores) caps Kiln's threads and, with ``vs="onnxruntime"``, ORT's intra-op
-    threads; then both run alternately (order swapped every iteration) on the same feeds.
+    threads; then both run alternately (order swapped every iteration) on the same feeds,
+    with a rest of :data:`SWITCH_REST_S` whenever the engine changes.
     ``progress``: a bar on stderr; None (default) draws it only when stderr is a terminal,
     so logs and pipes stay clean. ``on_run(done, total)`` is called after each round
     (warm-up included), for progress output of the caller's own.
@@ -191,10 +197,16 @@ def bench(model: Any, backend: str | None = None, device: str | None = None,
     if ort_sess is not None:
         engines.append((theirs, lambda: ort_sess.run(None, feeds)))
     bar = progress_bar(warmup + runs, f"bench {model_name(model)}", progress)
+    last = None
     with _thread_limit(threads):
         for i in range(warmup + runs):
             order = engines if i % 2 == 0 else engines[::-1]
             for st, fn in order:
+                if last is not None and last is not st:
+                    # onnxruntime's workers spin on a core for a while after its run; a
+                    # run started in that window measures the contention, not the engine
+                    sleep(SWITCH_REST_S)
+                last = st
                 t0 = perf_counter()
                 fn()
                 dt = (perf_counter() - t0) * 1e3
