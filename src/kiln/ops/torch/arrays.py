@@ -297,23 +297,17 @@ def gated(site, dtypes: tuple[torch.dtype, ...] | None, run, same: bool = False,
     rules it out, ``run`` itself when every type (and the rank) is known and allowed, else
     ``run`` behind a check each call (NotImplemented for another). A ``run`` that takes the
     kernel context first (``site.wants_ctx``) keeps it first."""
-    ok = known_ok(site, dtypes, same)
+    ok = known_ok(site, dtypes, same)  # None rules the node out, False: known at run time
+    typed_ok = False if ok is None else (True if ok else None)
     ranked = True if rank is None else fact(known_rank(site), rank)
-    if ok is None or ranked is False:
-        return None
-    if ok and ranked:
-        return run
     allowed = None if dtypes is None else frozenset(dtypes)
 
-    def allows(x, rest) -> bool:
+    def allows(x, *rest) -> bool:
         return (allowed is None or x.dtype in allowed) and \
             (not same or all(t is None or t.dtype == x.dtype for t in rest)) and \
             (rank is None or rank(x.dim()))
 
-    # a type (or rank) the plan did not know (see known_ok) is handed on as NotImplemented
-    if site.wants_ctx:
-        return lambda ctx, x, *rest: run(ctx, x, *rest) if allows(x, rest) else NotImplemented
-    return lambda x, *rest: run(x, *rest) if allows(x, rest) else NotImplemented
+    return decided(site, (typed_ok, ranked), run, allows)
 
 
 def typed(dtypes: tuple[torch.dtype, ...] | None, fn, same: bool = False, when=None,
