@@ -25,7 +25,6 @@ import numpy as np
 from kiln.ir import DType, Model
 from kiln.quantize.budget import Budget
 from kiln.quantize.calibrate import session_with
-from kiln.quantize.fp16 import _names
 from kiln.quantize.report import OutputError, output_errors, outputs_of
 
 __all__ = ["CHECK_FEEDS", "check_half"]
@@ -171,3 +170,7 @@ def _labels(m: Model) -> dict[str, str]:
             out[key] = n.name or f"{n.op_type}({key})"
     return out
 
+
+def _names(items: list[str], limit: int = 8) -> str:
+    return ", ".join(items[:limit]) + (f" and {len(items) - limit} more"
+                                       if len(items) > limit else "")
