@@ -6,9 +6,9 @@ little) and the trained models of tests/trained_models.py (the real-model benchm
 magika, ppocr_cls, ppocr_rec_v4, ppocr_det_v4, oww_melspec, ...), each with its own
 calibration and check data (their calibration feeds, 64 samples); batch 1 and 8 (a file
 whose batch dimension is fixed runs at the batches it accepts). Each engine runs a block
-per round (one untimed run, three timed), the order reversed every other round, in one
-process; medians and the ratios Kiln / onnxruntime (below 1: Kiln faster, as in
-docs/performance.md).
+per round (after a rest when the engine changes, one untimed run, three timed), the order
+reversed every other round, in one process; medians and the ratios Kiln / onnxruntime
+(below 1: Kiln faster, as in docs/performance.md).
 
     PYTHONPATH=src python benchmarks/tune.py [--models digits resnet18 magika ppocr_cls]
         [--batches 1 8] [--time-budget 300] [--rounds 20]
@@ -33,6 +33,7 @@ import onnxruntime as ort
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import kiln  # noqa: E402
+from kiln.tools.benchmark import SwitchRest  # noqa: E402
 
 DIGITS = os.path.join(os.path.dirname(kiln.__file__), "data")
 # Outputs that are not rows of class scores (a text mask's probabilities, log-mel bins, an
@@ -99,10 +100,13 @@ def _alternate(runs: dict, feed: dict, rounds: int) -> dict[str, float]:
     for fn in runs.values():
         fn(None, feed)
     names = list(runs)
+    rest = SwitchRest()
     for r in range(rounds):
         for k in names if r % 2 == 0 else names[::-1]:
-            # A block per engine, its first run untimed: onnxruntime's worker threads spin
-            # for a while after a run and would slow whatever runs next on 2 cores.
+            # A block per engine after a rest (onnxruntime's worker threads spin for tens
+            # of ms after a run and slowed the next two-thread run up to 2x on 2 cores; one
+            # untimed run was not enough), its first run still untimed.
+            rest(k)
             runs[k](None, feed)
             for _ in range(3):
                 t = time.perf_counter()

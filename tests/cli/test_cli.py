@@ -464,6 +464,31 @@ def test_bench_progress_without_tqdm(runnable, monkeypatch, capsys):
     assert "5/5" in capsys.readouterr().err
 
 
+def test_switch_rest_rests_only_when_the_engine_changes(monkeypatch):
+    """The one alternation rule of kiln bench --vs, kiln tune's harness and
+    benchmarks/tune.py: a rest before a run whose engine is not the last one's."""
+    from kiln.tools import benchmark
+
+    slept: list[float] = []
+    monkeypatch.setattr(benchmark, "sleep", slept.append)
+    rest = benchmark.SwitchRest()
+    for who in ["kiln", "kiln", "ort", "ort", "kiln", "ort"]:
+        rest(who)
+    assert rest.rests == 3 and slept == [benchmark.SWITCH_REST_S] * 3
+
+
+def test_bench_vs_rests_at_each_engine_switch(runnable, monkeypatch):
+    """Alternating order each round (kiln, ort / ort, kiln) switches engine once a round."""
+    pytest.importorskip("onnxruntime")
+    from kiln.tools import benchmark
+
+    slept: list[float] = []
+    monkeypatch.setattr(benchmark, "sleep", slept.append)
+    r = tools.bench(runnable, runs=4, warmup=1, vs="onnxruntime")
+    assert len(r.kiln.latencies_ms) == len(r.other.latencies_ms) == 4
+    assert slept == [benchmark.SWITCH_REST_S] * 5
+
+
 def test_bench_draws_no_bar_off_a_terminal(runnable, capsys):
     """By default the bar is drawn only on a terminal: pytest's captured stderr is not one,
     as a log file or a pipe is not."""

@@ -21,7 +21,8 @@ from kiln.tools.common import (
 )
 from kiln.tools.progress import progress_bar
 
-__all__ = ["BenchResult", "Stats", "bench", "default_threads", "progress_bar"]
+__all__ = ["SWITCH_REST_S", "BenchResult", "Stats", "SwitchRest", "bench", "default_threads",
+           "progress_bar"]
 
 
 @dataclass
@@ -119,6 +120,26 @@ SWITCH_REST_S = 0.05
 "onnxruntime's spinning threads slow whatever runs right after it")."""
 
 
+class SwitchRest:
+    """Sleeps :data:`SWITCH_REST_S` before a run whenever what runs now is not what ran
+    last: an engine's worker threads keep spinning on the cores for tens of ms after its
+    run, and a run started in that window measures the contention, not the engine. One
+    alternation's rule, shared by ``kiln bench --vs``, ``kiln tune`` and the benchmarks."""
+
+    def __init__(self, seconds: float | None = None) -> None:
+        self.seconds = SWITCH_REST_S if seconds is None else seconds
+        self.last: Any = None
+        self.rests = 0
+        """How many times it rested (what a test of the rule reads)."""
+
+    def __call__(self, now: Any) -> None:
+        """Before running ``now`` (any key that names the engine or thread pool)."""
+        if self.last is not None and self.last != now:
+            sleep(self.seconds)
+            self.rests += 1
+        self.last = now
+
+
 def default_threads() -> int:
     try:
         return len(os.sched_getaffinity(0))
@@ -197,16 +218,12 @@ def bench(model: Any, backend: str | None = None, device: str | None = None,
     if ort_sess is not None:
         engines.append((theirs, lambda: ort_sess.run(None, feeds)))
     bar = progress_bar(warmup + runs, f"bench {model_name(model)}", progress)
-    last = None
+    rest = SwitchRest()
     with _thread_limit(threads):
         for i in range(warmup + runs):
             order = engines if i % 2 == 0 else engines[::-1]
             for st, fn in order:
-                if last is not None and last is not st:
-                    # onnxruntime's workers spin on a core for a while after its run; a
-                    # run started in that window measures the contention, not the engine
-                    sleep(SWITCH_REST_S)
-                last = st
+                rest(st.engine)
                 t0 = perf_counter()
                 fn()
                 dt = (perf_counter() - t0) * 1e3
