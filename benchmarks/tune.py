@@ -33,7 +33,7 @@ import onnxruntime as ort
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 import kiln  # noqa: E402
-from kiln.tools.benchmark import SwitchRest  # noqa: E402
+from kiln.tools.benchmark import SWITCH_REST_S, SwitchRest, spin_rest  # noqa: E402
 
 DIGITS = os.path.join(os.path.dirname(kiln.__file__), "data")
 # Outputs that are not rows of class scores (a text mask's probabilities, log-mel bins, an
@@ -95,7 +95,13 @@ def _ort_int8(src: str, feeds: list[dict], dst: str) -> str:
     return dst
 
 
-def _alternate(runs: dict, feed: dict, rounds: int) -> dict[str, float]:
+def _alternate(runs: dict, feed: dict, rounds: int, threads: dict[str, int],
+               spins: dict[str, float]) -> dict[str, float]:
+    """Median ms per engine. ``threads``: torch's thread count for each Kiln engine's
+    block (process-wide: the tuned session's one thread would otherwise hold for the
+    eager session too); ``spins``: how long each engine's pool spins after a run."""
+    import torch
+
     times: dict[str, list[float]] = {k: [] for k in runs}
     for fn in runs.values():
         fn(None, feed)
@@ -106,7 +112,9 @@ def _alternate(runs: dict, feed: dict, rounds: int) -> dict[str, float]:
             # A block per engine after a rest (onnxruntime's worker threads spin for tens
             # of ms after a run and slowed the next two-thread run up to 2x on 2 cores; one
             # untimed run was not enough), its first run still untimed.
-            rest(k)
+            rest(k, spins.get(k, SWITCH_REST_S))
+            if k in threads:
+                torch.set_num_threads(threads[k])
             runs[k](None, feed)
             for _ in range(3):
                 t = time.perf_counter()
@@ -145,8 +153,12 @@ def _table(args: argparse.Namespace, tmp: str) -> None:
                           on_stage=lambda s, tag=f"{name} b{b}": print(f"  [{tag}] {s}",
                                                                   file=sys.stderr))
             print(r, file=sys.stderr)
+            import torch
+            default = torch.get_num_threads()  # tune restored it after measuring
             k = kiln.InferenceSession(out)
-            eager = kiln.InferenceSession(src, backend="torch")
+            eager = kiln.InferenceSession(src, backend="torch", threads=default)
+            threads = {"kiln": r.winner.threads or default, "eager": default}
+            spins = {"kiln": spin_rest(r.winner.backend)}
             o32 = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
             runs = {"kiln": k.run, "ort32": o32.run, "eager": eager.run}
             try:
@@ -154,7 +166,7 @@ def _table(args: argparse.Namespace, tmp: str) -> None:
             except Exception as e:  # onnxruntime refusing the file its own tool wrote
                 print(f"  [{name}] onnxruntime refuses its quantize_static file: {e}",
                       file=sys.stderr)
-            med = _alternate(runs, _rows(feeds[0], b), args.rounds)
+            med = _alternate(runs, _rows(feeds[0], b), args.rounds, threads, spins)
             acc = r.winner.accuracy() if r.winner.errors else "exact"
             o8 = (f"{med['ort8']:.3g}", f"{med['kiln'] / med['ort8']:.2f}") if "ort8" in med \
                 else ("refused by onnxruntime", "-")

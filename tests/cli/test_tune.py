@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import numpy as np
@@ -166,3 +167,34 @@ def test_an_int8_candidate_that_quantized_no_layer_is_not_measured(mode):
         _build(c, load_model(m.SerializeToString()), feeds, feeds, Budget(max_rel=0.01),
                feeds[0], 60.0)
     assert c.session is None and "calibrate" in c.seconds
+
+
+def test_measuring_rests_before_a_run_whose_backend_changed(monkeypatch):
+    """NumPy's OpenBLAS workers spin after its run and slowed the torch run timed next
+    (docs/performance.md, "Rests between engines and candidates"): tune's rounds rest
+    before a run whose backend is not the last run's, longer after NumPy, and not between
+    runs of one backend (one thread or two)."""
+    from kiln.tools import benchmark
+    from kiln.tools.tune import Candidate, _measure
+
+    events: list = []
+    monkeypatch.setattr(benchmark, "sleep", lambda s: events.append(s))
+
+    class Stub:
+        def __init__(self, name):
+            self.name = name
+
+        def run(self, names, feed):
+            events.append(self.name)
+
+    runs = [Candidate("numpy fp32", "numpy", {}, session=Stub("np")),
+            Candidate("torch fp32 eager", "torch", {}, session=Stub("t")),
+            Candidate("torch fp32 eager, 1 thread", "torch", {}, threads=1,
+                      session=Stub("t1"))]
+    assert _measure(runs, {}, deadline=time.perf_counter() + 60, stage=lambda s: None,
+                    most=4) == 4
+    blas, other = benchmark.BLAS_REST_S, benchmark.SWITCH_REST_S
+    assert blas > other
+    assert events == ["np", blas, "t", "t1", "t1", "t", other, "np",
+                      "np", blas, "t", "t1", "t1", "t", other, "np"]
+    assert all(len(c.latencies_ms) == 4 for c in runs)

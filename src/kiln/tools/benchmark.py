@@ -21,8 +21,8 @@ from kiln.tools.common import (
 )
 from kiln.tools.progress import progress_bar
 
-__all__ = ["SWITCH_REST_S", "BenchResult", "Stats", "SwitchRest", "bench", "default_threads",
-           "progress_bar"]
+__all__ = ["BLAS_REST_S", "SWITCH_REST_S", "BenchResult", "Stats", "SwitchRest", "bench",
+           "default_threads", "progress_bar", "spin_rest"]
 
 
 @dataclass
@@ -116,28 +116,39 @@ class BenchResult:
 
 
 SWITCH_REST_S = 0.05
-"""Seconds of rest before a run when the other engine ran last (docs/performance.md,
+"""Seconds of rest before a run when another engine ran last (docs/performance.md,
 "onnxruntime's spinning threads slow whatever runs right after it")."""
+
+BLAS_REST_S = 0.2
+"""The rest after a run of Kiln's NumPy backend: OpenBLAS's workers spin longer than
+onnxruntime's, and :data:`SWITCH_REST_S` after them still left a two-thread torch run
+slowed (docs/performance.md, "Rests between engines and candidates")."""
+
+
+def spin_rest(backend: str | None) -> float:
+    """How long the thread pool of a run on ``backend`` may keep spinning after it."""
+    return BLAS_REST_S if backend == "numpy" else SWITCH_REST_S
 
 
 class SwitchRest:
-    """Sleeps :data:`SWITCH_REST_S` before a run whenever what runs now is not what ran
-    last: an engine's worker threads keep spinning on the cores for tens of ms after its
-    run, and a run started in that window measures the contention, not the engine. One
-    alternation's rule, shared by ``kiln bench --vs``, ``kiln tune`` and the benchmarks."""
+    """Rests before a run whenever what runs now is not what ran last: an engine's worker
+    threads keep spinning on the cores for tens of ms after its run, and a run started in
+    that window measures the contention, not the engine. One alternation rule, shared by
+    ``kiln bench --vs``, ``kiln tune`` and benchmarks/tune.py."""
 
-    def __init__(self, seconds: float | None = None) -> None:
-        self.seconds = SWITCH_REST_S if seconds is None else seconds
+    def __init__(self) -> None:
         self.last: Any = None
+        self.after = 0.0
         self.rests = 0
         """How many times it rested (what a test of the rule reads)."""
 
-    def __call__(self, now: Any) -> None:
-        """Before running ``now`` (any key that names the engine or thread pool)."""
+    def __call__(self, now: Any, spins: float = SWITCH_REST_S) -> None:
+        """Before running ``now`` (a key naming the engine or thread pool), whose threads
+        may spin ``spins`` seconds after its run."""
         if self.last is not None and self.last != now:
-            sleep(self.seconds)
+            sleep(self.after)
             self.rests += 1
-        self.last = now
+        self.last, self.after = now, spins
 
 
 def default_threads() -> int:
@@ -196,7 +207,7 @@ def bench(model: Any, backend: str | None = None, device: str | None = None,
     ``batch`` when symbolic, other symbolic dims from ``dims`` (default 1). ``threads``
     (default: all cores) caps Kiln's threads and, with ``vs="onnxruntime"``, ORT's intra-op
     threads; then both run alternately (order swapped every iteration) on the same feeds,
-    with a rest of :data:`SWITCH_REST_S` whenever the engine changes.
+    with a rest whenever the engine changes (:class:`SwitchRest`).
     ``progress``: a bar on stderr; None (default) draws it only when stderr is a terminal,
     so logs and pipes stay clean. ``on_run(done, total)`` is called after each round
     (warm-up included), for progress output of the caller's own.
@@ -219,11 +230,12 @@ def bench(model: Any, backend: str | None = None, device: str | None = None,
         engines.append((theirs, lambda: ort_sess.run(None, feeds)))
     bar = progress_bar(warmup + runs, f"bench {model_name(model)}", progress)
     rest = SwitchRest()
+    spins = {"kiln": spin_rest(sess.backend.name)}
     with _thread_limit(threads):
         for i in range(warmup + runs):
             order = engines if i % 2 == 0 else engines[::-1]
             for st, fn in order:
-                rest(st.engine)
+                rest(st.engine, spins.get(st.engine, SWITCH_REST_S))
                 t0 = perf_counter()
                 fn()
                 dt = (perf_counter() - t0) * 1e3

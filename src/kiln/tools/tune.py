@@ -32,6 +32,7 @@ from kiln.runtime.backend import usable_cores
 from kiln.runtime.backends import backend_entry, backend_names, reference_backend_name
 from kiln.runtime.run_settings import KEY, encode
 from kiln.session_api import InferenceSession
+from kiln.tools.benchmark import SwitchRest, spin_rest
 from kiln.tools.common import load_model, random_feeds
 
 __all__ = ["Candidate", "TuneResult", "tune"]
@@ -409,14 +410,17 @@ def _measure(runs: list[Candidate], feed: dict, deadline: float,
              stage: Callable[[str], None], most: int = 200, enough: float = 30.0) -> int:
     """Time one run of each candidate per round, the order reversed every other round,
     until ``most`` rounds, the deadline, or ``enough`` seconds after 20 rounds (at least
-    three rounds)."""
+    three rounds). A rest before a run whose backend is not the last run's: NumPy's
+    OpenBLAS workers spin after its run and slowed the two-thread torch run after it."""
     set_threads = _thread_setter()
+    rest = SwitchRest()
     stage(f"measuring {len(runs)} candidates in alternating rounds")
     k = 0
     start = time.perf_counter()
     while k < most and (k < 3 or time.perf_counter() < deadline) and \
             (k < 20 or time.perf_counter() - start < enough):
         for c in runs if k % 2 == 0 else runs[::-1]:
+            rest(c.backend, spin_rest(c.backend))
             set_threads(c)
             t = time.perf_counter()
             c.session.run(None, feed)
