@@ -68,7 +68,7 @@ def _accuracy(logits, labels) -> float:
 @pytest.mark.parametrize("method", ["minmax", "percentile", "entropy"])
 def test_digits_static_keeps_accuracy_and_matches_onnxruntime(digits, method):
     path, feeds, images, labels = digits
-    q = kiln.quantize(path, "static", feeds, method=method, measure_latency=False)
+    q = kiln.quantize(path, "static", feeds, method=method, measure_latency=False, backend="numpy")
     proto = to_proto(q.model)
     onnx.checker.check_model(proto, full_check=True)
     ops = {n.op_type for n in proto.graph.node}
@@ -85,7 +85,8 @@ def test_digits_static_keeps_accuracy_and_matches_onnxruntime(digits, method):
 
 def test_weights_int8_symmetric_per_channel_biases_int32(digits):
     path, feeds, _, _ = digits
-    q = kiln.quantize(path, "static", feeds[:2], measure_latency=False, reduce_range=True)
+    q = kiln.quantize(path, "static", feeds[:2], measure_latency=False, reduce_range=True,
+                      backend="numpy")
     proto = to_proto(q.model)
     inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
     src = {t.name: numpy_helper.to_array(t) for t in onnx.load(path).graph.initializer}
@@ -108,7 +109,7 @@ def test_weights_int8_symmetric_per_channel_biases_int32(digits):
                                 dict(reduce_range=False, method="percentile")])
 def test_variants_run_the_same_in_kiln_and_onnxruntime(digits, kw):
     path, feeds, images, labels = digits
-    q = kiln.quantize(path, "static", feeds[:3], measure_latency=False, **kw)
+    q = kiln.quantize(path, "static", feeds[:3], measure_latency=False, **kw, backend="numpy")
     proto = to_proto(q.model)
     (ort_q,) = ort_run(proto, {"image": images[:100]})
     (kiln_q,) = kiln.InferenceSession(proto, backend="numpy").run(None, {"image": images[:100]})
@@ -150,7 +151,7 @@ def test_digits_dynamic_on_torch_matches_onnxruntime(digits):
 
 def test_report_measures_against_the_float_model(digits):
     path, feeds, images, labels = digits
-    q = kiln.quantize(path, "static", feeds[:2], validation={"image": images})
+    q = kiln.quantize(path, "static", feeds[:2], validation={"image": images}, backend="numpy")
     (fp32,) = ort_run(path, {"image": images})
     (kq,) = kiln.InferenceSession(q.model, backend="numpy").run(None, {"image": images})
     err = q.report.outputs["logits"]
@@ -204,7 +205,7 @@ def test_weight_only_int4_blocked_bert(zoo_model):
     path = str(zoo_model("bert"))
     feeds = make_inputs("bert", batch=2, seed=3)
     q = kiln.quantize(path, "weight-only", bits=4, block_size=32, validation=[feeds],
-                      measure_latency=False)
+                      measure_latency=False, backend="numpy")
     proto = to_proto(q.model)
     onnx.checker.check_model(proto, full_check=True)
     assert proto.opset_import[0].version >= 21
@@ -268,7 +269,7 @@ def test_embedding_tables_int8_per_column(mode):
     and Kiln's backends compute what onnxruntime computes on the file."""
     model = _embedding_model()
     ids = np.random.default_rng(1).integers(0, 300, (4, 9))
-    q = kiln.quantize(model, mode, [{"ids": ids}], measure_latency=False)
+    q = kiln.quantize(model, mode, [{"ids": ids}], measure_latency=False, backend="numpy")
     proto = to_proto(q.model)
     onnx.checker.check_model(proto, full_check=True)
     inits = {t.name: numpy_helper.to_array(t) for t in proto.graph.initializer}
@@ -317,7 +318,7 @@ def test_table_shared_with_a_matmul():
 def test_static_mlp_matches_onnxruntime(mlp_model):
     rng = np.random.default_rng(0)
     cal = [{"x": rng.standard_normal((16, 4)).astype(np.float32)} for _ in range(4)]
-    q = kiln.quantize(mlp_model, "static", cal, measure_latency=False)
+    q = kiln.quantize(mlp_model, "static", cal, measure_latency=False, backend="numpy")
     proto = to_proto(q.model)
     onnx.checker.check_model(proto, full_check=True)
     x = rng.standard_normal((64, 4)).astype(np.float32)
@@ -337,7 +338,7 @@ def test_static_bert_matches_onnxruntime(zoo_model):
     cal = [make_inputs("bert", batch=2, seed=s) for s in range(2)]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = kiln.quantize(path, "static", cal, measure_latency=False)
+        q = kiln.quantize(path, "static", cal, measure_latency=False, backend="numpy")
     proto = to_proto(q.model)
     onnx.checker.check_model(proto, full_check=True)
     assert sum(n.op_type == "MatMul" for n in proto.graph.node) == 33
@@ -351,10 +352,11 @@ def test_static_bert_matches_onnxruntime(zoo_model):
 def test_accuracy_budget_reverts_sensitive_layers(digits):
     path, feeds, images, _ = digits
     val = {"image": images}
-    full = kiln.quantize(path, "static", feeds[:3], validation=val, measure_latency=False)
+    full = kiln.quantize(path, "static", feeds[:3], validation=val, measure_latency=False,
+                         backend="numpy")
     budget = full.report.worst_rel() * 0.7  # tighter than plain quantization reaches
     q = kiln.quantize(path, "static", feeds[:3], validation=val, budget=f"rel={budget}",
-                      measure_latency=False)
+                      measure_latency=False, backend="numpy")
     reverted = {k: v for k, v in q.report.kept.items() if "accuracy budget" in v}
     assert reverted and len(q.report.quantized) < len(full.report.quantized)
     # The oracle: onnxruntime on the saved file against onnxruntime on the float model.
@@ -373,7 +375,8 @@ def test_budget_measured_on_onnxruntime(digits, monkeypatch):
     ort = pytest.importorskip("onnxruntime")
     path, feeds, images, _ = digits
     val = {"image": images}
-    full = kiln.quantize(path, "static", feeds[:3], validation=val, measure_latency=False)
+    full = kiln.quantize(path, "static", feeds[:3], validation=val, measure_latency=False,
+                         backend="numpy")
     budget = full.report.worst_rel() * 0.7
     opened = []
 
@@ -406,7 +409,7 @@ def test_cli_quantize(tmp_path, digits, capsys):
     data, out = tmp_path / "cal.npz", tmp_path / "q.onnx"
     np.savez(data, image=np.concatenate([f["image"] for f in feeds[:2]]))
     assert main(["quantize", path, "-o", str(out), "--mode", "static", "--calibration",
-                 str(data), "--method", "percentile"]) == 0
+                 str(data), "--method", "percentile", "--backend", "numpy"]) == 0
     text = capsys.readouterr().out
     assert "layers quantized: 8" in text and "top-1 agreement" in text and "latency" in text
     (fp32,) = ort_run(path, {"image": images})
@@ -453,8 +456,9 @@ def test_optimized_model_quantizes_every_layer(digits):
     the same layers are quantized as from the original file, and the result runs in
     onnxruntime as accurately."""
     path, feeds, images, labels = digits
-    plain = kiln.quantize(path, "static", feeds[:2], measure_latency=False)
-    fused = kiln.quantize(kiln.optimize(path), "static", feeds[:2], measure_latency=False)
+    plain = kiln.quantize(path, "static", feeds[:2], measure_latency=False, backend="numpy")
+    fused = kiln.quantize(kiln.optimize(path), "static", feeds[:2], measure_latency=False,
+                          backend="numpy")
     assert len(fused.report.quantized) == len(plain.report.quantized) >= 8
     assert not fused.report.kept
     (got,) = ort_run(to_proto(fused.model), {"image": images})
@@ -480,7 +484,7 @@ def test_static_with_a_1d_output_whose_length_follows_the_feed():
                        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["L"])],
                        [w, numpy_helper.from_array(np.array([0], np.int64), "zero")])
     feeds = [{"x": rng.standard_normal((1, 4, t)).astype(np.float32)} for t in (16, 24, 40)]
-    q = kiln.quantize(model, "static", feeds, measure_latency=False)
+    q = kiln.quantize(model, "static", feeds, measure_latency=False, backend="numpy")
     err = q.report.outputs["y"]
     qp = to_proto(q.model)
     diffs = [np.abs(ort_run(qp, f)[0] - ort_run(model, f)[0]).max() for f in feeds]
@@ -510,13 +514,14 @@ def test_static_on_a_transformer_recommends_dynamic(digits):
                        [wq])
     feeds = [{"x": rng.standard_normal((1, 4, 8)).astype(np.float32)}]
     with pytest.warns(UserWarning, match="mode='dynamic'"):
-        q = kiln.quantize(model, "static", feeds, measure_latency=False)
+        q = kiln.quantize(model, "static", feeds, measure_latency=False, backend="numpy")
     assert any("mode='dynamic'" in a for a in q.report.advice)
     assert "advice:" in str(q.report)
     path, cal, _, _ = digits
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        cnn = kiln.quantize(path, "static", cal[:1], measure_latency=False).report.advice
+        cnn = kiln.quantize(path, "static", cal[:1], measure_latency=False,
+                            backend="numpy").report.advice
     assert not any("dynamic" in a for a in cnn)
     assert not any("transformer" in str(w.message) for w in caught)
 

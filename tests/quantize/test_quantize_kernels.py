@@ -81,7 +81,8 @@ def _check_against_ort(proto: onnx.ModelProto, feed: dict, atol: float,
 @pytest.mark.parametrize("symmetric", [False, True])
 def test_digits_kiln_static_file(digits, symmetric):
     path, feeds, images = digits
-    q = kiln.quantize(path, "static", feeds, symmetric=symmetric, measure_latency=False)
+    q = kiln.quantize(path, "static", feeds, symmetric=symmetric, measure_latency=False,
+                      backend="numpy")
     proto = to_proto(q.model)
     counts = _fused_ops(proto, "torch")
     # every Conv and Gemm of the CNN becomes an integer layer, nothing float is left
@@ -94,7 +95,8 @@ def test_one_session_across_batch_sizes(digits):
     one torch session fed batches of 1, 5, 64, 7 and 1 again (the first pack dropped and
     made anew) agrees with onnxruntime within one step every time."""
     path, feeds, images = digits
-    proto = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False).model)
+    proto = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False,
+                                   backend="numpy").model)
     s = kiln.InferenceSession(proto, backend="torch")
     for n in (1, 5, 64, 7, 1):
         feed = {"image": images[:n]}
@@ -111,7 +113,8 @@ def test_fbgemm_and_float_paths_without_onednn(digits, monkeypatch):
     monkeypatch.setattr(torch_quant, "_ONEDNN_QCONV", False)
     monkeypatch.setattr(torch_quant, "_ONEDNN_QLINEAR", False)
     path, feeds, images = digits
-    static = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False).model)
+    static = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False,
+                                    backend="numpy").model)
     _check_against_ort(static, {"image": images}, _one_step(static))
     dynamic = to_proto(kiln.quantize(path, "dynamic", measure_latency=False).model)
     (ref,) = ort_run(dynamic, {"image": images})
@@ -141,7 +144,8 @@ def test_saved_optimized_model_runs_in_onnxruntime(digits, tmp_path):
     """The fused layers carry function bodies in standard ops: onnxruntime runs a model
     Kiln optimized and saved."""
     path, feeds, images = digits
-    proto = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False).model)
+    proto = to_proto(kiln.quantize(path, "static", feeds, measure_latency=False,
+                                   backend="numpy").model)
     opt = kiln.optimize(proto, backend="torch")
     assert any(n.op_type == "QConv" for n in opt.graph.nodes)
     out = tmp_path / "optimized.onnx"
@@ -404,7 +408,8 @@ def test_zoo_cnn_static_files(zoo_model, name, tool, tmp_path):
     if tool == "kiln":
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            proto = to_proto(kiln.quantize(path, "static", cal, measure_latency=False).model)
+            proto = to_proto(kiln.quantize(path, "static", cal, measure_latency=False,
+                                           backend="numpy").model)
     else:
         proto = _ort_static_file(path, cal, tmp_path)
     _check_against_ort(proto, feed, _deep_tolerance(proto, feed))

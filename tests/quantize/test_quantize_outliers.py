@@ -49,9 +49,10 @@ def test_a_layer_reading_quiet_channels_through_large_weights_stays_float():
     """``max_noise``: the Conv whose quiet channels fall below one step of the per-tensor
     grid is measured noisy and kept float; without it, it is quantized (the default)."""
     proto, feeds = _outlier_conv()
-    q = kiln.quantize(proto, "static", feeds[:2], max_noise=0.02, measure_latency=False)
+    q = kiln.quantize(proto, "static", feeds[:2], max_noise=0.02, measure_latency=False,
+                      backend="numpy")
     assert "outlier-aware" in q.report.kept.get("mix", ""), q.report.kept
-    every = kiln.quantize(proto, "static", feeds[:2], measure_latency=False)
+    every = kiln.quantize(proto, "static", feeds[:2], measure_latency=False, backend="numpy")
     assert "mix" in every.report.quantized
     # onnxruntime on held-out feeds: the quantized Conv loses the quiet half of the
     # signal; the kept one is the float layer
@@ -102,7 +103,8 @@ def test_smoothquant_keeps_the_quiet_channels_and_the_layer_quantized():
     it on held-out feeds is within 2% of the float model, where plain minmax loses the
     quiet half of the signal (> 5%, the test above)."""
     proto, feeds = _outlier_conv()
-    q = kiln.quantize(proto, "static", feeds[:2], smooth_alpha=0.5, measure_latency=False)
+    q = kiln.quantize(proto, "static", feeds[:2], smooth_alpha=0.5, measure_latency=False,
+                      backend="numpy")
     assert "mix" in q.report.quantized and "mix" in q.report.smoothed
     assert "a float Mul in front" in q.report.smoothed["mix"]  # x is a graph input
     types = {t.data_type for t in to_proto(q.model).graph.initializer}
@@ -197,9 +199,9 @@ def test_smoothquant_on_a_matmul_reading_the_last_axis():
     running the quantized file is less than half as far from the float model as
     without smoothing."""
     proto, feeds = _conv_affine_relu_conv(matmul=True)
-    plain = kiln.quantize(proto, "static", feeds[:2], measure_latency=False)
+    plain = kiln.quantize(proto, "static", feeds[:2], measure_latency=False, backend="numpy")
     smoothed = kiln.quantize(proto, "static", feeds[:2], smooth_alpha=0.5,
-                             measure_latency=False)
+                             measure_latency=False, backend="numpy")
     assert "through Transpose, through Relu, into Add shift, through Mul scale, into Conv " \
         "c1's weights" in smoothed.report.smoothed["c2"]
     assert "c2" in smoothed.report.quantized
@@ -212,7 +214,7 @@ def test_budget_returns_the_float_model_at_once_when_no_layer_fits():
     float model, which onnxruntime runs exactly like the original."""
     proto, feeds = _outlier_conv()
     q = kiln.quantize(proto, "static", feeds[:2], validation=feeds[2:], budget="rel=1e-5",
-                      measure_latency=False)
+                      measure_latency=False, backend="numpy")
     log = "\n".join(q.report.budget_log)
     assert "SmoothQuant migration" in log  # tried among the cheaper fixes
     assert "no INT8 setting tried keeps this model within the budget" in log
@@ -238,7 +240,7 @@ def test_budget_in_the_task_s_own_terms():
         got = [ort_run(to_proto(q.model), f) for f in feeds[2:]]
         return signs(ref, got)
 
-    plain = kiln.quantize(proto, "static", feeds[:2], measure_latency=False)
+    plain = kiln.quantize(proto, "static", feeds[:2], measure_latency=False, backend="numpy")
     assert agreement(plain) < 0.99
     from kiln.quantize import Budget
 

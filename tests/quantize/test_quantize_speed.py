@@ -17,6 +17,7 @@ from onnx import numpy_helper
 import kiln
 from conftest import ort_run
 from kiln.onnxio import to_proto
+from kiln.runtime.backends import default_backend_name
 
 DIGITS = resources.files("kiln") / "data"
 
@@ -41,10 +42,12 @@ def test_speed_aware_mix_matches_report_and_onnxruntime(tmp_path, capsys):
     images = np.load(str(DIGITS / "digits_test.npz"))["images"]
     np.savez(tmp_path / "cal.npz", image=images[:64])
     out = tmp_path / "q.onnx"
+    # no --backend, no --speed-aware: the defaults time on the default session's backend
     assert main(["quantize", str(DIGITS / "digits_cnn.onnx"), "-o", str(out), "--mode",
-                 "static", "--calibration", str(tmp_path / "cal.npz"), "--backend", "torch",
-                 "--speed-aware"]) == 0
+                 "static", "--calibration", str(tmp_path / "cal.npz")]) == 0
     printed = capsys.readouterr().out
+    assert f"measured on {default_backend_name()}: the backend a default " \
+        "kiln.InferenceSession runs the file on" in printed, printed
     times = _printed_times(printed)
     # the CNN's four compute layers were each timed and printed
     assert sorted(times) == ["/0/Conv", "/11/Gemm", "/3/Conv", "/9/Gemm"]
@@ -99,14 +102,21 @@ def test_speed_aware_times_a_product_of_two_activations():
 
 
 def test_speed_aware_is_the_default_where_there_is_data():
-    """Issue 42 item 5: a default static quantization times its layers on the target
-    backend and keeps in float those measured slower (then the whole model, float
-    against quantized); the file holds exactly the mix the report states.
+    """Issue 42 item 5: a static quantization with no backend named measures on the
+    backend a default session runs the file on (torch here) and says so; it times its
+    layers there and keeps in float those measured slower (then the whole model, float
+    against quantized); the file holds exactly the mix the report states: no layer stays
+    quantized whose quantized time was not below its float time.
     ``speed_aware=False`` quantizes every layer; a dynamic run without data times none."""
     path = str(DIGITS / "digits_cnn.onnx")
     images = np.load(str(DIGITS / "digits_test.npz"))["images"]
     feeds = [{"image": images[:16]}]
-    q = kiln.quantize(path, "static", feeds, backend="torch", measure_latency=False)
+    q = kiln.quantize(path, "static", feeds, measure_latency=False)
+    session = kiln.InferenceSession(path)
+    assert q.report.backend == session.placement().backend == "torch"
+    assert "measured on torch: the backend a default kiln.InferenceSession runs the file " \
+        "on" in str(q.report)
+    assert "as asked" in kiln.quantize(path, "dynamic", backend="torch").report.backend_why
     assert sorted(q.report.layer_times) == ["/0/Conv", "/11/Gemm", "/3/Conv", "/9/Gemm"]
     proto = to_proto(q.model)
     onnx.checker.check_model(proto, full_check=True)

@@ -88,7 +88,7 @@ def test_magika_static_default_beats_onnxruntime_tool(tmp_path):
     m = _model("magika")
     cal, ev = m.make_feeds(96, 160)
     ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
-    q = kiln.quantize(m.path, "static", cal, measure_latency=False)
+    q = kiln.quantize(m.path, "static", cal, measure_latency=False, backend="numpy")
     blob = to_proto(q.model).SerializeToString()
     ours = _agreement(m, blob, ev, ref)
     assert ours >= 0.95
@@ -127,7 +127,7 @@ def test_silero_sequence_vad_static_with_varying_lengths():
     cal, ev = m.make_feeds(64, 96)
     assert len({f["input"].shape[0] for f in cal}) > 1
     ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
-    q = kiln.quantize(m.path, "static", cal, measure_latency=False)
+    q = kiln.quantize(m.path, "static", cal, measure_latency=False, backend="numpy")
     assert q.report.outputs["speech_probs"].top1 is None  # 1-D: not a row of scores
     assert len(q.report.quantized) >= 6
     assert _agreement(m, to_proto(q.model).SerializeToString(), ev, ref) >= 0.8

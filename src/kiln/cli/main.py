@@ -444,7 +444,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", choices=engines(), default=None,
                    help="engine that calibrates and on which the report, the accuracy budget "
                         "and --speed-aware measure (the one the file will run on; default: "
-                        f"{reference_backend_name()})")
+                        f"{default_backend_name()}, a default session's)")
     p.add_argument("--speed-aware", action=argparse.BooleanOptionalAction, default=None,
                    help="time each quantized layer alone, float and quantized, on --backend "
                         "and keep in float those not measured faster (default: on where "

@@ -35,7 +35,7 @@ from kiln.quantize.report import (
 )
 from kiln.quantize.smooth import smooth
 from kiln.quantize.speed import LayerTiming, time_layers, whole_model_ms
-from kiln.runtime.backends import reference_backend_name
+from kiln.runtime.backends import default_backend_name
 
 __all__ = ["MODES", "Budget", "Quantized", "quantize"]
 
@@ -104,8 +104,11 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     in float. ``validation`` (default: the calibration data) is what the report's error
     and top-1 agreement are measured on. ``backend`` (``numpy``, ``torch`` or
     ``onnxruntime``) runs calibration and every measurement: error, top-1, the budget,
-    latency. Engines round quantized layers differently, so a budget holds where it was
-    measured: measure on the engine the file will run on.
+    latency, speed-aware timing. Engines round quantized layers differently, so a budget
+    holds where it was measured: measure on the engine the file will run on. ``None``
+    (default): the backend a default ``kiln.InferenceSession`` runs the file on
+    (:func:`kiln.runtime.backends.default_backend_name`: ``torch`` where PyTorch is
+    installed); the report says which, and that it was the default.
     ``budget`` (a :class:`Budget` or ``"rel=0.01"``/``"top1=0.995"``): accuracy-aware
     mode: cheaper fixes first (8-bit weights, per-channel weights, percentile or entropy
     calibration), then layers go back to float, most sensitive first (ranked once by
@@ -115,9 +118,10 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     quantized, on ``backend`` on this machine (:mod:`kiln.quantize.speed`) and keep in
     float those whose quantized version was not faster; the report lists the times.
     ``None`` (default): on for the engines with integer kernels (``torch``,
-    ``onnxruntime``) wherever there is data to time on (static mode always; the others
-    with ``calibration`` or ``validation``), so that the INT8 file is never slower layer
-    by layer than the float one where it is to run; off on ``numpy``, which computes
+    ``onnxruntime``, so with the default ``backend`` wherever PyTorch is installed)
+    wherever there is data to time on (static mode always; the others with
+    ``calibration`` or ``validation``), so that the INT8 file is never slower layer by
+    layer than the float one where it is to run; off on ``numpy``, which computes
     quantized layers in float (every one measured slower: the file would come back
     float), the report says so. ``False`` quantizes every layer the plan allows, for size.
     ``on_batch(done, total)`` follows calibration (a progress bar hooks in);
@@ -126,7 +130,12 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     stage = on_stage or (lambda text: None)
     if isinstance(budget, str):
         budget = Budget.parse(budget)
-    backend = backend or reference_backend_name()
+    # Measured where a default session will run the file: speed-aware decisions, the
+    # accuracy figures and the budget hold there (on NumPy, the reference, quantized
+    # layers run in float and a default torch session then ran every layer as int8:
+    # slower than fp32 on 6 of 11 trained models, docs/performance.md).
+    asked = backend
+    backend = backend or default_backend_name()
     if backend not in engines():
         raise OptionError(f"unknown backend {backend!r} to measure on; choose one of "
                           f"{', '.join(engines())}")
@@ -341,6 +350,8 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                 m, plan = build(exclude | set(reverted))
     report = QuantizeReport(mode=mode, size_before=model_bytes(original),
                             size_after=model_bytes(m), backend=backend,
+                            backend_why="as asked (backend=)" if asked else
+                            "the backend a default kiln.InferenceSession runs the file on",
                             quantized=[_label(n) for n in plan.quantized],
                             kept={**{k: v for k, v in plan.kept.items()
                                      if k not in setting.skip and k not in exclude_added},

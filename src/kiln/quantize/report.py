@@ -40,7 +40,9 @@ class QuantizeReport:
     outputs: dict[str, OutputError] = field(default_factory=dict)
     samples: int = 0
     backend: str | None = None
-    """The engine measured on (None: the reference backend)."""
+    """The engine calibrated and measured on."""
+    backend_why: str = ""
+    """Why that engine: asked for, or the default session's backend."""
     latency_before_ms: float | None = None
     latency_after_ms: float | None = None
     layer_times: dict[str, tuple[float, float]] = field(default_factory=dict)
@@ -72,6 +74,9 @@ class QuantizeReport:
                  f"{self.size_after / mb:.2f} MB "
                  f"({self.size_before / max(self.size_after, 1):.2f}x smaller)",
                  f"layers quantized: {len(self.quantized)}, kept in float: {len(self.kept)}"]
+        if self.backend:
+            lines.insert(1, f"measured on {self.backend}"
+                            + (f": {self.backend_why}" if self.backend_why else ""))
         if self.weight_bits is not None:
             span = 2 ** (self.weight_bits - 1) - 1
             lines.insert(1, f"weights: {self.weight_bits}-bit (-{span}..{span}): "
