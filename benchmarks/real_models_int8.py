@@ -6,10 +6,11 @@ fp32, onnxruntime fp32 and onnxruntime running onnxruntime's own INT8 file.
     python benchmarks/run.py real-models-int8 [the same options]
 
 Files: Kiln's ``kiln.quantize(path, "static", cal)`` with every option at its default
-(the quantizer then calibrates and measures on the reference NumPy backend, where
-speed-aware timing is off: the table names it), the same with ``backend=`` the default
-session's backend (speed-aware timing of each layer and of the whole model there: the
-docs' advice), and onnxruntime's ``quantize_static(path, out, reader,
+(the quantizer then calibrates and measures on the backend a default session runs the
+file on, speed-aware timing of each layer and of the whole model there: the table names
+the backend), the same with ``speed_aware=False`` (every layer the plan allows
+quantized: what the default gave when it measured on NumPy), and onnxruntime's
+``quantize_static(path, out, reader,
 quant_format=QDQ)`` with its defaults, all calibrated on the same feeds
 (tests/trained_models.py's calibration set). They are cached under ``--cache`` (default:
 the system temp dir), keyed by the model file and Kiln's quantizer sources, so reruns
@@ -35,7 +36,7 @@ import warnings
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 BEGIN, END = "<!-- real-models-int8:begin -->", "<!-- real-models-int8:end -->"
-ENGINES = ("onnxruntime", "ort int8", "kiln fp32", "kiln int8", "kiln int8 sa")
+ENGINES = ("onnxruntime", "ort int8", "kiln fp32", "kiln int8", "kiln int8 all")
 CALIBRATION = {"ppocr_det_v4": 6, "dddd_det": 8}
 """Calibration samples per model (16 otherwise): the detectors' pages are large."""
 
@@ -70,21 +71,19 @@ def quantized_files(name: str, cache: str) -> dict:
     import kiln
     import trained_models as tm
     from kiln.onnxio import to_proto
-    from kiln.runtime.backends import default_backend_name
 
     m = tm.get(name)
     os.makedirs(cache, exist_ok=True)
     stem = os.path.join(cache, f"{name}-{_key(m.path)}")
-    info = {"kiln": stem + ".kiln.onnx", "kiln sa": stem + ".kiln-sa.onnx",
+    info = {"kiln": stem + ".kiln.onnx", "kiln all": stem + ".kiln-all.onnx",
             "ort": stem + ".ort.onnx", "meta": stem + ".json"}
     if all(os.path.exists(p) for p in info.values()):
         with open(info["meta"]) as f:
             return {**info, **json.load(f)}
     cal, _ = m.make_feeds(CALIBRATION.get(name, 16), 1)
     meta = {}
-    # default options, then the same with backend= the default session's (speed-aware
-    # timing on the backend the file runs on)
-    for key, opts in (("kiln", {}), ("kiln sa", {"backend": default_backend_name()})):
+    # default options, then every layer quantized (the speed-aware decisions' baseline)
+    for key, opts in (("kiln", {}), ("kiln all", {"speed_aware": False})):
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -95,7 +94,13 @@ def quantized_files(name: str, cache: str) -> dict:
                      "kept": len(kept), "speed_timed": len(q.report.layer_times),
                      "reverted_for_speed": sum("speed-aware" in v and "the model with" not in v
                                                for v in kept),
-                     "whole_model_reverted": sum("the model with" in v for v in kept)}
+                     "whole_model_reverted": sum("the model with" in v for v in kept),
+                     # where the time goes, for the docs: each timed layer's float and
+                     # quantized ms, the layers left quantized, the whole-model verdict
+                     "layer_ms": {k: [round(f, 4), round(x, 4)]
+                                  for k, (f, x) in q.report.layer_times.items()},
+                     "quantized_layers": list(q.report.quantized),
+                     "whole_model": next((v for v in kept if "the model with" in v), "")}
         with open(info[key], "wb") as f:
             f.write(to_proto(q.model).SerializeToString())
     t0 = time.perf_counter()
@@ -117,7 +122,7 @@ def bench_one(name: str, batch: int, args, files: dict) -> dict | None:
     if feeds is None:
         return None
     paths = {"onnxruntime": m.path, "ort int8": files["ort"], "kiln fp32": m.path,
-             "kiln int8": files["kiln"], "kiln int8 sa": files["kiln sa"]}
+             "kiln int8": files["kiln"], "kiln int8 all": files["kiln all"]}
     rec: dict = {"model": name, "batch": batch, "engines": {}}
     runners, want = {}, None
     for e, path in paths.items():
@@ -161,9 +166,9 @@ def markdown(env: dict, records: list[dict], meta: dict) -> str:
              "faster). Load average (1, 5, 15 min) at each locked run's start and end: " +
              "; ".join(runs) + ".", "",
              "| model | batch | ort fp32 ms | ort int8 ms | kiln fp32 ms | kiln int8 ms "
-             f"| kiln int8 `backend={env['default_backend']}` ms | ort int8 speed-up "
-             "| kiln int8 speed-up | `backend=` speed-up | kiln / ort int8 "
-             "| `backend=` / ort int8 |",
+             "| kiln int8 `speed_aware=False` ms | ort int8 speed-up "
+             "| kiln int8 speed-up | `speed_aware=False` speed-up | kiln / ort int8 "
+             "| `speed_aware=False` / ort int8 |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in records:
         ms = {e: _ms(r, e) for e in ENGINES}
@@ -172,25 +177,26 @@ def markdown(env: dict, records: list[dict], meta: dict) -> str:
                      " | ".join(_ratio(a, b) for a, b in (
                          (ms["onnxruntime"], ms["ort int8"]),
                          (ms["kiln fp32"], ms["kiln int8"]),
-                         (ms["kiln fp32"], ms["kiln int8 sa"]),
+                         (ms["kiln fp32"], ms["kiln int8 all"]),
                          (ms["kiln int8"], ms["ort int8"]),
-                         (ms["kiln int8 sa"], ms["ort int8"]))) + " |")
-    lines += ["", "| model | Kiln default file: measured on, quantized / kept | "
-              f"`backend={env['default_backend']}`: quantized / kept, timed layers reverted, "
-              "whole-model check reverted | task agreement with ort fp32 at batch 1: kiln / "
-              "`backend=` / ort int8 | quantize s: kiln / `backend=` / ort |",
+                         (ms["kiln int8 all"], ms["ort int8"]))) + " |")
+    lines += ["", "| model | Kiln default file: measured on, quantized / kept, timed layers "
+              "reverted, whole-model check reverted | `speed_aware=False`: quantized / kept "
+              "| task agreement with ort fp32 at batch 1: kiln / `speed_aware=False` / ort "
+              "int8 | quantize s: kiln / `speed_aware=False` / ort |",
               "|---|---|---|---|---|"]
     first = {r["model"]: r for r in reversed(records)}
     for name, q in meta.items():
-        k, sa = q["kiln report"], q["kiln sa report"]
+        k, every = q["kiln report"], q["kiln all report"]
         r = first.get(name, {"engines": {}})
         agree = " / ".join("—" if "task_agreement" not in r["engines"].get(e, {}) else
                            f"{r['engines'][e]['task_agreement']:.0%}"
-                           for e in ("kiln int8", "kiln int8 sa", "ort int8"))
-        lines.append(f"| {name} | {k['measured_on']}, {k['quantized']} / {k['kept']} | "
-                     f"{sa['quantized']} / {sa['kept']}, {sa['reverted_for_speed']} of "
-                     f"{sa['speed_timed']}, {sa['whole_model_reverted']} | {agree} | "
-                     f"{k['seconds']:.0f} / {sa['seconds']:.0f} / {q['ort seconds']:.0f} |")
+                           for e in ("kiln int8", "kiln int8 all", "ort int8"))
+        lines.append(f"| {name} | {k['measured_on']}, {k['quantized']} / {k['kept']}, "
+                     f"{k['reverted_for_speed']} of {k['speed_timed']}, "
+                     f"{k['whole_model_reverted']} | {every['quantized']} / {every['kept']} | "
+                     f"{agree} | {k['seconds']:.0f} / {every['seconds']:.0f} / "
+                     f"{q['ort seconds']:.0f} |")
     return "\n".join(lines)
 
 
@@ -237,7 +243,7 @@ def main(args, models: list[str], write_docs) -> int:
             files = quantized_files(name, cache)
             meta[name] = files
             print(f"{name}: " + json.dumps({k: files[k + " report"]
-                                            for k in ("kiln", "kiln sa")}), flush=True)
+                                            for k in ("kiln", "kiln all")}), flush=True)
             for b in (int(x) for x in args.batches.split(",")):
                 rec = bench_one(name, b, args, files)
                 if rec is None:
