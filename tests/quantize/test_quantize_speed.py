@@ -132,3 +132,28 @@ def test_speed_aware_is_the_default_where_there_is_data():
     assert all(_weight_is_quantized(every, n) for n in q.report.layer_times)
     dyn = kiln.quantize(path, "dynamic", measure_latency=False)
     assert dyn.report.layer_times == {}
+
+
+def test_speed_aware_times_batch_one_too():
+    """A calibration feed of many samples is timed as given and cut to one sample (the
+    real-time batch): a layer stays quantized only if faster at both, so the report's
+    pair for it is the worse one. The cut follows the declared shapes: only an input
+    whose first dimension is not fixed is sliced."""
+    from kiln.quantize.fp16 import as_model
+    from kiln.quantize.speed import one_sample
+
+    path = str(DIGITS / "digits_cnn.onnx")
+    images = np.load(str(DIGITS / "digits_test.npz"))["images"]
+    declared = onnx.load(path).graph.input[0].type.tensor_type.shape.dim[0]
+    assert not declared.HasField("dim_value")  # the file's batch is symbolic
+    one = one_sample(as_model(path), {"image": images[:16]})
+    np.testing.assert_array_equal(one["image"], images[:1])
+    assert one_sample(as_model(path), {"image": images[:1]}) is None
+    stages = []
+    q = kiln.quantize(path, "static", [{"image": images[:16]}], measure_latency=False,
+                      on_stage=stages.append)
+    assert any("(calibration batch and batch 1)" in s for s in stages), stages
+    proto = to_proto(q.model)
+    whole = any("the model with" in why for why in q.report.kept.values())
+    for layer, (f_ms, q_ms) in q.report.layer_times.items():
+        assert _weight_is_quantized(proto, layer) == (not whole and q_ms < f_ms), layer

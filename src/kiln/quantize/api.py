@@ -22,7 +22,7 @@ from kiln.quantize import qdq, weight_only
 from kiln.quantize.budget import Budget
 from kiln.quantize.calibrate import METHODS, calibrate, calibrate_all, load_feeds
 from kiln.quantize.cpu import weight_range
-from kiln.quantize.engines import engines, integer_engines
+from kiln.quantize.engines import engines, integer_engines, open_session
 from kiln.quantize.fp16 import as_model, at_opset, standard_ops
 from kiln.quantize.outliers import measure_noise
 from kiln.quantize.report import (
@@ -34,7 +34,13 @@ from kiln.quantize.report import (
     outputs_of,
 )
 from kiln.quantize.smooth import smooth
-from kiln.quantize.speed import LayerTiming, time_layers, whole_model_ms
+from kiln.quantize.speed import (
+    LayerTiming,
+    one_sample,
+    slowest,
+    time_layers,
+    whole_model_ms,
+)
 from kiln.runtime.backends import default_backend_name
 
 __all__ = ["MODES", "Budget", "Quantized", "quantize"]
@@ -116,7 +122,9 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     after ``budget_seconds`` with the best model found. The report lists what it tried.
     ``speed_aware``: time every quantized Conv/ConvTranspose/MatMul/Gemm alone, float and
     quantized, on ``backend`` on this machine (:mod:`kiln.quantize.speed`) and keep in
-    float those whose quantized version was not faster; the report lists the times.
+    float those whose quantized version was not faster; the first feed is timed as given
+    and, where it holds many samples, cut to one (:func:`kiln.quantize.speed.one_sample`):
+    a layer stays quantized only if faster at both; the report lists the worse times.
     ``None`` (default): on for the engines with integer kernels (``torch``,
     ``onnxruntime``, so with the default ``backend`` wherever PyTorch is installed)
     wherever there is data to time on (static mode always; the others with
@@ -328,8 +336,20 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         by_name = {n.name: n for n in (setting.base or base).graph.nodes if n.name}
         layers = [by_name[n.name] for n in plan.quantized
                   if n.op_type in qdq.COMPUTE_OPS and n.name in by_name]
-        stage(f"timing {len(layers)} layers float and quantized on {backend}")
-        timings = time_layers(setting.base or base, m, layers, check[0], backend)
+        timed_on = setting.base or base
+        # the feed as given, and one sample of it: a file run at batch 1 and at the
+        # calibration batch is to be faster at both
+        feeds_t = [check[0]]
+        one = one_sample(timed_on, check[0])
+        if one is not None:
+            try:
+                open_session(timed_on, backend).run(None, one)
+                feeds_t.append(one)
+            except Exception:  # a batch tied across inputs (silero's state): as given only
+                pass
+        stage(f"timing {len(layers)} layers float and quantized on {backend}"
+              + (" (calibration batch and batch 1)" if len(feeds_t) > 1 else ""))
+        timings = slowest([time_layers(timed_on, m, layers, f, backend) for f in feeds_t])
         slower = {name: f"reverted to float, speed-aware: {t.quant_ms:.3f} ms quantized vs "
                         f"{t.float_ms:.3f} ms float on {backend}"
                   for name, t in timings.items() if not t.faster}
@@ -341,13 +361,16 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
             # Layers timed alone miss what lies between them (a chain broken by a
             # reverted neighbour pays Q/DQ both sides): the whole model decides last.
             stage(f"timing the whole model float and quantized on {backend}")
-            f_ms, q_ms = whole_model_ms(setting.base or base, m, check[0], backend)
-            if q_ms >= f_ms:
-                reverted.update({name: f"reverted to float, speed-aware: the model with "
-                                       f"{len(left)} layer(s) quantized ran in {q_ms:.3f} "
-                                       f"ms vs {f_ms:.3f} ms float on {backend}"
-                                 for name in left})
-                m, plan = build(exclude | set(reverted))
+            for f in feeds_t:
+                f_ms, q_ms = whole_model_ms(timed_on, m, f, backend)
+                if q_ms >= f_ms:
+                    at = "" if f is check[0] else " at batch 1"
+                    reverted.update({name: f"reverted to float, speed-aware: the model with "
+                                           f"{len(left)} layer(s) quantized ran in {q_ms:.3f} "
+                                           f"ms vs {f_ms:.3f} ms float on {backend}{at}"
+                                     for name in left})
+                    m, plan = build(exclude | set(reverted))
+                    break
     report = QuantizeReport(mode=mode, size_before=model_bytes(original),
                             size_after=model_bytes(m), backend=backend,
                             backend_why="as asked (backend=)" if asked else

@@ -10,7 +10,10 @@ onnxruntime), so the quantized cut is fused into the integer kernel exactly as i
 whole model; the times are best-of ``runs``, the two versions taking turns. Then the
 whole model, float against what is left quantized (:func:`whole_model_ms`): layers timed
 alone miss the Q/DQ a reverted neighbour adds between them (silero's sequence VAD kept 3
-of 6 layers, each faster alone, and ran slower than the float model on torch).
+of 6 layers, each faster alone, and ran slower than the float model on torch). Both
+are timed on the feed as given and, where it holds many samples, on one sample of it
+(:func:`one_sample`): a decision made at the calibration batch alone does not hold at
+batch 1.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from kiln.ir import Model, Node
 from kiln.quantize.calibrate import session_with
 from kiln.quantize.engines import open_session
 
-__all__ = ["LayerTiming", "time_layers", "whole_model_ms"]
+__all__ = ["LayerTiming", "one_sample", "slowest", "time_layers", "whole_model_ms"]
 
 
 @dataclass
@@ -114,3 +117,34 @@ def whole_model_ms(base: Model, quant: Model, feed: dict, backend: str,
     turns (one session each, on ``backend``)."""
     f_s, q_s = open_session(base, backend), open_session(quant, backend)
     return _best_pair(lambda: f_s.run(None, feed), lambda: q_s.run(None, feed), runs)
+
+
+def one_sample(m: Model, feed: dict) -> dict | None:
+    """``feed`` cut to its first sample: each input whose declared first dimension is not
+    a fixed number and that holds more than one there, sliced to ``[:1]``; None when none
+    does (the feed is one sample already, or the model's batch is fixed). A calibration
+    feed is often one batch of many samples (16 windows, 16 text lines), while real-time
+    use runs one: an int8 layer faster at 16 can be slower at 1 (silero's sequence VAD:
+    kept quantized at 16, its file ran 0.76x fp32 at batch 1)."""
+    declared = {v.name: v.shape for v in m.graph.inputs}
+    out, cut_any = {}, False
+    for name, x in feed.items():
+        shape = declared.get(name)
+        x = np.asarray(x)
+        if shape and x.ndim and not isinstance(shape[0], int) and x.shape[0] > 1:
+            out[name], cut_any = x[:1], True
+        else:
+            out[name] = x
+    return out if cut_any else None
+
+
+def slowest(timings: list[dict[str, LayerTiming]]) -> dict[str, LayerTiming]:
+    """Per layer, the timing where quantized fared worst against float (``timings`` taken
+    on several feeds): a layer stays quantized only if it was faster on every one."""
+    out: dict[str, LayerTiming] = {}
+    for each in timings:
+        for name, t in each.items():
+            old = out.get(name)
+            if old is None or t.quant_ms * old.float_ms > old.quant_ms * t.float_ms:
+                out[name] = t
+    return out
