@@ -28,6 +28,27 @@ def _graphs(mod: nn.Module, args: tuple) -> tuple[int, list[str]]:
     return e.graph_count, [b.reason.splitlines()[0] for b in e.break_reasons]
 
 
+def _guards(mod: nn.Module, args: tuple) -> int:
+    """How many guards dynamo checks before each call of the compiled module."""
+    torch._dynamo.reset()
+    return len(torch._dynamo.explain(mod)(*args).out_guards)
+
+
+def _compiles(mod: nn.Module, args: tuple, calls: int = 3) -> int:
+    """How many times dynamo compiles ``mod`` over ``calls`` calls on the same inputs."""
+    torch._dynamo.reset()
+    n = [0]
+
+    def count(gm, example_inputs):
+        n[0] += 1
+        return gm.forward
+
+    f = torch.compile(mod, backend=count)
+    for _ in range(calls):
+        f(*args)
+    return n[0]
+
+
 def _bert():
     transformers = pytest.importorskip("transformers")
     cfg = transformers.BertConfig(
@@ -153,3 +174,18 @@ def test_compiled_kiln_cnn_trains_as_the_compiled_original():
         torch.testing.assert_close(b, ref.get_buffer(k), rtol=1e-5, atol=1e-6)
     for k, p in m.named_parameters():
         torch.testing.assert_close(p, ref.get_parameter(k), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("make", [_bert, _gpt2, _cnn], ids=["bert", "gpt2", "cnn"])
+def test_compiled_kiln_module_checks_no_more_guards_than_the_original(make):
+    """Dynamo checks its guards before every call of a compiled module: traced through the
+    plan's kernels, it guarded each closure cell it read, several times the original's
+    guards (issue 46, compiled step time). Nor may a later call compile again (a cache the
+    kernels filled while traced failed its guard on the second call)."""
+    ref, args = make()
+    m = _kiln(ref, args)
+    for mode in ("eval", "train"):
+        getattr(ref, mode)(), getattr(m, mode)()
+        assert _guards(m, args) <= _guards(ref, args)
+        assert _compiles(ref, args) == 1
+        assert _compiles(m, args) == 1

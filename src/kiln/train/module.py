@@ -14,11 +14,13 @@ from __future__ import annotations
 import keyword
 import re
 import warnings
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 import torch
 from torch import nn
+from torch.fx.experimental.proxy_tensor import make_fx
 
 from kiln.errors import InputError, UnsupportedOpError
 from kiln.ir import DType, Model, Value, plain_shape
@@ -117,7 +119,7 @@ class KilnModule(nn.Module):
             run.opset_imports,
             run.functions,
         )
-        self._programs: dict[tuple, tuple] = {}  # torch.compile's, per input signature
+        self._programs: dict[tuple, torch.fx.GraphModule] = {}  # torch.compile's, per key
         self.non_differentiable = self._check_gradients(
             {inits[v.name] for v in trainable}, run.opset_imports
         )
@@ -266,20 +268,59 @@ class KilnModule(nn.Module):
         (shape arithmetic folded into Python ints, so no value is read on the host and the
         graph does not break), a straight-line program taking the parameters and buffers
         as arguments (no environment dict for dynamo to follow)."""
-        key = tuple((tuple(int(d) for d in x.shape), str(x.dtype)) for x in inputs)
+        shapes = tuple((tuple(int(d) for d in x.shape), x.dtype, x.device) for x in inputs)
+        key = (shapes, self.training)
         _specialized(self, key)
-        prog, holder = self._programs[key]  # read here, where dynamo can guard it
+        graph = self._programs[key]  # read here, where dynamo can guard it
         weights = [getattr(owner, attr) for _, owner, attr in self._feeds]
-        self._backend.training = self.training
-        out = prog(holder, *inputs, *weights)
+        out = graph(*inputs, *weights)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _specialize(self, key: tuple) -> tuple:
-        """(program function, holder of its constants) for inputs of shapes and dtypes
-        ``key``, made once per key."""
+    def _specialize(self, key: tuple) -> torch.fx.GraphModule:
+        """The graph of torch ops dynamo traces for inputs of the shapes and dtypes and the
+        train/eval mode in ``key``, made once per key.
+
+        The plan runs once on fake tensors under ``make_fx`` (torch's pre-autograd ops, the
+        level ``torch.compile`` itself records), so dynamo traces straight-line torch calls.
+        Traced through the plan's kernels instead, dynamo guarded every closure cell it read
+        (kernel attributes, dtype sets, code objects): thousands of guards, checked on
+        every call of the compiled module."""
         got = self._programs.get(key)
         if got is not None:
             return got
+        shapes, training = key
+        prog, holder = self._program(tuple((s, str(d)) for s, d, _ in shapes))
+        examples = [torch.empty(s, dtype=d, device=dev) for s, d, dev in shapes]
+        weights = [getattr(owner, attr) for _, owner, attr in self._feeds]
+        self._backend.training = training
+        consts = dict(holder.named_buffers())
+        n = len(examples) + len(weights)
+
+        def run(*xs):
+            return prog(SimpleNamespace(**dict(zip(consts, xs[n:]))), *xs[:n])
+
+        # traced apart from dynamo's own fake mode, whose tensors it would mix in
+        with torch._guards.tracing(None):
+            gm = make_fx(run, tracing_mode="fake", pre_dispatch=True)(
+                *examples, *weights, *consts.values()
+            )
+        # the constants become the graph's buffers rather than inputs
+        g = gm.graph
+        holders = [x for x in g.nodes if x.op == "placeholder"][n:]
+        first = next(x for x in g.nodes if x.op != "placeholder")
+        for (name, t), ph in zip(consts.items(), holders):
+            gm.register_buffer(name, t, persistent=False)
+            with g.inserting_before(first):
+                ph.replace_all_uses_with(g.get_attr(name))
+            g.erase_node(ph)
+        # a plain GraphModule: make_fx's lazy one compiles its code on the first call, in
+        # a function dynamo does not trace (a graph break)
+        gm = self._programs[key] = torch.fx.GraphModule(gm, g)
+        return gm
+
+    def _program(self, key: tuple) -> tuple:
+        """(program function, holder of its constants) for inputs of shapes and dtypes
+        ``key``."""
         fed = {v.name for v, _, _ in self._feeds}
         for v, _, _ in self._feeds:
             v.meta["overridable"] = True  # not folded: each stays a value of its own
@@ -308,8 +349,7 @@ class KilnModule(nn.Module):
         holder = nn.Module()
         for k, t in prog.constants.items():
             holder.register_buffer(k, t, persistent=False)
-        got = self._programs[key] = (prog.fn, holder)
-        return got
+        return prog.fn, holder
 
     def _run(self, inputs: list):
         be = self._backend
