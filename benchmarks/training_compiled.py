@@ -1,8 +1,10 @@
 """torch.compile of kiln.to_torch modules against the PyTorch modules they were exported
 from, both compiled the same way (inductor), side by side in one process: graphs and graph
 breaks (``torch._dynamo.explain``), the first compiled training step (compiling included)
-and the best of --reps later steps (forward + backward + SGD), and the peak memory of a
-compiled step (the resident set's rise, as benchmarks/training.py measures it), CPU.
+and the best of --reps later steps (forward + backward + SGD), the median over the rounds
+of each round's Kiln / PyTorch ratio (the two modules step one after the other in a round,
+taking turns going first) and that ratio's range, and the peak memory of a compiled step
+(the resident set's rise, as benchmarks/training.py measures it), CPU.
 
     python benchmarks/training_compiled.py [--reps 5] [--models resnet18,mobilenetv2,bert,gpt2]
         [--batch 2] [--seq 32] [--image 64]
@@ -13,6 +15,7 @@ from __future__ import annotations
 import argparse
 import copy
 import os
+import statistics
 import sys
 
 import numpy as np
@@ -40,7 +43,8 @@ def main() -> None:
     print(
         f"{'model':<10} {'graphs torch/kiln':>17} {'first torch s':>13} {'first kiln s':>12} "
         f"{'ratio':>6} {'step torch s':>12} {'step kiln s':>11} {'ratio':>6} "
-        f"{'torch peak MB':>13} {'kiln peak MB':>12} {'ratio':>6} {'load':>9}"
+        f"{'median ratio':>12} {'ratio range':>11} {'torch peak MB':>13} {'kiln peak MB':>12} "
+        f"{'ratio':>6} {'load':>9}"
     )
     for name in a.models.split(","):
         entry = get_entry(name)
@@ -73,11 +77,15 @@ def main() -> None:
             for k in mods:
                 peak[k].append(peak_bytes(comp[k], opts[k], args))
         t0, t1 = min(times["torch"]), min(times["kiln"])
+        # one system hiccup moves one round: the median of per-round ratios is what to read
+        ratios = [k / t for t, k in zip(times["torch"], times["kiln"])]
+        med, lo, hi = statistics.median(ratios), min(ratios), max(ratios)
         p0, p1 = min(peak["torch"]) / 2**20, min(peak["kiln"]) / 2**20
         print(
             f"{name:<10} {graphs['torch']:>8}/{graphs['kiln']:<8} {first['torch']:>13.1f} "
             f"{first['kiln']:>12.1f} {first['kiln'] / first['torch']:>6.2f} {t0:>12.4f} "
-            f"{t1:>11.4f} {t1 / t0:>6.2f} {p0:>13.1f} {p1:>12.1f} {p1 / p0:>6.2f} "
+            f"{t1:>11.4f} {t1 / t0:>6.2f} {med:>12.3f} {f'{lo:.2f}-{hi:.2f}':>11} {p0:>13.1f} "
+            f"{p1:>12.1f} {p1 / p0:>6.2f} "
             f"{load0:>4.1f}-{os.getloadavg()[0]:<4.1f}",
             flush=True,
         )
