@@ -56,6 +56,7 @@ sys.path.insert(0, HERE)
 import zoo_suite as zs  # noqa: E402
 
 import trained_models as tm  # noqa: E402
+from kiln.tools.benchmark import SWITCH_REST_S  # noqa: E402
 
 BEGIN, END = "<!-- real-models:begin -->", "<!-- real-models:end -->"
 RNN_BEGIN, RNN_END = "<!-- recurrent:begin -->", "<!-- recurrent:end -->"
@@ -267,7 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--budget", type=float, default=4.0, help="seconds per model and batch")
     ap.add_argument("--min-runs", type=int, default=20)
     ap.add_argument("--max-runs", type=int, default=400)
-    ap.add_argument("--rest", type=float, default=0.05)
+    ap.add_argument("--rest", type=float, default=SWITCH_REST_S,
+                    help="seconds of rest whenever the engine changes (kiln bench's)")
     ap.add_argument("--doc", action="store_true", help="write docs/performance.md's table")
     ap.add_argument("--json", default=None)
     ap.add_argument("--first-compile", default=None, metavar="JSON",

@@ -22,6 +22,8 @@ SUITE: dict[str, tuple[str, str]] = {
     "zoo": ("zoo_suite.py", "every zoo model on every engine: latency, throughput, peak memory"),
     "real-models": ("real_models.py", "trained models shipped in pip packages"),
     "real-models-int8": ("real_models_int8.py", "the same: Kiln's and ORT's INT8 files vs fp32"),
+    "real-model-layers": ("real_model_layers.py",
+                          "the same at batch 1: Kiln's and ORT's per-layer profiles by kind"),
     "time-by-op": ("time_by_op.py", "where a zoo model's time goes, by kind of layer"),
     "layers": ("layer_overhead.py", "per-layer overhead on a chain of small nodes"),
     "sessions": ("session_overhead.py", "session creation time and memory (--zoo)"),

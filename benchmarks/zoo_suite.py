@@ -152,6 +152,7 @@ def measure(runners: dict, feeds: dict, budget_s: float, min_runs: int, max_runs
     untimed run when a run is short enough that this costs little."""
     est = {}
     for name, fn in runners.items():  # warm-up, and a first estimate of each run's time
+        time.sleep(rest_s)  # the previous engine's workers may still spin: rest here too
         fn(feeds)
         t = time.perf_counter()
         fn(feeds)
