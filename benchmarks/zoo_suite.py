@@ -253,19 +253,25 @@ def _numpy_blas() -> str:
 
 def _cpu_model() -> str:
     """The CPU's model name and the vector extensions that change these numbers most."""
-    name, flags = platform.processor(), set()
+    name, flags, ids = platform.processor(), set(), {}
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                key = line.split(":", 1)[0].strip()
+                if key in ("cpu family", "model"):  # a VM's name can be just "AMD EPYC"
+                    ids[key] = line.split(":", 1)[1].strip()
+                elif line.startswith("model name"):
                     name = line.split(":", 1)[1].strip()
                 elif line.startswith("flags"):
                     flags = set(line.split(":", 1)[1].split())
                     break
     except OSError:
         pass
-    have = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx_vnni", "amx_tile")
+    have = [f for f in ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx_vnni",
+                                "amx_tile")
             if f in flags]
+    if len(ids) == 2:
+        name += f" (family {ids['cpu family']} model {ids['model']})"
     return f"{name}; {' '.join(have) or 'no AVX2'}" if flags else name
 
 
