@@ -189,3 +189,34 @@ def test_compiled_kiln_module_checks_no_more_guards_than_the_original(make):
         assert _guards(m, args) <= _guards(ref, args)
         assert _compiles(ref, args) == 1
         assert _compiles(m, args) == 1
+
+
+def test_compiled_kiln_module_with_a_host_read_matches_onnxruntime():
+    """A layer whose result is read on the host (NonZero's count, run by the NumPy kernel)
+    cannot be traced on fake tensors: dynamo then traces the kernels themselves, breaking
+    the graph there, and the compiled module still computes the model (onnxruntime judges)."""
+    ort = pytest.importorskip("onnxruntime")
+    import numpy as np
+    from onnx import TensorProto as T
+    from onnx import helper as h
+
+    w = h.make_tensor("W", T.FLOAT, [4], np.arange(1, 5, dtype=np.float32))
+    nodes = [
+        h.make_node("Mul", ["x", "W"], ["y"]),
+        h.make_node("NonZero", ["x"], ["nz"]),
+        h.make_node("Cast", ["nz"], ["f"], to=T.FLOAT),
+        h.make_node("ReduceSum", ["f"], ["s"], keepdims=0),
+        h.make_node("Mul", ["y", "s"], ["out"]),
+    ]
+    g = h.make_graph(
+        nodes, "g", [h.make_tensor_value_info("x", T.FLOAT, [2, 4])],
+        [h.make_tensor_value_info("out", T.FLOAT, [2, 4])], [w],
+    )
+    model = h.make_model(g, opset_imports=[h.make_opsetid("", 17)])
+    x = np.array([[1, 0, 2, 0], [0, 3, 0, 4]], np.float32)
+    want = ort.InferenceSession(
+        model.SerializeToString(), providers=["CPUExecutionProvider"]
+    ).run(None, {"x": x})[0]
+    torch._dynamo.reset()
+    out = torch.compile(kiln.to_torch(model), backend="eager")(torch.from_numpy(x))
+    np.testing.assert_allclose(out.detach().numpy(), want, rtol=1e-6)

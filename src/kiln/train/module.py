@@ -14,6 +14,7 @@ from __future__ import annotations
 import keyword
 import re
 import warnings
+from collections.abc import Callable
 from types import SimpleNamespace
 from typing import Any
 
@@ -119,7 +120,7 @@ class KilnModule(nn.Module):
             run.opset_imports,
             run.functions,
         )
-        self._programs: dict[tuple, torch.fx.GraphModule] = {}  # torch.compile's, per key
+        self._programs: dict[tuple, Callable] = {}  # torch.compile's, per key
         self.non_differentiable = self._check_gradients(
             {inits[v.name] for v in trainable}, run.opset_imports
         )
@@ -276,7 +277,7 @@ class KilnModule(nn.Module):
         out = graph(*inputs, *weights)
         return out[0] if len(out) == 1 else tuple(out)
 
-    def _specialize(self, key: tuple) -> torch.fx.GraphModule:
+    def _specialize(self, key: tuple) -> Callable:
         """The graph of torch ops dynamo traces for inputs of the shapes and dtypes and the
         train/eval mode in ``key``, made once per key.
 
@@ -300,10 +301,19 @@ class KilnModule(nn.Module):
             return prog(SimpleNamespace(**dict(zip(consts, xs[n:]))), *xs[:n])
 
         # traced apart from dynamo's own fake mode, whose tensors it would mix in
-        with torch._guards.tracing(None):
-            gm = make_fx(run, tracing_mode="fake", pre_dispatch=True)(
-                *examples, *weights, *consts.values()
-            )
+        try:
+            with torch._guards.tracing(None):
+                gm = make_fx(run, tracing_mode="fake", pre_dispatch=True)(
+                    *examples, *weights, *consts.values()
+                )
+        except Exception:  # a value read on the host (NonZero's count...): dynamo traces
+            # the kernels themselves, guards and graph breaks included
+            def kernels(*xs, _be=self._backend):
+                _be.training = training
+                return prog(holder, *xs)
+
+            self._programs[key] = kernels
+            return kernels
         # the constants become the graph's buffers rather than inputs
         g = gm.graph
         holders = [x for x in g.nodes if x.op == "placeholder"][n:]
