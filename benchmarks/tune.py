@@ -159,10 +159,12 @@ def _table(args: argparse.Namespace, tmp: str) -> None:
             eager = kiln.InferenceSession(src, backend="torch", threads=default)
             threads = {"kiln": r.winner.threads or default, "eager": default}
             spins = {"kiln": spin_rest(r.winner.backend)}
-            o32 = ort.InferenceSession(src, providers=["CPUExecutionProvider"])
+            so = ort.SessionOptions()  # as kiln bench --vs and time_by_op.py set it
+            so.intra_op_num_threads, so.inter_op_num_threads = default, 1
+            o32 = ort.InferenceSession(src, so, providers=["CPUExecutionProvider"])
             runs = {"kiln": k.run, "ort32": o32.run, "eager": eager.run}
             try:
-                runs["ort8"] = ort.InferenceSession(q, providers=["CPUExecutionProvider"]).run
+                runs["ort8"] = ort.InferenceSession(q, so, providers=["CPUExecutionProvider"]).run
             except Exception as e:  # onnxruntime refusing the file its own tool wrote
                 print(f"  [{name}] onnxruntime refuses its quantize_static file: {e}",
                       file=sys.stderr)
