@@ -803,6 +803,42 @@ def test_small_max_pools_match_onnxruntime(x_shape, attrs, monkeypatch):
             sess.run(None, {"x": t}, output_type="torch")[0].numpy(), want)
 
 
+@pytest.mark.parametrize("batch", [1, 4])  # the strided views' size range, and past it
+def test_resnet_max_pool_with_infinities_matches_the_oracles(batch):
+    """ResNet's first pool on NHWC activations: the views (batch 1) and torch's pool
+    (batch 4, past the views' range) give onnxruntime's result; with +inf and a window of
+    -inf only, the cheap NaN check (a sum, NaN for +inf and -inf together) sends the
+    result to the NumPy kernel, which gives onnx.reference's (onnxruntime's is the lowest
+    float32 for that window, not -inf); NaNs are skipped as the reference skips them."""
+    from onnx.reference import ReferenceEvaluator
+
+    model, x = _pool_case("MaxPool", (batch, 64, 112, 112),
+                          dict(kernel_shape=[3, 3], strides=[2, 2], pads=[1, 1, 1, 1]))
+    x_inf = x.copy()
+    x_inf[0, 0, :2, :2] = -np.inf  # output (0, 0)'s window sees only these and padding
+    x_inf[-1, -1, 50, 50] = np.inf
+    want_inf = ReferenceEvaluator(model).run(None, {"x": x_inf})[0]
+    assert np.isneginf(want_inf).any() and np.isposinf(want_inf).any()
+    sess = kiln.InferenceSession(model, backend="torch")
+    for arr, want in ((x, ort_run(model, {"x": x})[0]), (x_inf, want_inf)):
+        t = torch.from_numpy(arr).contiguous(memory_format=torch.channels_last)
+        np.testing.assert_array_equal(
+            sess.run(None, {"x": t}, output_type="torch")[0].numpy(), want)
+        np.testing.assert_array_equal(sess.run(None, {"x": arr})[0], want)
+    # NaNs are skipped (no window here is all NaN): the reference's numbers, no NaN out.
+    # (onnxruntime's pool at this size gives a smaller number than the window's largest
+    # in half the windows holding a NaN: no oracle for this.)
+    x_nan = x.copy()
+    x_nan[:, :, ::3, ::2] = np.nan
+    want = ReferenceEvaluator(model).run(None, {"x": x_nan})[0]
+    seen = ~np.isnan(want)
+    t = torch.from_numpy(x_nan).contiguous(memory_format=torch.channels_last)
+    for got in (sess.run(None, {"x": t}, output_type="torch")[0].numpy(),
+                sess.run(None, {"x": x_nan})[0]):
+        assert not np.isnan(got).any()
+        np.testing.assert_array_equal(got[seen], want[seen])
+
+
 @pytest.mark.parametrize("x_shape, attrs", [
     ((1, 3, 7, 7), dict(kernel_shape=[7, 7], pads=[0, 0, 1, 1])),  # Inception v1's last
     ((2, 3, 7, 7), dict(kernel_shape=[7, 7], pads=[0, 0, 1, 1], count_include_pad=1)),

@@ -76,7 +76,7 @@ def max_pool(site):
         if (
             not want_idx
             and sum(k - 1 for k in ks) <= 4
-            and x.numel() >= _VIEW_POOL_MIN
+            and _VIEW_POOL_MIN <= x.numel() <= _VIEW_POOL_MAX
             and not x.requires_grad
         ):
             # (training keeps torch's pool: its gradient goes to one element of a tie, as
@@ -134,10 +134,13 @@ def _nan_in(y) -> bool:
     the reference skips it: the NumPy kernel then answers). Not asked inside
     torch.compile, where a data-dependent branch would break the graph: a compiled
     program keeps torch's NaN rule (docs/reliability.md)."""
+    # A NaN anywhere makes the sum NaN: one reduction instead of isnan's mask and its
+    # any(). A sum of +inf and -inf is NaN too: that rare result goes to the NumPy
+    # kernel, which is right either way.
     return (
         y.dtype.is_floating_point
         and not torch.compiler.is_compiling()
-        and bool(torch.isnan(y).any())
+        and bool(torch.isnan(y.sum()))
     )
 
 
@@ -160,6 +163,10 @@ _VIEW_POOL_MIN = 2**19
 """Inputs from this many elements pool as maxima over views. Below it torch's pool wins:
 a few small ops cost more than its index writes (NHWC, batch 1; from 64x104x104 the views
 take less time than torch's pool)."""
+_VIEW_POOL_MAX = 2**21
+"""Inputs over this many elements pool with torch's pool again: past the caches each of
+the views' passes reads the input from memory (ResNet-18's first pool at batch 4 and 8;
+docs/performance.md)."""
 
 
 def _max_pool_separable(x, ks, strides, dil, begins, sizes):
