@@ -38,6 +38,7 @@ ROOT = os.path.dirname(HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests"))
 sys.path.insert(0, HERE)
 import real_models as rm  # noqa: E402
+import time_by_op as tbo  # noqa: E402
 import zoo_suite as zs  # noqa: E402
 
 import trained_models as tm  # noqa: E402
@@ -84,23 +85,11 @@ def ort_profile(path: str, feeds: dict, threads: int, runs: int) -> tuple[list, 
     """(kind, median ms) of every main-graph node onnxruntime ran, by its own profiler,
     and its profiled run's median ms."""
     import onnx
-    import onnxruntime as ort
 
-    folder = tempfile.mkdtemp()
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.inter_op_num_threads = 1
-    so.log_severity_level = 3
-    so.enable_profiling = True
-    so.profile_file_prefix = os.path.join(folder, "ort")
-    so.optimized_model_filepath = os.path.join(folder, "opt.onnx")
-    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
-    for _ in range(3 + runs):
-        sess.run(None, feeds)
-    trace = sess.end_profiling()
-    with open(trace) as f:
-        events = json.load(f)
-    opt = onnx.load(so.optimized_model_filepath, load_external_data=False)
+    optimized = os.path.join(tempfile.mkdtemp(), "opt.onnx")
+    events = tbo.ort_trace(path, feeds, threads, runs, inter_op_num_threads=1,
+                           log_severity_level=3, optimized_model_filepath=optimized)
+    opt = onnx.load(optimized, load_external_data=False)
     inits = {i.name: tuple(i.dims) for i in opt.graph.initializer}
     nodes = {n.name: n for n in opt.graph.node}  # main graph only: If branches inside
     per_node, walls = collections.defaultdict(list), []

@@ -72,13 +72,16 @@ def kiln_layers(path: str, feeds: dict, backend: str, threads: int, runs: int
             if x.times_ms and not x.once]
 
 
-def ort_layers(path: str, feeds: dict, threads: int, runs: int) -> list[tuple[str, float]]:
-    """(op type, median ms) of every node onnxruntime ran, by its own profiler."""
+def ort_trace(path: str, feeds: dict, threads: int, runs: int, **options) -> list[dict]:
+    """onnxruntime's profiler events over 3 warm-up runs and ``runs`` more on ``threads``
+    intra-op threads; ``options``: further ``SessionOptions`` fields to set."""
     import onnxruntime as ort
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.enable_profiling = True
     so.profile_file_prefix = os.path.join(tempfile.mkdtemp(), "ort")
+    for k, v in options.items():
+        setattr(so, k, v)
     sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
     for _ in range(3 + runs):
         sess.run(None, feeds)
@@ -86,6 +89,12 @@ def ort_layers(path: str, feeds: dict, threads: int, runs: int) -> list[tuple[st
     with open(trace) as f:
         events = json.load(f)
     os.remove(trace)
+    return events
+
+
+def ort_layers(path: str, feeds: dict, threads: int, runs: int) -> list[tuple[str, float]]:
+    """(op type, median ms) of every node onnxruntime ran, by its own profiler."""
+    events = ort_trace(path, feeds, threads, runs)
     per_node = collections.defaultdict(list)
     for e in events:
         if e.get("cat") == "Node" and e["name"].endswith("_kernel_time"):
