@@ -1,6 +1,6 @@
 """Small layers on their fast paths (issue 42, item 2) give onnxruntime's results: 1-D
-convolutions with wide kernels or long strides (STFT written as a Conv), tiny convolutions
-run single-threaded, and the trained models those paths serve, on both backends."""
+convolutions with wide kernels or long strides (STFT written as a Conv), tiny convolutions,
+and the trained models those paths serve, on both backends."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ CASES = [  # (x shape, w shape, attrs)
     ((2, 1, 1760), (257, 1, 512), {"strides": [160]}),  # openWakeWord's mel front end
     ((2, 4, 100), (6, 2, 20), {"strides": [3], "pads": [2, 5], "dilations": [2], "group": 2}),
     ((3, 2, 50), (4, 2, 5), {"strides": [4], "pads": [1, 1]}),
-    ((1, 64, 2), (64, 64, 3), {"strides": [2], "pads": [1, 1]}),  # tiny: one thread
+    ((1, 64, 2), (64, 64, 3), {"strides": [2], "pads": [1, 1]}),  # tiny
     ((1, 8, 5, 5), (4, 8, 3, 3), {"pads": [1, 1, 1, 1]}),
 ]
 
@@ -192,8 +192,8 @@ def test_recurrent_layers_match_onnxruntime(backend, case):
 
 
 def test_a_training_forward_keeps_torchs_thread_count_for_small_convolutions():
-    """A small convolution that inference runs on one thread runs on torch's thread count
-    while autograd records it: oneDNN's one-thread algorithm rounds differently (a 1x1
+    """A small convolution in a training forward runs on torch's thread count, as the
+    PyTorch module's does: oneDNN's one-thread algorithm rounds differently (a 1x1
     convolution over 1x1 pixels here), and in training that difference reached the
     gradients (MobileNetV2's, through train-mode BatchNorm). The Kiln module's output and
     weight gradient equal the PyTorch module's bit for bit."""
@@ -203,7 +203,7 @@ def test_a_training_forward_keeps_torchs_thread_count_for_small_convolutions():
     torch.set_num_threads(2)  # conftest restores the count
     torch.manual_seed(0)
     net = torch.nn.Sequential(torch.nn.Conv2d(160, 800, 1), torch.nn.Flatten())
-    x = torch.randn(2, 160, 1, 1)  # 256,000 MACs: under the one-thread bound
+    x = torch.randn(2, 160, 1, 1)  # 256,000 MACs
     buf = io.BytesIO()
     torch.onnx.export(net, (x,), buf, dynamo=False, do_constant_folding=False)
     m = kiln.to_torch(buf.getvalue())

@@ -11,7 +11,6 @@ run time) and run on the NumPy kernel instead.
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 
 import torch
@@ -142,38 +141,6 @@ def torch_pad(begins, ends) -> list[int]:
 
 
 # -- convolution --------------------------------------------------------------------------
-
-_SINGLE_MACS = 1 << 18
-"""Convolutions under this many multiply-adds (tens of microseconds on one core) run on one
-thread: oneDNN splits even a 50k-MAC layer between every OpenMP thread and then waits for the
-slowest; on the shared 2-core VM silero VAD's 1-D convs took many times as long on two
-threads as on one when the second thread was descheduled (benchmarks/real_models.py)."""
-
-
-def _records_grad(args: tuple) -> bool:
-    """Whether autograd records an op on ``args`` (tensors, or lists/tuples of them)."""
-    if not torch.is_grad_enabled():
-        return False
-    flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else (x,))]
-    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
-
-
-def _single_threaded(fn: Callable, *args):
-    """``fn(*args)`` with torch's intra-op threads at one. The count is process-wide, so
-    another thread's op running meanwhile may also run on one thread: slower, never wrong.
-
-    Not when autograd records the op (training): oneDNN picks another algorithm on one
-    thread, so the forward's rounding differs from the PyTorch module's, and train-mode
-    BatchNorm over few pixels amplifies that into the gradients (MobileNetV2's at 32x32
-    ended farther from the float64 ones than PyTorch's; tests/train/test_train_zoo.py)."""
-    n = torch.get_num_threads()
-    if n == 1 or _records_grad(args):
-        return fn(*args)
-    torch.set_num_threads(1)
-    try:
-        return fn(*args)
-    finally:
-        torch.set_num_threads(n)
 
 
 def _wide_conv1d(x, w, b, stride: int, dil: int, begin: int, end: int, group: int):
@@ -349,18 +316,7 @@ def conv_kernel(site, act: Callable | None = None, post: tuple | None = ("none",
     # fed weights: a kernel_shape that differs from theirs is the NumPy kernel's error
     ks = site.attr("kernel_shape") if wc is None else None
 
-    # Not while tracing for torch.compile (the thread count is no tensor operation to trace)
-    # nor on a GPU, where torch's CPU threads do not run the convolution
-    one_thread_ok = tg.device.type == "cpu" and not tg.tracing
-
     def run(x, w, b=None, z=None):
-        if one_thread_ok and x.numel() * w.shape[0] * math.prod(
-            w.shape[2:]
-        ) < _SINGLE_MACS * group * math.prod(site.attr("strides") or [1]):
-            return _single_threaded(convolve, x, w, b, z)
-        return convolve(x, w, b, z)
-
-    def convolve(x, w, b, z):
         n = x.dim() - 2
         strides, dil, begins, ends = window(site, x, list(w.shape[2:]))
         if n == 1 and low is None and (w.shape[2] >= 16 or strides[0] >= 4):

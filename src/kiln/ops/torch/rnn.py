@@ -12,6 +12,8 @@ tensors' memory instead (``NUMPY_LOOPS``).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from kiln.ops import rnn as numpy_rnn
@@ -28,9 +30,38 @@ from kiln.ops.torch.arrays import (
     to_numpy,
     to_torch,
 )
-from kiln.ops.torch.conv import _SINGLE_MACS, _single_threaded
 
 NI = NotImplemented
+
+_SINGLE_MACS = 1 << 18
+"""Recurrent layers whose one step is under this many multiply-adds run on one thread: the
+step's products are too small to split, and split over two threads each of the many steps
+waits for the slower one (silero VAD's LSTM on the shared 2-core VM)."""
+
+
+def _records_grad(args: tuple) -> bool:
+    """Whether autograd records an op on ``args`` (tensors, or lists/tuples of them)."""
+    if not torch.is_grad_enabled():
+        return False
+    flat = [a for x in args for a in (x if isinstance(x, (list, tuple)) else (x,))]
+    return any(isinstance(a, torch.Tensor) and a.requires_grad for a in flat)
+
+
+def _single_threaded(fn: Callable, *args):
+    """``fn(*args)`` with torch's intra-op threads at one. The count is process-wide, so
+    another thread's op running meanwhile may also run on one thread: slower, never wrong.
+
+    Not when autograd records the op (training): oneDNN may pick another algorithm on one
+    thread, so the forward would not round as the PyTorch module's does."""
+    n = torch.get_num_threads()
+    if n == 1 or _records_grad(args):
+        return fn(*args)
+    torch.set_num_threads(1)
+    try:
+        return fn(*args)
+    finally:
+        torch.set_num_threads(n)
+
 
 NUMPY_LOOPS = frozenset({"GRU", "RNN"})
 """Ops whose CPU inference runs the NumPy kernel's step loop on the tensors' memory: at
