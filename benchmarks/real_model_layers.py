@@ -3,12 +3,14 @@
     python benchmarks/real_model_layers.py                     # every installed model, batch 1
     python benchmarks/real_model_layers.py --models magika,dddd_det --runs 30 [--doc]
 
-For each model of tests/trained_models.py, one process holds onnxruntime and Kiln's
-default session (``kiln.InferenceSession(path)``); first their unprofiled medians
-(alternating blocks, benchmarks/zoo_suite.py's ``measure``), then each engine's own
-per-layer profile on the same feed: Kiln's ``kiln.profile`` on the thread count its
-thread trial chose for these shapes, onnxruntime's ``enable_profiling`` trace on its 2
-threads (its optimized graph, saved alongside, names each node's kernel and group). The
+For each model of tests/trained_models.py, a process of its own (one process that had run
+Magika first ran onnxruntime's sessions of the PaddleOCR models at twice their time alone)
+holds onnxruntime and Kiln's default session (``kiln.InferenceSession(path)``); first
+their unprofiled medians (alternating blocks, benchmarks/zoo_suite.py's ``measure``),
+then each engine's own per-layer profile on the same feed: Kiln's ``kiln.profile`` on
+the thread count its thread trial chose for these shapes, onnxruntime's
+``enable_profiling`` trace on its 2 threads (its optimized graph, saved alongside, names
+each node's kernel and group). The
 median time of every main-graph layer is summed by kind: convolutions by kernel size,
 depthwise or dense, 1-D or 2-D; products; recurrent layers; pooling; normalization;
 control flow (If: its branch included); data movement and shape ops (onnxruntime's
@@ -29,6 +31,7 @@ import collections
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import warnings
@@ -235,6 +238,20 @@ def main(argv: list[str] | None = None) -> int:
         env = parts[0]["environment"]
         env["load"] = " / ".join(p["environment"]["load"] for p in parts)
         records = [r for p in parts for r in p["records"]]
+    elif len(models := [n for n in args.models.split(",") if n]) > 1:
+        records, env = [], None
+        load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        with tempfile.TemporaryDirectory() as tmp:
+            for name in models:
+                out = os.path.join(tmp, f"{name}.json")
+                subprocess.run([sys.executable, os.path.abspath(__file__), "--models", name,
+                                "--threads", str(args.threads), "--runs", str(args.runs),
+                                "--budget", str(args.budget), "--rest", str(args.rest),
+                                "--json", out], check=True)
+                part = json.load(open(out))
+                env = env or part["environment"]
+                records += part["records"]
+        env["load"] = f"{load0} to " + " ".join(f"{x:.2f}" for x in os.getloadavg())
     else:
         records = []
         with threadpool_limits(args.threads):
