@@ -26,8 +26,8 @@ SPIN_COUNT = 10_000
 """OpenMP's spin-wait (iterations) before a worker thread sleeps: long enough to span the
 gap between one small layer's parallel region and the next in a run (a shorter spin made
 the threads sleep between layers, and waking them cost models of many small layers at
-batch 1 a clear share of their time on a quiet machine), far shorter than
-libgomp's own (docs/performance.md, "OpenMP's spin")."""
+batch 1 a clear share of their time on a quiet machine), far shorter than libgomp's own
+(docs/performance.md, "ShuffleNetV2's batch-1 slowdown, found")."""
 _GOMP_DEFAULT_SPIN, _GOMP_DEFAULT_THROTTLED = 300_000, 100
 """libgomp's own values when neither GOMP_SPINCOUNT nor OMP_WAIT_POLICY is set."""
 _MKL_CBWR_BRANCH, _MKL_CBWR_OFF, _MKL_CBWR_AUTO = 1, 1, 2
