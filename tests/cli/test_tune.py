@@ -173,9 +173,10 @@ def test_measuring_rests_before_a_run_whose_backend_changed(monkeypatch):
     """NumPy's OpenBLAS workers spin after its run and slowed the torch run timed next
     (docs/performance.md, "Rests between engines and candidates"): tune's rounds rest
     before a run whose backend is not the last run's, longer after NumPy, and not between
-    runs of one backend (one thread or two)."""
+    runs of one backend (one thread or two); each candidate's turn is an untimed run and a
+    block of timed ones."""
     from kiln.tools import benchmark
-    from kiln.tools.tune import Candidate, _measure
+    from kiln.tools.tune import BLOCK, Candidate, _measure
 
     events: list = []
     monkeypatch.setattr(benchmark, "sleep", lambda s: events.append(s))
@@ -195,6 +196,8 @@ def test_measuring_rests_before_a_run_whose_backend_changed(monkeypatch):
                     most=4) == 4
     blas, other = benchmark.BLAS_REST_S, benchmark.SWITCH_REST_S
     assert blas > other
-    assert events == ["np", blas, "t", "t1", "t1", "t", other, "np",
-                      "np", blas, "t", "t1", "t1", "t", other, "np"]
+    n = 1 + BLOCK  # one untimed run, then BLOCK timed ones, per candidate and round
+    np_, t, t1 = ["np"] * n, ["t"] * n, ["t1"] * n
+    assert events == [*np_, blas, *t, *t1, *t1, *t, other, *np_,
+                      *np_, blas, *t, *t1, *t1, *t, other, *np_]
     assert all(len(c.latencies_ms) == 4 for c in runs)

@@ -406,12 +406,21 @@ def _precompile(base: Model, backend: str, feed: dict, seconds: float) -> None:
                             "the time budget (a longer --time-budget tries it)") from None
 
 
+BLOCK = 3
+"""Timed runs of a candidate per measuring round (after one untimed run)."""
+
+
 def _measure(runs: list[Candidate], feed: dict, deadline: float,
              stage: Callable[[str], None], most: int = 200, enough: float = 30.0) -> int:
-    """Time one run of each candidate per round, the order reversed every other round,
-    until ``most`` rounds, the deadline, or ``enough`` seconds after 20 rounds (at least
-    three rounds). A rest before a run whose backend is not the last run's: NumPy's
-    OpenBLAS workers spin after its run and slowed the two-thread torch run after it."""
+    """Time each candidate once per round, the order reversed every other round, until
+    ``most`` rounds, the deadline, or ``enough`` seconds after 20 rounds (at least three
+    rounds). A candidate's time in a round is the median of :data:`BLOCK` runs after one
+    untimed run: its first run after another candidate's (the thread count set again, the
+    other's threads asleep or still spinning) is not its steady time, and timing only that
+    run once chose a one-thread compiled program that a repeat measurement found slower
+    than two-thread eager. A rest before a candidate whose backend is not the last one's:
+    NumPy's OpenBLAS workers spin after its run and slowed the two-thread torch run after
+    it."""
     set_threads = _thread_setter()
     rest = SwitchRest()
     stage(f"measuring {len(runs)} candidates in alternating rounds")
@@ -422,9 +431,13 @@ def _measure(runs: list[Candidate], feed: dict, deadline: float,
         for c in runs if k % 2 == 0 else runs[::-1]:
             rest(c.backend, spin_rest(c.backend))
             set_threads(c)
-            t = time.perf_counter()
             c.session.run(None, feed)
-            c.latencies_ms.append((time.perf_counter() - t) * 1e3)
+            block = []
+            for _ in range(BLOCK):
+                t = time.perf_counter()
+                c.session.run(None, feed)
+                block.append((time.perf_counter() - t) * 1e3)
+            c.latencies_ms.append(statistics.median(block))
         k += 1
     set_threads(None)
     return k
