@@ -43,8 +43,10 @@ from kiln.quantize import Budget  # noqa: E402
 SIZES = {"magika": (96, 160, "top1=0.99"), "silero_vad_seq": (64, 96, "rel=0.05"),
          "ppocr_det_v4": (6, 10, "rel=0.05"), "ppocr_rec_v4": (24, 40, "top1=0.98"),
          "ppocr_cls": (48, 96, "top1=0.99")}
-ENGINE = "onnxruntime"
-"""What Kiln's quantizer calibrates and measures on (the engine the files run on)."""
+ENGINE = None
+"""What Kiln's quantizer calibrates and measures on: None is its default, the default
+backend (torch when installed), so "Kiln static" is the file a user gets from
+``kiln.quantize(path, calibration=...)``; the files then run on onnxruntime here."""
 
 
 def _ort_runs(model, feeds):
