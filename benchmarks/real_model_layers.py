@@ -218,6 +218,27 @@ def markdown(env: dict, records: list[dict], top: int) -> str:
     return "\n".join(lines)
 
 
+def _load() -> str:
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
+def _joined(parts: list[dict]) -> tuple[dict, list[dict]]:
+    """One run's (environment, records) from runs saved with --json: the first one's
+    environment, every run's records."""
+    return parts[0]["environment"], [r for p in parts for r in p["records"]]
+
+
+def _in_child(name: str, args, tmp: str) -> dict:
+    """This benchmark on one model in a fresh process; its saved run."""
+    out = os.path.join(tmp, f"{name}.json")
+    subprocess.run([sys.executable, os.path.abspath(__file__), "--models", name,
+                    "--threads", str(args.threads), "--runs", str(args.runs),
+                    "--budget", str(args.budget), "--rest", str(args.rest),
+                    "--json", out], check=True)
+    with open(out) as f:
+        return json.load(f)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(tm.available()))
@@ -233,39 +254,28 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     from threadpoolctl import threadpool_limits
 
+    models = [n for n in args.models.split(",") if n]
     if args.merge:
         parts = [json.load(open(p)) for p in args.merge.split(",")]
-        env = parts[0]["environment"]
+        env, records = _joined(parts)
         env["load"] = " / ".join(p["environment"]["load"] for p in parts)
-        records = [r for p in parts for r in p["records"]]
-    elif len(models := [n for n in args.models.split(",") if n]) > 1:
-        records, env = [], None
-        load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    elif len(models) > 1:  # each model in a process of its own (the docstring says why)
+        load0 = _load()
         with tempfile.TemporaryDirectory() as tmp:
-            for name in models:
-                out = os.path.join(tmp, f"{name}.json")
-                subprocess.run([sys.executable, os.path.abspath(__file__), "--models", name,
-                                "--threads", str(args.threads), "--runs", str(args.runs),
-                                "--budget", str(args.budget), "--rest", str(args.rest),
-                                "--json", out], check=True)
-                part = json.load(open(out))
-                env = env or part["environment"]
-                records += part["records"]
-        env["load"] = f"{load0} to " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+            env, records = _joined([_in_child(name, args, tmp) for name in models])
+        env["load"] = f"{load0} to {_load()}"
     else:
-        records = []
         with threadpool_limits(args.threads):
             env = zs.environment(argparse.Namespace(threads=args.threads, seq=None))
-            load0 = " ".join(f"{x:.2f}" for x in os.getloadavg())
-            for name in (n for n in args.models.split(",") if n):
-                records.append(bench_one(name, args))
-                r = records[-1]
-                print(f"{name}: ort {r['ort_ms']:.3f} ms, kiln {r['kiln_ms']:.3f} ms "
-                      f"({r['ratio']:.2f}x, {r['kiln_threads']} threads)", flush=True)
-                for k, no, om, nk, km in differences(r):
-                    print(f"   {k:<16} ort {no:>3} {om:8.3f}   kiln {nk:>3} {km:8.3f}   "
-                          f"{km - om:+8.3f}", flush=True)
-            env["load"] = f"{load0} to " + " ".join(f"{x:.2f}" for x in os.getloadavg())
+            load0 = _load()
+            r = bench_one(models[0], args)
+            print(f"{models[0]}: ort {r['ort_ms']:.3f} ms, kiln {r['kiln_ms']:.3f} ms "
+                  f"({r['ratio']:.2f}x, {r['kiln_threads']} threads)", flush=True)
+            for k, no, om, nk, km in differences(r):
+                print(f"   {k:<16} ort {no:>3} {om:8.3f}   kiln {nk:>3} {km:8.3f}   "
+                      f"{km - om:+8.3f}", flush=True)
+            records = [r]
+            env["load"] = f"{load0} to {_load()}"
     md = markdown(env, records, args.top)
     print(md)
     if args.json:
