@@ -9,8 +9,11 @@ input and one ``[batch, K]`` output (the digits CNN, ResNet-18) it splits the ov
 the same request to a twin model served beside it that only slices its input down to the
 output's size (the request path: client, sockets, server; its run is microseconds), and
 to a bare socket server that answers every request with a canned response without parsing
-it (what tritonclient and the kernel cost, which no server can remove); and the server's
-own mean run time (its statistics extension) against the in-process mean.
+it (what tritonclient and the kernel cost, which no server can remove), and to the same
+bare server running the model once before each reply (one thread, nothing between the
+socket and the run: the floor of any server of this model on this machine, since after a
+long run the client and the server wake on cold caches); and the server's own mean run
+time (its statistics extension) against the in-process mean.
 
 Throughput: C client threads (each its own tritonclient HTTP client, batch-1 requests with
 binary tensors) for ``--seconds`` per level, alternating round by round with in-process
@@ -131,9 +134,21 @@ def _twin(sess, path: Path) -> bool:
 
 
 # A bare HTTP/1.1 server (its own process): reads each request by its Content-Length and
-# answers with one canned binary-tensor response, argv[1]: the output's JSON header.
+# answers with one canned binary-tensor response, argv[1]: the output's JSON header. Given
+# argv[2:5] (a model, a backend, threads or ""), it first runs that model on one fixed
+# input for every request: a one-thread server with nothing between the socket and the run.
 BARE = r"""
 import json, socket, sys
+run = lambda: None
+if len(sys.argv) > 2:
+    import numpy as np, kiln
+    opts = {"threads": int(sys.argv[4])} if sys.argv[4] else {}
+    sess = kiln.InferenceSession(sys.argv[2], backend=sys.argv[3], **opts)
+    i = sess.get_inputs()[0]
+    x = {i.name: np.random.default_rng(0).random([1, *i.shape[1:]], dtype=np.float32)}
+    run = lambda: sess.run(None, x)
+    for _ in range(5):
+        run()
 head = sys.argv[1].encode()
 size = json.loads(head)["outputs"][0]["parameters"]["binary_data_size"]
 body = head + bytes(size)
@@ -159,13 +174,15 @@ while True:
         while len(buf) < n and (more := c.recv(1 << 22)):
             buf += more
         buf = buf[n:]
+        run()
         c.sendall(reply)
     c.close()
 """
 
 
-def _bare(name: str, out) -> tuple[subprocess.Popen, str]:
-    """The bare server for ``name``'s one ``[1, K]`` float output; (process, address)."""
+def _bare(name: str, out, run: tuple[str, str, str] = ()) -> tuple[subprocess.Popen, str]:
+    """The bare server for ``name``'s one ``[1, K]`` float output, running ``run`` (a
+    model, a backend, threads or "") before each reply; (process, address)."""
     k = out.shape[1]
     head = {
         "model_name": name,
@@ -180,7 +197,15 @@ def _bare(name: str, out) -> tuple[subprocess.Popen, str]:
         ],
     }
     proc = subprocess.Popen(
-        [sys.executable, "-c", BARE, json.dumps(head)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", BARE, json.dumps(head), *run],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(
+            os.environ,
+            PYTHONPATH=os.pathsep.join(
+                [str(ROOT / "src"), *filter(None, [os.environ.get("PYTHONPATH")])]
+            ),
+        ),
     )
     return proc, f"127.0.0.1:{int(proc.stdout.readline())}"
 
@@ -257,9 +282,11 @@ def overhead(
     runs: int,
     seq: int,
     twin: str | None = None,
+    floor: tuple[str, str, str] = (),
 ) -> dict:
     """p50/p99 milliseconds of in-process, HTTP and gRPC (and, given the ``twin`` model's
-    name, the twin over both and the bare server over HTTP), alternating blocks; under
+    name, the twin over both and the bare server over HTTP; given ``floor``, the model,
+    backend and threads of ``sess``, the bare server running it), alternating blocks; under
     "means", the in-process and the server's mean run in ms."""
     import tritonclient.grpc as tg
     import tritonclient.http as th
@@ -276,15 +303,19 @@ def overhead(
         jin = _inputs(th, feed, binary=False)
         jout = [th.InferRequestedOutput(o.name, binary_data=False) for o in sess.get_outputs()]
         calls["http json"] = lambda: hc.infer(name, jin, outputs=jout)
-    bare = None
+    bares = []
     if twin is not None:
-        bare, bare_url = _bare(twin, sess.get_outputs()[0])
-        bc = th.InferenceServerClient(bare_url)
+        bares.append(_bare(twin, sess.get_outputs()[0]))
+        bc = th.InferenceServerClient(bares[-1][1])
         calls |= {
             "http path": lambda: hc.infer(twin, hin),
             "grpc path": lambda: gc.infer(twin, gin),
             "http bare": lambda: bc.infer(twin, hin),
         }
+        if floor:
+            bares.append(_bare(twin, sess.get_outputs()[0], floor))
+            rc = th.InferenceServerClient(bares[-1][1])
+            calls["http bare+run"] = lambda: rc.infer(twin, hin)
     try:
         for f in calls.values():  # warm up every path and shape
             for _ in range(3):
@@ -299,7 +330,7 @@ def overhead(
                     times[k].append(time.perf_counter() - t)
         runs1, ms1 = _mean_run_ms(http_url, name)
     finally:
-        if bare is not None:
+        for bare, _ in bares:
             bare.kill()
             bare.wait()
     out: dict = {k: (_pct(v, 50), _pct(v, 99)) for k, v in times.items()}
@@ -494,6 +525,7 @@ def main(argv: list[str] | None = None) -> int:
                         args.runs,
                         args.seq,
                         twins.get(n),
+                        (str(_model_path(n)), args.backend, str(args.threads or "")),
                     )
                     base = r["in-process"][0]
                     local, served = r.pop("means")
@@ -505,10 +537,15 @@ def main(argv: list[str] | None = None) -> int:
                     json_p50 = (
                         f", http json {r['http json'][0] - base:.2f} ms" if "http json" in r else ""
                     )
+                    floor_p50 = (
+                        f"; the bare server running it: {r['http bare+run'][0] - base:.2f} ms"
+                        if "http bare+run" in r
+                        else ""
+                    )
                     print(
                         f"  server overhead p50: http {r['http'][0] - base:.2f} ms, "
-                        f"grpc {r['grpc'][0] - base:.2f} ms{json_p50}; mean run: in-process "
-                        f"{local:.2f} ms, in the server {served:.2f} ms",
+                        f"grpc {r['grpc'][0] - base:.2f} ms{json_p50}{floor_p50}; mean run: "
+                        f"in-process {local:.2f} ms, in the server {served:.2f} ms",
                         flush=True,
                     )
                 one, batch = _feed(sess, 1, args.seq), _feed(sess, args.max_batch_size, args.seq)
