@@ -23,7 +23,7 @@ from kiln.quantize.budget import Budget
 from kiln.quantize.calibrate import METHODS, calibrate, calibrate_all, load_feeds
 from kiln.quantize.cpu import weight_range
 from kiln.quantize.engines import engines, integer_engines, open_session
-from kiln.quantize.fp16 import as_model, at_opset, standard_ops
+from kiln.quantize.fp16 import as_model, at_opset, log_of_power, standard_ops
 from kiln.quantize.outliers import measure_noise
 from kiln.quantize.report import (
     QuantizeReport,
@@ -193,6 +193,15 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     exclude = set(exclude)
     types = tuple(op_types) if op_types is not None else \
         qdq.COMPUTE_OPS + qdq.ELEMENTWISE_OPS + qdq.EMBEDDING_OPS
+    # A log of a power spans many decades: the 8-bit grid zeroes its small magnitudes and
+    # the logarithm spreads them out again (openWakeWord's log-mel front end, every layer
+    # quantized: 45 dB off at the median, docs/quantization.md).
+    log_kept = {} if mode == "weight-only" else {
+        _label(n): f"feeds the logarithm {log} of a power ({power}): an 8-bit grid zeroes "
+                   "the small magnitudes the logarithm spreads out again"
+        for n, (log, power) in log_of_power(base, set(base.graph.nodes)).items()
+        if n.op_type in types and _label(n) not in exclude}
+    exclude |= set(log_kept)
     ranges = None
     outlier_kept: dict[str, str] = {}
     asked_base = base
@@ -258,7 +267,8 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
             weight_only.rewrite_weight_only(m, plan, block_size, bits)
         else:
             plan = qdq.plan_layers(m, mode, types, skip | how.skip)
-            qdq.rewrite(m, plan, mode, how.ranges, how.per_channel, symmetric, how.bits)
+            qdq.rewrite(m, plan, mode, how.ranges, how.per_channel, symmetric, how.bits,
+                        float_ends=backend != "onnxruntime")
         return m, plan
 
     def alternatives() -> list[Setting]:
@@ -378,7 +388,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                             quantized=[_label(n) for n in plan.quantized],
                             kept={**{k: v for k, v in plan.kept.items()
                                      if k not in setting.skip and k not in exclude_added},
-                                  **outlier_kept, **reverted,
+                                  **log_kept, **outlier_kept, **reverted,
                                   **{name: "a Kiln op with no standard-ONNX body"
                                      for name in opaque},
                                   **{_label(n): "inside a subgraph (If/Loop/Scan body): "

@@ -341,18 +341,22 @@ def _range_sensitive(m: Model, convert: set[Node], half: DType, feeds: list[dict
         out.update({n: why for n, why in _overflowing(m, convert, feeds, half).items()
                     if n not in out})
     elif half == DType.FLOAT16:
-        out.update({n: why for n, why in _log_of_power(m, convert).items() if n not in out})
+        for n, (log, power) in log_of_power(m, convert).items():
+            out.setdefault(n, f"feeds the logarithm {log} of a power ({power}), whose "
+                              "magnitude follows the input's scale: give calibration data "
+                              "to convert what stays in range")
     return out
 
 
-def _log_of_power(m: Model, convert: set[Node]) -> dict[Node, str]:
-    """Without data: every converted node a Log of a power (a Pow with exponent >= 2, or
-    x * x, upstream) depends on. A log-power front end (a spectrogram in dB, a log-mel)
-    squares magnitudes that follow its input's scale (an STFT of int16-scale audio reaches
-    5e5; squared, 2.6e11), which only calibration data shows, and float16 turns them into
-    Inf and the logs into NaN; so the chain stays float32 unless calibration says
-    otherwise."""
-    out: dict[Node, str] = {}
+def log_of_power(m: Model, nodes: set[Node]) -> dict[Node, tuple[str, str]]:
+    """The nodes of ``nodes`` a Log of a power (a Pow with exponent >= 2, or x * x,
+    upstream) depends on, each with the labels of that Log and power. A log-power front
+    end (a spectrogram in dB, a log-mel) squares magnitudes that follow its input's scale
+    (an STFT of int16-scale audio reaches 5e5; squared, 2.6e11): float16 turns them into
+    Inf and the logs into NaN, unless calibration shows them in range; an 8-bit grid,
+    uniform over many decades, zeroes the small ones, which the logarithm spreads out
+    again (:func:`kiln.quantize`)."""
+    out: dict[Node, tuple[str, str]] = {}
     for log in m.graph.nodes:
         if log.op_type != "Log":
             continue
@@ -370,10 +374,8 @@ def _log_of_power(m: Model, convert: set[Node]) -> dict[Node, str]:
                      if v is not None and v.const is None and v.producer is not None]
         if power is None:
             continue
-        why = (f"feeds the logarithm {_label(log)} of a power ({_label(power)}), whose "
-               "magnitude follows the input's scale: give calibration data to convert "
-               "what stays in range")
-        out.update({n: why for n in seen if n in convert and n not in out})
+        out.update({n: (_label(log), _label(power)) for n in seen
+                    if n in nodes and n not in out})
     return out
 
 

@@ -73,7 +73,7 @@ def plan_layers(m: Model, mode: str, op_types: tuple[str, ...], exclude: set[str
             continue
         label = n.name or f"{n.op_type}({n.outputs[0].name})"
         floats = [v for v in n.inputs if v is not None and v.dtype == DType.FLOAT]
-        if n.name in exclude or n.op_type in exclude:
+        if n.name in exclude or n.op_type in exclude or label in exclude:
             plan.kept[label] = "excluded by the caller"
             continue
         if n.op_type in EMBEDDING_OPS:
@@ -293,9 +293,13 @@ class _Editor:
 
 
 def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
-            per_channel: bool, symmetric: bool, weight_bits: int = 8) -> None:
+            per_channel: bool, symmetric: bool, weight_bits: int = 8,
+            float_ends: bool = False) -> None:
     """Insert the Q/DQ nodes for ``plan`` into ``m`` (in place). ``weight_bits=7`` keeps
-    weights in -63..63 (see :mod:`kiln.quantize.cpu`)."""
+    weights in -63..63 (see :mod:`kiln.quantize.cpu`). ``float_ends`` (static): a
+    quantized layer whose output no quantized layer reads leaves it float instead of
+    rounding it onto a grid no integer kernel reads; Kiln's integer kernels write float
+    there, onnxruntime fuses an integer Conv/MatMul only with a Q after it."""
     ed = _Editor(m.graph, weight_bits)
     per_channel = per_channel and m.opset >= 13
     inner = _activation_inputs(m.graph, plan) if mode == "static" else set()
@@ -330,10 +334,13 @@ def rewrite(m: Model, plan: Plan, mode: str, ranges: dict[str, Range] | None,
                 if x_scale is not None:
                     n.set_input(2, ed.bias(b, x_scale * w_scale))
     if mode == "static":
+        chosen = set(plan.quantized)
         for n in plan.quantized:
             if n.op_type in EMBEDDING_OPS:
                 continue
             for o in n.outputs:
+                if float_ends and o is not None and not chosen.intersection(o.consumers()):
+                    continue
                 if o is not None and o.dtype == DType.FLOAT and o.uses and o not in ed.acts \
                         and o not in inner and o.name in ranges:
                     scale, zp = act_params(ranges[o.name], symmetric)
