@@ -95,6 +95,7 @@ def run(name: str, use_budget: bool) -> list[str]:
         rows.append((label, agree, len(blob), chose, f"{secs:.0f} s"))
 
     kiln_row("Kiln static", mode="static")
+    kiln_row("Kiln static, every layer (speed-aware off)", mode="static", speed_aware=False)
     kiln_row("Kiln dynamic", mode="dynamic")
     if budget:
         kiln_row(f"Kiln static, budget {budget} (on 4 evaluation batches)", mode="static",
