@@ -72,7 +72,9 @@ class Candidate:
     """Where its tuning time went: "calibrate" (kiln.quantize: calibration, the budget's
     search, speed-aware timing), "compile" (the compile and the first, compiling run),
     "build" (the session and its first run), "check" (outputs on the data), "measure"
-    (its timed runs)."""
+    (its turns in the measuring rounds: the untimed run and the timed block)."""
+    measure_s: float = 0.0
+    """Wall seconds of its turns in the measuring rounds so far."""
 
     @property
     def ms(self) -> float:
@@ -246,8 +248,7 @@ def tune(model: Any, data: Any = None, *, budget: Budget | str | None = None,
     rounds = _measure(runs, timed, t0 + time_budget, stage)
     stages["measure"] = time.perf_counter() - t_measure
     for c in runs:  # the one-thread variants share their session's build
-        c.seconds = {**(c.seconds if c.threads is None else {}),
-                     "measure": sum(c.latencies_ms) / 1e3}
+        c.seconds = {**(c.seconds if c.threads is None else {}), "measure": c.measure_s}
     ok = [c for c in runs if c.status == "ok"]
     baseline = next((c for c in runs if c.name.startswith("torch fp32 eager") and
                      c.threads is None), runs[0])
@@ -430,6 +431,7 @@ def _measure(runs: list[Candidate], feed: dict, deadline: float,
             (k < 20 or time.perf_counter() - start < enough):
         for c in runs if k % 2 == 0 else runs[::-1]:
             rest(c.backend, spin_rest(c.backend))
+            turn = time.perf_counter()
             set_threads(c)
             c.session.run(None, feed)
             block = []
@@ -438,6 +440,7 @@ def _measure(runs: list[Candidate], feed: dict, deadline: float,
                 c.session.run(None, feed)
                 block.append((time.perf_counter() - t) * 1e3)
             c.latencies_ms.append(statistics.median(block))
+            c.measure_s += time.perf_counter() - turn
         k += 1
     set_threads(None)
     return k
