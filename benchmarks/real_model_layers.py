@@ -31,7 +31,6 @@ import collections
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import warnings
@@ -228,17 +227,6 @@ def _joined(parts: list[dict]) -> tuple[dict, list[dict]]:
     return parts[0]["environment"], [r for p in parts for r in p["records"]]
 
 
-def _in_child(name: str, args, tmp: str) -> dict:
-    """This benchmark on one model in a fresh process; its saved run."""
-    out = os.path.join(tmp, f"{name}.json")
-    subprocess.run([sys.executable, os.path.abspath(__file__), "--models", name,
-                    "--threads", str(args.threads), "--runs", str(args.runs),
-                    "--budget", str(args.budget), "--rest", str(args.rest),
-                    "--json", out], check=True)
-    with open(out) as f:
-        return json.load(f)
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default=",".join(tm.available()))
@@ -262,7 +250,10 @@ def main(argv: list[str] | None = None) -> int:
     elif len(models) > 1:  # each model in a process of its own (the docstring says why)
         load0 = _load()
         with tempfile.TemporaryDirectory() as tmp:
-            env, records = _joined([_in_child(name, args, tmp) for name in models])
+            argv = ["--threads", str(args.threads), "--runs", str(args.runs),
+                    "--budget", str(args.budget), "--rest", str(args.rest)]
+            env, records = _joined([rm.in_child(os.path.abspath(__file__), name, argv, tmp)
+                                    for name in models])
         env["load"] = f"{load0} to {_load()}"
     else:
         with threadpool_limits(args.threads):
