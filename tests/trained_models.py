@@ -408,7 +408,7 @@ MODELS: dict[str, TrainedModel] = {m.name: m for m in [
                  _vad_feeds, lambda o: list((o[0] > 0.5).reshape(-1)),
                  batch_axes={"input": 0, "state": 1, "sr": None}),
     TrainedModel("oww_melspec", "openwakeword", _OWW + "melspectrogram.onnx",
-                 "log-mel bins within 0.05 of fp32 on 110 ms of speech-like audio",
+                 "log-mel bins equal to fp32's once both are rounded to 0.05, on 110 ms of speech",
                  _oww_mel_feeds, lambda o: list(np.round(o[0].reshape(-1) * 20))),
     TrainedModel("oww_embedding", "openwakeword", _OWW + "embedding_model.onnx",
                  "speech embedding (96 values, rounded to 0.1) of 76 log-mel frames",
