@@ -149,6 +149,7 @@ def test_budget_tries_cheaper_fixes_and_stops_in_time():
                       speed_aware=False, budget_seconds=300)
     log = "\n".join(q.report.budget_log)
     assert "as asked" in log and "8-bit weights" in log and "ranked" in log
+    assert "alpha 0.5" in log and "alpha 0.8" in log  # both SmoothQuant strengths
     assert "budget met" in log
     ref = ort.InferenceSession(m.path)
     got = ort.InferenceSession(to_proto(q.model).SerializeToString())
