@@ -184,6 +184,7 @@ def main() -> None:
     for label, kw in (
         ("Kiln static", dict(mode="static", calibration=cal)),
         ("Kiln static, SmoothQuant 0.5", dict(mode="static", calibration=cal, smooth_alpha=0.5)),
+        ("Kiln static, SmoothQuant 0.8", dict(mode="static", calibration=cal, smooth_alpha=0.8)),
         ("Kiln dynamic", dict(mode="dynamic")),
     ):
         t0 = time.perf_counter()
