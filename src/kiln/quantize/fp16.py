@@ -340,17 +340,18 @@ def _range_sensitive(m: Model, convert: set[Node], half: DType, feeds: list[dict
     if feeds is not None:
         out.update({n: why for n, why in _overflowing(m, convert, feeds, half).items()
                     if n not in out})
+    # bfloat16's loss there is precision, not range, so calibration's range check cannot
+    # clear it; float16's is range, which calibration can
     if half == DType.BFLOAT16:
-        # a precision loss, not a range one, so calibration's range check cannot clear it
-        for n, (log, power) in log_of_power(m, convert).items():
-            out.setdefault(n, f"feeds the logarithm {log} of a power ({power}): bfloat16's "
-                              "8-bit mantissa rounds the small magnitudes the logarithm "
-                              "spreads out again")
+        why = (": bfloat16's 8-bit mantissa rounds the small magnitudes the logarithm "
+               "spreads out again")
     elif feeds is None:
-        for n, (log, power) in log_of_power(m, convert).items():
-            out.setdefault(n, f"feeds the logarithm {log} of a power ({power}), whose "
-                              "magnitude follows the input's scale: give calibration data "
-                              "to convert what stays in range")
+        why = (", whose magnitude follows the input's scale: give calibration data to "
+               "convert what stays in range")
+    else:
+        return out
+    for n, (log, power) in log_of_power(m, convert).items():
+        out.setdefault(n, f"feeds the logarithm {log} of a power ({power}){why}")
     return out
 
 
