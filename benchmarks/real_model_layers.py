@@ -217,10 +217,6 @@ def markdown(env: dict, records: list[dict], top: int) -> str:
     return "\n".join(lines)
 
 
-def _load() -> str:
-    return " ".join(f"{x:.2f}" for x in os.getloadavg())
-
-
 def _joined(parts: list[dict]) -> tuple[dict, list[dict]]:
     """One run's (environment, records) from runs saved with --json: the first one's
     environment, every run's records."""
@@ -248,17 +244,17 @@ def main(argv: list[str] | None = None) -> int:
         env, records = _joined(parts)
         env["load"] = " / ".join(p["environment"]["load"] for p in parts)
     elif len(models) > 1:  # each model in a process of its own (the docstring says why)
-        load0 = _load()
+        load0 = rm.load_now()
         with tempfile.TemporaryDirectory() as tmp:
             argv = ["--threads", str(args.threads), "--runs", str(args.runs),
                     "--budget", str(args.budget), "--rest", str(args.rest)]
             env, records = _joined([rm.in_child(os.path.abspath(__file__), name, argv, tmp)
                                     for name in models])
-        env["load"] = f"{load0} to {_load()}"
+        env["load"] = f"{load0} to {rm.load_now()}"
     else:
         with threadpool_limits(args.threads):
             env = zs.environment(argparse.Namespace(threads=args.threads, seq=None))
-            load0 = _load()
+            load0 = rm.load_now()
             r = bench_one(models[0], args)
             print(f"{models[0]}: ort {r['ort_ms']:.3f} ms, kiln {r['kiln_ms']:.3f} ms "
                   f"({r['ratio']:.2f}x, {r['kiln_threads']} threads)", flush=True)
@@ -266,7 +262,7 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"   {k:<16} ort {no:>3} {om:8.3f}   kiln {nk:>3} {km:8.3f}   "
                       f"{km - om:+8.3f}", flush=True)
             records = [r]
-            env["load"] = f"{load0} to {_load()}"
+            env["load"] = f"{load0} to {rm.load_now()}"
     md = markdown(env, records, args.top)
     print(md)
     if args.json:

@@ -262,6 +262,11 @@ def write_docs(md: str, doc: str, begin: str = BEGIN, end: str = END) -> None:
         f.write(f"{head}{begin}\n{md}\n{end}{tail}")
 
 
+def load_now() -> str:
+    """The 1, 5 and 15-minute load averages, for a run's environment."""
+    return " ".join(f"{x:.2f}" for x in os.getloadavg())
+
+
 def in_child(script: str, name: str, argv: list[str], tmp: str) -> dict:
     """``script`` (a benchmark with ``--models`` and ``--json``) run on model ``name``
     alone in a fresh process with ``argv``; its saved run. In one process, onnxruntime
@@ -315,7 +320,7 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     with threadpool_limits(args.threads):
         env = zs.environment(argparse.Namespace(threads=args.threads, seq=None))
-        env["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        env["load"] = load_now()
         env["default_backend"] = default_backend()
         if args.recurrent:
             records = bench_recurrent(args, engines)
@@ -333,17 +338,17 @@ def main(argv: list[str] | None = None) -> int:
             with tempfile.TemporaryDirectory() as tmp:
                 records = [r for name in models for r in
                            in_child(os.path.abspath(__file__), name, argv, tmp)["records"]]
-            env["load"] += " to " + " ".join(f"{x:.2f}" for x in os.getloadavg())
-        for name in models if len(models) == 1 else []:
+            env["load"] += " to " + load_now()
+        else:
             for b in (int(x) for x in args.batches.split(",")):
-                rec = bench_one(name, b, args, engines)
+                rec = bench_one(models[0], b, args, engines)
                 if rec is None:
                     continue
                 records.append(rec)
                 row = "  ".join(f"{e} {x['ratio_vs_ort']:.2f}x" for e, x in
                                 rec["engines"].items() if "ratio_vs_ort" in x)
-                print(f"{name} b{b}: onnxruntime {rec['engines']['onnxruntime']['p50_ms']:.3f}"
-                      f" ms  {row}", flush=True)
+                print(f"{models[0]} b{b}: onnxruntime "
+                      f"{rec['engines']['onnxruntime']['p50_ms']:.3f} ms  {row}", flush=True)
     compiled = "compiled" in engines
     cold = None
     if args.first_compile:

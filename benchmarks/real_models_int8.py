@@ -237,7 +237,7 @@ def main(args, models: list[str], write_docs) -> int:
     meta, records = {}, []
     with threadpool_limits(args.threads):
         env = zs.environment(argparse_ns(args.threads))
-        env["load"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+        env["load"] = rm.load_now()
         env["default_backend"] = rm.default_backend()
         for name in models:
             files = quantized_files(name, cache)
@@ -252,7 +252,7 @@ def main(args, models: list[str], write_docs) -> int:
                 print(f"{name} b{b}: " + "  ".join(
                     f"{e} {x['p50_ms']:.3f} ms" for e, x in rec["engines"].items()
                     if "p50_ms" in x), flush=True)
-    env["load_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    env["load_end"] = rm.load_now()
     md = markdown(env, records, meta)
     print(md)
     if args.doc:
