@@ -174,25 +174,30 @@ def main() -> None:
         )
 
     row("fp32", path, os.path.getsize(path), 0)
-    t0 = time.perf_counter()
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        q = kiln.quantize(path, mode="static", calibration=cal)  # as users get it
-    blob = to_proto(q.model).SerializeToString()
-    kept = f"{len(q.report.quantized)} quantized / {len(q.report.kept)} kept"
-    row(f"Kiln static, the default ({kept})", blob, len(blob), time.perf_counter() - t0)
-    for label, kw in (
-        ("Kiln static", dict(mode="static", calibration=cal)),
-        ("Kiln static, SmoothQuant 0.5", dict(mode="static", calibration=cal, smooth_alpha=0.5)),
-        ("Kiln static, SmoothQuant 0.8", dict(mode="static", calibration=cal, smooth_alpha=0.8)),
-        ("Kiln dynamic", dict(mode="dynamic")),
-    ):
+
+    def kiln_row(label: str, **kw) -> None:
         t0 = time.perf_counter()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            q = kiln.quantize(path, speed_aware=False, measure_latency=False, **kw)
+            q = kiln.quantize(path, **kw)
         blob = to_proto(q.model).SerializeToString()
+        label = label.format(
+            kept=f"{len(q.report.quantized)} quantized / {len(q.report.kept)} kept"
+        )
         row(label, blob, len(blob), time.perf_counter() - t0)
+
+    kiln_row("Kiln static, the default ({kept})", mode="static", calibration=cal)
+    every = dict(speed_aware=False, measure_latency=False)
+    kiln_row("Kiln static", mode="static", calibration=cal, **every)
+    for alpha in (0.5, 0.8):
+        kiln_row(
+            f"Kiln static, SmoothQuant {alpha}",
+            mode="static",
+            calibration=cal,
+            smooth_alpha=alpha,
+            **every,
+        )
+    kiln_row("Kiln dynamic", mode="dynamic", **every)
     out = os.path.join(tmp, "ort.onnx")
     for label, write in ort_quantized(path, cal, out):
         t0 = time.perf_counter()
