@@ -22,7 +22,7 @@ from kiln.quantize import qdq, weight_only
 from kiln.quantize.budget import Budget
 from kiln.quantize.calibrate import METHODS, calibrate, calibrate_all, load_feeds
 from kiln.quantize.cpu import weight_range
-from kiln.quantize.engines import engines, integer_engines, open_session
+from kiln.quantize.engines import ONNXRUNTIME, engines, integer_engines, open_session
 from kiln.quantize.fp16 import as_model, at_opset, log_of_power, standard_ops
 from kiln.quantize.outliers import measure_noise
 from kiln.quantize.report import (
@@ -271,7 +271,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         else:
             plan = qdq.plan_layers(m, mode, types, skip | how.skip)
             qdq.rewrite(m, plan, mode, how.ranges, how.per_channel, symmetric, how.bits,
-                        float_ends=backend != "onnxruntime")
+                        float_ends=backend != ONNXRUNTIME)
         return m, plan
 
     def alternatives() -> list[Setting]:
