@@ -46,7 +46,7 @@ from kiln.passes.pin_host import host_read_inputs
 from kiln.passes.rewrite import Rule
 
 __all__ = ["FP16_MAX", "RANGE_SENSITIVE", "as_model", "at_opset", "convert_float16",
-           "standard_ops"]
+           "log_of_power", "standard_ops"]
 
 FP16_MAX = float(np.finfo(np.float16).max)
 
