@@ -262,8 +262,10 @@ def test_per_channel_weights_below_opset_13(tmp_path):
                                  to_proto(model).SerializeToString())
         return _steps_agreeing(ref, [s.run(None, f) for f in ev])
 
+    # SmoothQuant off in both files: after its migration one scale per weight does
+    # nearly as well (measured 93.1% against 93.9% of time steps), and this is the axis
     q = kiln.quantize(m.path, "static", cal, measure_latency=False, speed_aware=False,
-                      backend="onnxruntime")
+                      backend="onnxruntime", smooth_alpha=None)
     assert "converted to opset 13" in str(q.report)
     proto = to_proto(q.model)
     assert max(o.version for o in proto.opset_import if o.domain in ("", "ai.onnx")) >= 13
@@ -272,7 +274,7 @@ def test_per_channel_weights_below_opset_13(tmp_path):
     w_scales = [scales[p.input[1]] for n in convs for p in proto.graph.node
                 if p.output[0] == n.input[1] and p.op_type == "DequantizeLinear"]
     assert len(w_scales) >= 30 and all(c > 1 for c in w_scales)
-    one_scale = kiln.quantize(m.path, "static", cal, per_channel=False,
+    one_scale = kiln.quantize(m.path, "static", cal, per_channel=False, smooth_alpha=None,
                               measure_latency=False, speed_aware=False, backend="onnxruntime")
 
     _ort_static(m, cal, tmp_path / "ort.onnx")
@@ -331,8 +333,9 @@ def test_outputs_only_float_reads_stay_float_for_kiln():
     ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
     err, quants = {}, {}
     for backend in ("torch", "onnxruntime"):
+        # SmoothQuant off: its strength is chosen per backend, and this is the rule alone
         q = kiln.quantize(m.path, "static", cal, measure_latency=False, speed_aware=False,
-                          backend=backend)
+                          backend=backend, smooth_alpha=None)
         blob = to_proto(q.model).SerializeToString()
         quants[backend] = collections.Counter(n.op_type for n in q.model.graph.nodes)[
             "QuantizeLinear"]
@@ -344,6 +347,40 @@ def test_outputs_only_float_reads_stay_float_for_kiln():
     assert err["torch"] < 0.85 * err["onnxruntime"], err
     assert quants["torch"] < 0.7 * quants["onnxruntime"], quants
     assert on_kiln < 1.1 * err["torch"], (on_kiln, err)
+
+
+def test_static_on_a_transformer_chooses_smoothquant_by_measured_error():
+    """#48.2/#48.4: per-tensor activation grids lose on attention models' outlier
+    channels, and the SmoothQuant strength that helps differs between models (the
+    recognizer: 0.5; a MiniLM encoder: 0.8). Static mode on a model that looks like a
+    transformer tries none, 0.5 and 0.8, every planned layer quantized, and keeps the
+    one with the least mean output error; the report says which, with the figures.
+    Oracle: onnxruntime running the fp32 model and the files on lines calibration did
+    not see: the default file moves the probability of fp32's class less than the file
+    without migration and reads more lines like fp32 (measured 72.5% against 50%). A CNN
+    (Magika) is not migrated."""
+    m = _model("ppocr_rec_v4")
+    cal, ev = m.make_feeds(24, 40)
+    ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
+    err, lines = {}, {}
+    for alpha in ("auto", None):
+        q = kiln.quantize(m.path, "static", cal, measure_latency=False, speed_aware=False,
+                          smooth_alpha=alpha)
+        blob = to_proto(q.model).SerializeToString()
+        s = ort.InferenceSession(blob)
+        err[alpha] = _argmax_prob_error(ref, [s.run(None, f) for f in ev])
+        lines[alpha] = _agreement(m, blob, ev, ref)
+        if alpha == "auto":
+            chosen = [n for n in q.report.notes if n.startswith("SmoothQuant at alpha")]
+            assert chosen and "without" in chosen[0] and q.report.smoothed, q.report.notes
+    assert err["auto"] < 0.8 * err[None], err
+    assert lines["auto"] >= lines[None] + 0.1, lines
+
+    mg = _model("magika")
+    mcal, _ = mg.make_feeds(16, 0)
+    cnn = kiln.quantize(mg.path, "static", mcal, measure_latency=False, speed_aware=False)
+    assert not cnn.report.smoothed
+    assert not any("SmoothQuant" in n for n in cnn.report.notes)
 
 
 @pytest.mark.parametrize("mode", ["static", "dynamic"])

@@ -47,10 +47,11 @@ __all__ = ["MODES", "Budget", "Quantized", "quantize"]
 
 MODES = ("dynamic", "static", "weight-only")
 SMOOTH_ALPHAS = (0.5, 0.8)
-"""SmoothQuant strengths the accuracy budget tries (static, when none was asked), in
-order. Every layer quantized: PaddleOCR's v4 recognizer reads 72.5% of lines like fp32
-at 0.5, 60% at 0.8 and 50% without; a MiniLM encoder keeps 82% of nearest neighbours at
-0.5, 91% at 0.8 and 80.5% without (docs/quantization.md)."""
+"""SmoothQuant strengths tried (static, ``smooth_alpha="auto"``): by the accuracy budget,
+in order, and on a transformer-like model against no migration. Every layer quantized:
+PaddleOCR's v4 recognizer reads 72.5% of lines like fp32 at 0.5, 60% at 0.8 and 50%
+without; a MiniLM encoder keeps 82% of nearest neighbours at 0.5, 91% at 0.8 and 80.5%
+without (docs/quantization.md)."""
 # How many feeds the report's accuracy check runs at most.
 REPORT_FEEDS = 8
 
@@ -74,7 +75,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
              per_channel: bool = True, symmetric: bool = False,
              op_types: Iterable[str] | None = None, exclude: Iterable[str] = (),
              reduce_range: bool | None = None, validation=None, percentile: float = 99.99,
-             max_noise: float | None = None, smooth_alpha: float | None = None,
+             max_noise: float | None = None, smooth_alpha: float | str | None = "auto",
              bits: int = 4,
              block_size: int = 128, budget: Budget | str | None = None,
              budget_seconds: float = 600.0,
@@ -99,8 +100,14 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     calibration (:mod:`kiln.quantize.smooth`): each Conv/MatMul/Gemm's input channels are
     divided by ``s_j = max|x_j|^alpha / max|W_j|^(1-alpha)`` and its weights multiplied by
     it, the division folded into what produces the input where that is exact (else a
-    float Mul in front); the report lists the layers and how. Not the default: measured
-    on one trained model only (docs/quantization.md); the accuracy budget tries it.
+    float Mul in front); the report lists the layers and how. ``"auto"`` (default): on a
+    model that looks like a transformer (a MatMul of two computed tensors and a Softmax),
+    none, 0.5 and 0.8 are each tried with every planned layer quantized and the one whose
+    outputs are nearest the float model's on the check feeds (mean |error| over mean
+    |output|) is kept, the report says which and the figures (two trained transformers
+    measured: the best strength differs, 0.5 and 0.8, and each beat none by 10-22
+    points, docs/quantization.md); elsewhere none, since on the CNNs measured the float
+    Muls it inserts cost speed for no task gain. ``None``: no migration.
     ``symmetric``: int8 activations around 0 instead of uint8 with a zero point.
     ``reduce_range``: weights in -63..63, so that no pair of 8-bit x int8 products
     overflows the 16-bit sums of x86 integer kernels without VNNI (onnxruntime's and
@@ -228,10 +235,49 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                        for v in list(n.inputs) + list(n.outputs)
                        if v is not None and v.const is None and v.dtype == DType.FLOAT})
 
+    def build(skip: set[str], how: Setting | None = None) -> tuple[Model, qdq.Plan]:
+        how = how or setting
+        m = as_model(how.base or base)
+        if mode == "weight-only":
+            plan = weight_only.plan_weight_only(m, skip)
+            weight_only.rewrite_weight_only(m, plan, block_size, bits)
+        else:
+            plan = qdq.plan_layers(m, mode, types, skip | how.skip)
+            qdq.rewrite(m, plan, mode, how.ranges, how.per_channel, symmetric, how.bits,
+                        float_ends=backend != ONNXRUNTIME)
+        return m, plan
+
+    check = (load_feeds(validation, inputs) if validation is not None else feeds)[:REPORT_FEEDS]
     smooth_notes: dict[str, str] = {}
     exclude_added: set[str] = set()
+    tried: dict[float | None, tuple[Model, set[str], dict[str, str]]] = {}
+    auto_smooth = smooth_alpha == "auto"
+    if auto_smooth:
+        smooth_alpha = None
+        if mode == "static" and budget is None and check and _looks_like_transformer(base):
+            stage("choosing SmoothQuant's strength by measured output error")
+            errors = {}
+            for alpha in (None, *SMOOTH_ALPHAS):
+                b, skip, _ = tried[alpha] = smoothed(alpha) if alpha is not None else \
+                    (base, set(), {})
+                ranges = calibrate(b, tensors_of(b, exclude | skip), feeds, "minmax",
+                                   percentile, backend)
+                trial, _ = build(exclude, Setting("", ranges, per_channel, wrange.bits,
+                                                  base=b, skip=frozenset(skip)))
+                errors[alpha] = max(e.mean_rel for e in compare(base, trial, check, backend)
+                                    .values())
+            smooth_alpha = min(errors, key=errors.get)
+            notes.append("SmoothQuant " + ("off" if smooth_alpha is None else
+                                           f"at alpha {smooth_alpha:g}")
+                         + ", chosen by mean output error against the float model, every "
+                           "planned layer quantized: " + ", ".join(
+                               f"{e:.3g} {'without' if a is None else f'at {a:g}'}"
+                               for a, e in errors.items()))
+    elif isinstance(smooth_alpha, str):
+        raise OptionError(f"smooth_alpha={smooth_alpha!r}: give a strength (0..1), 'auto' "
+                          "or None")
     if mode == "static" and smooth_alpha is not None:
-        base, exclude_added, smooth_notes = smoothed(smooth_alpha)
+        base, exclude_added, smooth_notes = tried.get(smooth_alpha) or smoothed(smooth_alpha)
         exclude = exclude | exclude_added
     if mode == "static":
         plan = qdq.plan_layers(base, mode, types, exclude)
@@ -262,18 +308,6 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
 
     setting = Setting("as asked", ranges, per_channel, wrange.bits)
 
-    def build(skip: set[str], how: Setting | None = None) -> tuple[Model, qdq.Plan]:
-        how = how or setting
-        m = as_model(how.base or base)
-        if mode == "weight-only":
-            plan = weight_only.plan_weight_only(m, skip)
-            weight_only.rewrite_weight_only(m, plan, block_size, bits)
-        else:
-            plan = qdq.plan_layers(m, mode, types, skip | how.skip)
-            qdq.rewrite(m, plan, mode, how.ranges, how.per_channel, symmetric, how.bits,
-                        float_ends=backend != ONNXRUNTIME)
-        return m, plan
-
     def alternatives() -> list[Setting]:
         """Cheaper fixes than reverting layers, cheapest first (see _meet_budget)."""
         alts = []
@@ -287,7 +321,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
             # SmoothQuant before the other calibration methods: it costs one pass of
             # extremes, their histograms and entropy searches cost far more (PaddleOCR's
             # recognizer: 510 s for both at load 23, then SmoothQuant came out best)
-            if smooth_alpha is None:
+            if auto_smooth:
                 for alpha in SMOOTH_ALPHAS:
                     alts.append(Setting(f"SmoothQuant migration (alpha {alpha:g}), {method} "
                                         "calibration", None, setting.per_channel,
@@ -319,7 +353,6 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                 candidates[how.method]
         return how
 
-    check = (load_feeds(validation, inputs) if validation is not None else feeds)[:REPORT_FEEDS]
     stage("quantizing")
     m, plan = build(exclude)
     reverted: dict[str, str] = {}
@@ -375,7 +408,9 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
             # reverted neighbour pays Q/DQ both sides): the whole model decides last.
             stage(f"timing the whole model float and quantized on {backend}")
             for f in feeds_t:
-                f_ms, q_ms = whole_model_ms(timed_on, m, f, backend)
+                # against the float model as loaded: a smoothed copy carries float Muls
+                # that only the quantized file needs
+                f_ms, q_ms = whole_model_ms(asked_base, m, f, backend)
                 if q_ms >= f_ms:
                     at = "" if f is check[0] else " at batch 1"
                     reverted.update({name: f"reverted to float, speed-aware: the model with "
@@ -573,23 +608,24 @@ def _meet_budget(original: Model, build, exclude: set[str], budget: Budget, chec
 
 TRANSFORMER_ADVICE = (
     "this looks like a transformer (a MatMul of two computed tensors and a Softmax): "
-    "per-tensor static activation scales lose accuracy on its outlier channels (a trained "
-    "MiniLM encoder, every layer quantized: 80% of sentences keep fp32's nearest neighbour "
-    "static, 91% static with smooth_alpha=0.8, 86% dynamic, docs/quantization.md); "
-    "smooth_alpha migrates the outliers into the weights, mode='dynamic' computes a scale "
-    "per run: measure them")
+    "per-tensor static activation scales lose accuracy on its outlier channels; unless "
+    "smooth_alpha was given, SmoothQuant's strength was chosen by measured error (the "
+    "report's notes). A trained MiniLM encoder, every layer quantized, keeps fp32's "
+    "nearest neighbour for 91% of sentences so (80% without migration) and 86% with "
+    "mode='dynamic', which computes a scale per run (docs/quantization.md): measure both")
+
+
+def _looks_like_transformer(m: Model) -> bool:
+    """A MatMul of two computed tensors and a Softmax: attention."""
+    g = m.graph
+    attention = any(n.op_type == "MatMul" and all(v is not None and v.const is None
+                                                  for v in n.inputs[:2]) for n in g.nodes)
+    return attention and any(n.op_type == "Softmax" for n in g.nodes)
 
 
 def _advice(m: Model, mode: str) -> list[str]:
     """What to try instead, where the model's kind is known to suit another mode."""
-    if mode != "static":
-        return []
-    g = m.graph
-    attention = any(n.op_type == "MatMul" and all(v is not None and v.const is None
-                                                  for v in n.inputs[:2]) for n in g.nodes)
-    if attention and any(n.op_type == "Softmax" for n in g.nodes):
-        return [TRANSFORMER_ADVICE]
-    return []
+    return [TRANSFORMER_ADVICE] if mode == "static" and _looks_like_transformer(m) else []
 
 
 def _label(n) -> str:

@@ -26,6 +26,9 @@ class OutputError:
     """max |quantized - float| / max |float|"""
     top1: float | None
     """fraction of rows whose argmax over the last axis agrees (None: not a score output)"""
+    mean_rel: float = 0.0
+    """mean |quantized - float| / mean |float|: the typical error, where ``rel`` is the
+    worst (a few outlier values, as transformers' hidden states carry, set ``rel``)"""
 
 
 @dataclass
@@ -103,7 +106,8 @@ class QuantizeReport:
             lines.append(f"error against the float model on {self.samples} sample(s):")
             for name, e in self.outputs.items():
                 top = "" if e.top1 is None else f", top-1 agreement {e.top1:.2%}"
-                lines.append(f"  {name}: max abs {e.max_abs:.4g}, relative {e.rel:.2%}{top}")
+                lines.append(f"  {name}: max abs {e.max_abs:.4g}, relative {e.rel:.2%}, "
+                             f"mean relative {e.mean_rel:.2%}{top}")
         else:
             lines.append("error: not measured (no data given)")
         if self.latency_before_ms is not None and self.latency_after_ms is not None:
@@ -148,7 +152,7 @@ def output_errors(refs: dict[str, list[np.ndarray]], gots: dict[str, list[np.nda
     # output whose length follows the input's), so they are never concatenated.
     out = {}
     for n in refs:
-        diff = scale = 0.0
+        diff = scale = abs_err = abs_ref = 0.0
         same = rows = 0
         mismatched = 0
         is_float = True
@@ -161,8 +165,11 @@ def output_errors(refs: dict[str, list[np.ndarray]], gots: dict[str, list[np.nda
                 mismatched += int((r2 != g2).sum())
                 rows += r2.size
                 continue
-            diff = max(diff, float(np.abs(r2 - g2).max(initial=0.0)))
+            err = np.abs(r2 - g2)
+            diff = max(diff, float(err.max(initial=0.0)))
             scale = max(scale, float(np.abs(r2).max(initial=0.0)))
+            abs_err += float(err.sum(dtype=np.float64))
+            abs_ref += float(np.abs(r2).sum(dtype=np.float64))
             if r.ndim > 1 and r2.shape[-1] > 1:  # a 1-D output is no row of scores
                 same += int((r2.argmax(-1) == g2.argmax(-1)).sum())
                 rows += r2.shape[0]
@@ -170,7 +177,8 @@ def output_errors(refs: dict[str, list[np.ndarray]], gots: dict[str, list[np.nda
             out[n] = OutputError(diff, mismatched / rows if rows else 0.0, None)
             continue
         top1 = same / rows if rows else None
-        out[n] = OutputError(diff, diff / scale if scale > 0 else diff, top1)
+        out[n] = OutputError(diff, diff / scale if scale > 0 else diff, top1,
+                             abs_err / abs_ref if abs_ref > 0 else abs_err)
     return out
 
 
