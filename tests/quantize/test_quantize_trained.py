@@ -383,6 +383,27 @@ def test_static_on_a_transformer_chooses_smoothquant_by_measured_error():
     assert not any("SmoothQuant" in n for n in cnn.report.notes)
 
 
+def test_bias_correction_on_the_recognizer():
+    """Rounding PaddleOCR's recognizer to 8 bits shifts its layers' outputs (one Conv's by
+    up to half its mean |output|); with each Conv's measured mean shift taken out of its
+    bias, layer by layer, the file run by onnxruntime moves the probability of fp32's
+    class less and reads more lines like fp32 (every layer quantized: measured 80.0%
+    against 72.5%; the default file 92.5% against 85.0%)."""
+    m = _model("ppocr_rec_v4")
+    cal, ev = m.make_feeds(24, 40)
+    ref = [ort.InferenceSession(m.path).run(None, f) for f in ev]
+    err, lines = {}, {}
+    for bc in (False, True):
+        q = kiln.quantize(m.path, "static", cal, measure_latency=False, speed_aware=False,
+                          bias_correction=bc)
+        blob = to_proto(q.model).SerializeToString()
+        s = ort.InferenceSession(blob)
+        err[bc] = _argmax_prob_error(ref, [s.run(None, f) for f in ev])
+        lines[bc] = _agreement(m, blob, ev, ref)
+    assert err[True] < 0.9 * err[False], err
+    assert lines[True] >= lines[False] + 0.05, lines
+
+
 @pytest.mark.parametrize("mode", ["static", "dynamic"])
 def test_log_mel_front_end_int8_keeps_the_log_of_a_power_float(mode):
     """openWakeWord's log-mel front end (STFT Convs, squares, a mel MatMul, Log) with every
