@@ -251,3 +251,14 @@ def test_budget_in_the_task_s_own_terms():
     assert "budget met by SmoothQuant migration" in log, log
     assert "mix" in q.report.quantized  # not by giving the float model back
     assert agreement(q) >= 0.99
+
+
+def test_smooth_alpha_that_is_no_strength_is_refused_before_any_work():
+    """``smooth_alpha`` takes a strength, "auto" or None; another string is Kiln's own
+    OptionError naming the choices, raised before calibration."""
+    import pytest
+
+    from kiln.errors import OptionError
+    proto, feeds = _outlier_conv()
+    with pytest.raises(OptionError, match="'auto'"):
+        kiln.quantize(proto, "static", feeds[:1], smooth_alpha="strong", backend="numpy")

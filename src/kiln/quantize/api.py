@@ -169,6 +169,9 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     if mode not in MODES:
         raise OptionError(f"unknown quantization mode {mode!r}; choose one of "
                           f"{', '.join(MODES)}")
+    if isinstance(smooth_alpha, str) and smooth_alpha != "auto":
+        raise OptionError(f"smooth_alpha={smooth_alpha!r}: give a strength (0..1), 'auto' "
+                          "or None")
     stage("loading the model")
     wrange = weight_range(reduce_range)
     # Kiln's fused ops (kiln.optimize's output) are expanded into standard ops first, so
@@ -260,31 +263,32 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
     smooth_notes: dict[str, str] = {}
     exclude_added: set[str] = set()
     tried: dict[float | None, tuple[Model, set[str], dict[str, str]]] = {}
+
+    def choose_strength() -> float | None:
+        """The SmoothQuant strength (None: none) whose file, every planned layer quantized
+        on minmax ranges, is nearest the float model on the check feeds; a note says so."""
+        stage("choosing SmoothQuant's strength by measured output error")
+        errors = {}
+        for alpha in (None, *SMOOTH_ALPHAS):
+            b, skip, _ = tried[alpha] = smoothed(alpha) if alpha is not None else \
+                (base, set(), {})
+            ranges = calibrate(b, tensors_of(b, exclude | skip), feeds, "minmax", percentile,
+                               backend)
+            trial, _ = build(exclude, Setting("", ranges, per_channel, wrange.bits, base=b,
+                                              skip=frozenset(skip)))
+            errors[alpha] = max(e.mean_rel for e in compare(base, trial, check, backend)
+                                .values())
+        best = min(errors, key=errors.get)
+        notes.append(f"SmoothQuant {'off' if best is None else f'at alpha {best:g}'}, chosen "
+                     "by mean output error against the float model, every planned layer "
+                     "quantized: " + ", ".join(f"{e:.3g} {'without' if a is None else f'at {a:g}'}"
+                                               for a, e in errors.items()))
+        return best
+
     auto_smooth = smooth_alpha == "auto"
     if auto_smooth:
-        smooth_alpha = None
-        if mode == "static" and budget is None and check and _looks_like_transformer(base):
-            stage("choosing SmoothQuant's strength by measured output error")
-            errors = {}
-            for alpha in (None, *SMOOTH_ALPHAS):
-                b, skip, _ = tried[alpha] = smoothed(alpha) if alpha is not None else \
-                    (base, set(), {})
-                ranges = calibrate(b, tensors_of(b, exclude | skip), feeds, "minmax",
-                                   percentile, backend)
-                trial, _ = build(exclude, Setting("", ranges, per_channel, wrange.bits,
-                                                  base=b, skip=frozenset(skip)))
-                errors[alpha] = max(e.mean_rel for e in compare(base, trial, check, backend)
-                                    .values())
-            smooth_alpha = min(errors, key=errors.get)
-            notes.append("SmoothQuant " + ("off" if smooth_alpha is None else
-                                           f"at alpha {smooth_alpha:g}")
-                         + ", chosen by mean output error against the float model, every "
-                           "planned layer quantized: " + ", ".join(
-                               f"{e:.3g} {'without' if a is None else f'at {a:g}'}"
-                               for a, e in errors.items()))
-    elif isinstance(smooth_alpha, str):
-        raise OptionError(f"smooth_alpha={smooth_alpha!r}: give a strength (0..1), 'auto' "
-                          "or None")
+        smooth_alpha = choose_strength() if mode == "static" and budget is None and check \
+            and _looks_like_transformer(base) else None
     if mode == "static" and smooth_alpha is not None:
         base, exclude_added, smooth_notes = tried.get(smooth_alpha) or smoothed(smooth_alpha)
         exclude = exclude | exclude_added
