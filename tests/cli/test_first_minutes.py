@@ -291,3 +291,19 @@ def test_static_quantize_without_data_says_which_flag_in_one_line(tmp_path):
     assert r.returncode == 1 and "--calibration DATA.npz" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1, r.stderr  # checked before any stage
     assert not (tmp_path / "q.onnx").exists()
+
+
+def test_quantize_flags_for_smoothquant_and_bias_correction(tmp_path):
+    """``--smooth-alpha`` and ``--no-bias-correction`` reach kiln.quantize: the report
+    lists the smoothed layers, and says bias correction ran only when it was on; a strength
+    outside 0..1 is refused by the parser with the choices."""
+    np.savez(tmp_path / "calib.npz", image=IMAGES[:32])
+    base = ("quantize", DIGITS, "--calibration", "calib.npz", "--backend", "numpy")
+    r, _ = _kiln(*base, "-o", "a.onnx", "--smooth-alpha", "0.5", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "SmoothQuant migration:" in r.stdout and "bias correction:" in r.stdout, r.stdout
+    r, _ = _kiln(*base, "-o", "b.onnx", "--no-bias-correction", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "bias correction" not in r.stdout and "SmoothQuant" not in r.stdout, r.stdout
+    r, _ = _kiln(*base, "-o", "c.onnx", "--smooth-alpha", "2", cwd=tmp_path)
+    assert r.returncode == 2 and "auto, off or a strength in 0..1" in r.stderr, r.stderr
