@@ -268,6 +268,7 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
         """The SmoothQuant strength (None: none) whose file, every planned layer quantized
         on minmax ranges, is nearest the float model on the check feeds; a note says so."""
         stage("choosing SmoothQuant's strength by measured output error")
+        reference = outputs_of(base, check, backend)  # once, not per strength
         errors = {}
         for alpha in (None, *SMOOTH_ALPHAS):
             b, skip, _ = tried[alpha] = smoothed(alpha) if alpha is not None else \
@@ -276,8 +277,8 @@ def quantize(model, mode: str = "static", calibration=None, *, method: str = "mi
                                backend)
             trial, _ = build(exclude, Setting("", ranges, per_channel, wrange.bits, base=b,
                                               skip=frozenset(skip)))
-            errors[alpha] = max(e.mean_rel for e in compare(base, trial, check, backend)
-                                .values())
+            errors[alpha] = max(e.mean_rel for e in compare(reference, trial, check,
+                                                            backend).values())
         best = min(errors, key=errors.get)
         notes.append(f"SmoothQuant {'off' if best is None else f'at alpha {best:g}'}, chosen "
                      "by mean output error against the float model, every planned layer "
